@@ -1,0 +1,45 @@
+"""Server configuration: loaded once into a frozen, validated object.
+
+Sources, lowest to highest precedence: defaults, ``TOOLREG_*`` environment
+variables, CLI flags (passed in as keyword arguments by the CLI).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 50051
+DEFAULT_DATA_DIR = Path.home() / ".local" / "state" / "toolreg"
+DEFAULT_MAX_SANDBOXES = 8  # containers running at once, server-wide
+DEFAULT_MAX_QUEUED = 32  # calls waiting for a sandbox slot before RESOURCE_EXHAUSTED
+EXTRA_GRPC_THREADS = 8  # threads for registry RPCs beyond the sandbox slots and queue
+SHUTDOWN_GRACE_S = 10.0  # seconds in-flight RPCs get to finish on SIGTERM
+
+
+class ServerConfig(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TOOLREG_", frozen=True, extra="forbid")
+
+    host: str = DEFAULT_HOST
+    port: int = Field(DEFAULT_PORT, ge=0, le=65535)
+    data_dir: Path = DEFAULT_DATA_DIR
+    tools_dir: Path | None = None  # manifests registered (replacing) at start-up
+    policy_file: Path | None = None
+    max_sandboxes: int = Field(DEFAULT_MAX_SANDBOXES, ge=1, le=256)
+    max_queued: int = Field(DEFAULT_MAX_QUEUED, ge=0, le=4096)
+    docker_url: str | None = None  # default: DOCKER_HOST or the local socket
+    shutdown_grace_s: float = Field(SHUTDOWN_GRACE_S, ge=0)
+
+    @property
+    def grpc_threads(self) -> int:
+        # Every admitted or queued execution holds a thread while it waits,
+        # and registry RPCs must still be served when all of those are busy.
+        return self.max_sandboxes + self.max_queued + EXTRA_GRPC_THREADS
+
+    @property
+    def address(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
+        return f"{host}:{self.port}"

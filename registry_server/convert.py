@@ -1,0 +1,168 @@
+"""The one place where protobuf messages become domain objects and back."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from registry_server import strict_json
+from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
+from registry_server.errors import InvalidArgument, InvalidDefinition, Violation
+from registry_server.models import SafetyLevel, ToolDefinition, parse_definition
+from registry_server.outcome import ApprovalRequestView, Outcome, Status
+from registry_server.schemas import SchemaFormat
+
+_LEVEL_TO_PB = {
+    SafetyLevel.SAFE: pb.SAFETY_LEVEL_SAFE,
+    SafetyLevel.CAUTIOUS: pb.SAFETY_LEVEL_CAUTIOUS,
+    SafetyLevel.DANGEROUS: pb.SAFETY_LEVEL_DANGEROUS,
+}
+_LEVEL_FROM_PB = {v: k for k, v in _LEVEL_TO_PB.items()}
+_FORMAT_FROM_PB = {
+    pb.SCHEMA_FORMAT_UNSPECIFIED: SchemaFormat.OPENAI,
+    pb.SCHEMA_FORMAT_OPENAI: SchemaFormat.OPENAI,
+    pb.SCHEMA_FORMAT_ANTHROPIC: SchemaFormat.ANTHROPIC,
+    pb.SCHEMA_FORMAT_MCP: SchemaFormat.MCP,
+}
+_STATUS_TO_PB = {s: pb.ExecutionStatus.Value(f"EXECUTION_STATUS_{s.value}") for s in Status}
+
+
+def tool_from_pb(msg: pb.Tool) -> ToolDefinition:
+    """Validate a Tool message; every problem is named by its proto field."""
+    problems: list[Violation] = []
+    parameters: Any = {}
+    try:
+        parameters = strict_json.loads(msg.parameters_json or "", "parameters_json")
+    except InvalidArgument as exc:
+        problems.extend(exc.violations)
+    level: str | None = None
+    if msg.safety_level != pb.SAFETY_LEVEL_UNSPECIFIED:
+        found = _LEVEL_FROM_PB.get(msg.safety_level)
+        level = found.value if found else f"<enum value {msg.safety_level}>"
+    limits = msg.sandbox.limits
+    raw: dict[str, Any] = {
+        "name": msg.name,
+        "description": msg.description,
+        "parameters": parameters,
+        "safety_level": level,
+        "categories": list(msg.categories),
+        "sandbox": {
+            "image": msg.sandbox.image,
+            "command": list(msg.sandbox.command),
+            "env": dict(msg.sandbox.env),
+            "limits": {
+                "memory_mb": limits.memory_mb,
+                "cpu_millis": limits.cpu_millis,
+                "pids": limits.pids,
+                "timeout_ms": limits.timeout_ms,
+                "output_bytes": limits.output_bytes,
+            },
+        },
+        "warm_pool": msg.warm_pool,
+    }
+    try:
+        tool = parse_definition(raw)
+    except InvalidDefinition as exc:
+        problems.extend(_rename(v) for v in exc.violations if not _is_parse_echo(v, problems))
+        raise InvalidDefinition(problems) from None
+    if problems:
+        raise InvalidDefinition(problems)
+    return tool
+
+
+def _is_parse_echo(v: Violation, already: list[Violation]) -> bool:
+    # When parameters_json did not parse, "parameters must be an object" is noise.
+    return v.field == "parameters" and any(p.field == "parameters_json" for p in already)
+
+
+def _rename(v: Violation) -> Violation:
+    # Name fields as clients see them in the .proto.
+    if v.field == "parameters" or v.field.startswith("parameters."):
+        return Violation("parameters_json" + v.field[len("parameters") :], v.description)
+    return v
+
+
+def tool_to_pb(tool: ToolDefinition) -> pb.Tool:
+    lim = tool.sandbox.limits
+    return pb.Tool(
+        name=tool.name,
+        description=tool.description,
+        parameters_json=tool.parameters_json,
+        safety_level=_LEVEL_TO_PB[tool.safety_level],
+        categories=tool.categories,
+        sandbox=pb.SandboxSpec(
+            image=tool.sandbox.image,
+            command=tool.sandbox.command,
+            env=tool.sandbox.env_dict(),
+            limits=pb.ResourceLimits(
+                memory_mb=lim.memory_mb,
+                cpu_millis=lim.cpu_millis,
+                pids=lim.pids,
+                timeout_ms=lim.timeout_ms,
+                output_bytes=lim.output_bytes,
+            ),
+        ),
+        digest=tool.digest,
+        warm_pool=tool.warm_pool,
+    )
+
+
+def max_level_from_pb(value: int, field: str = "max_safety_level") -> SafetyLevel | None:
+    if value == pb.SAFETY_LEVEL_UNSPECIFIED:
+        return None
+    level = _LEVEL_FROM_PB.get(value)
+    if level is None:
+        raise InvalidArgument(
+            f"{field}: unknown safety level {value}", [Violation(field, f"unknown value {value}")]
+        )
+    return level
+
+
+def format_from_pb(value: int) -> SchemaFormat:
+    fmt = _FORMAT_FROM_PB.get(value)
+    if fmt is None:
+        raise InvalidArgument(
+            f"format: unknown schema format {value}", [Violation("format", f"unknown value {value}")]
+        )
+    return fmt
+
+
+def _timestamp(when: Any) -> Timestamp:
+    ts = Timestamp()
+    ts.FromDatetime(when)
+    return ts
+
+
+def approval_request_to_pb(req: ApprovalRequestView) -> pb.ApprovalRequest:
+    return pb.ApprovalRequest(
+        id=req.id,
+        tool_name=req.tool_name,
+        tool_digest=req.tool_digest,
+        arguments_json=req.arguments_json,
+        arguments_digest=req.arguments_digest,
+        requested_by=req.requested_by,
+        approvals_required=req.approvals_required,
+        approved_by=req.approved_by,
+        state=req.state,
+        created_at=_timestamp(req.created_at),
+        expires_at=_timestamp(req.expires_at),
+    )
+
+
+def outcome_to_pb(out: Outcome) -> pb.ToolResult:
+    msg = pb.ToolResult(
+        success=out.success,
+        status=_STATUS_TO_PB[out.status],
+        content=out.content,
+        data_json=out.data_json,
+        error=out.error,
+        exit_code=out.exit_code,
+        stderr=out.stderr,
+        duration_ms=out.duration_ms,
+        output_truncated=out.output_truncated,
+        execution_id=out.execution_id,
+    )
+    if out.approval_request is not None:
+        msg.approval_request.CopyFrom(approval_request_to_pb(out.approval_request))
+    return msg

@@ -1,0 +1,105 @@
+"""The registry of tool definitions: validation happens before it (see
+``models.parse_definition``); here live the rules of names, replacement and
+filtering, and the durable write that precedes every change in memory."""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from collections.abc import Callable, Iterable
+
+from registry_server import strict_json
+from registry_server.errors import AlreadyExists, InvalidDefinition, NotFound
+from registry_server.models import SafetyLevel, ToolDefinition, parse_definition
+from registry_server.store import Store
+
+log = logging.getLogger(__name__)
+
+
+class RegisterOutcome(enum.Enum):
+    CREATED = "created"
+    UNCHANGED = "unchanged"  # same name, identical definition: idempotent
+    REPLACED = "replaced"
+
+
+ChangeListener = Callable[[ToolDefinition | None, ToolDefinition], None]
+
+
+class Registry:
+    """Thread-safe. Readers see an immutable snapshot; writers are serialised,
+    write the store first and only then publish the new snapshot, so a failed
+    write changes nothing."""
+
+    def __init__(self, store: Store | None = None) -> None:
+        self._store = store
+        self._write_lock = threading.Lock()
+        self._tools: dict[str, ToolDefinition] = {}
+        self._version = 0
+        self._listeners: list[ChangeListener] = []
+        if store is not None:
+            self._load(store)
+
+    def _load(self, store: Store) -> None:
+        for name, manifest_json in store.load_tools():
+            try:
+                tool = parse_definition(strict_json.loads(manifest_json, "manifest"))
+            except InvalidDefinition as exc:
+                # Kept in the store untouched; an operator can fix or replace it.
+                log.error("stored tool %r no longer validates and is not served: %s", name, exc)
+                continue
+            self._tools[tool.name] = tool
+
+    @property
+    def version(self) -> int:
+        """Changes whenever the set of definitions changes (for caches)."""
+        return self._version
+
+    def add_listener(self, listener: ChangeListener) -> None:
+        """Called after a definition is created or replaced: (old or None, new)."""
+        self._listeners.append(listener)
+
+    def register(self, tool: ToolDefinition, *, replace: bool = False) -> RegisterOutcome:
+        with self._write_lock:
+            current = self._tools.get(tool.name)
+            if current is not None and current.digest == tool.digest:
+                return RegisterOutcome.UNCHANGED
+            if current is not None and not replace:
+                raise AlreadyExists(
+                    f"tool '{tool.name}' already exists with a different definition"
+                    f" (digest {current.digest[:12]}); pass replace to overwrite it"
+                )
+            if self._store is not None:
+                self._store.put_tool(tool.name, strict_json.dumps(tool.as_manifest()), tool.digest)
+            tools = dict(self._tools)
+            tools[tool.name] = tool
+            self._tools = tools  # publish: one reference swap, atomic for readers
+            self._version += 1
+        for listener in self._listeners:
+            listener(current, tool)
+        return RegisterOutcome.CREATED if current is None else RegisterOutcome.REPLACED
+
+    def get(self, name: str) -> ToolDefinition:
+        tool = self._tools.get(name)
+        if tool is None:
+            raise NotFound(f"Tool '{name}' not found")
+        return tool
+
+    def find(self, name: str) -> ToolDefinition | None:
+        return self._tools.get(name)
+
+    def names(self) -> list[str]:
+        return sorted(self._tools)
+
+    def list(
+        self, max_level: SafetyLevel | None = None, categories: Iterable[str] = ()
+    ) -> list[ToolDefinition]:
+        """Tools at or below ``max_level`` AND in any of ``categories``, by name."""
+        wanted = frozenset(categories)
+        snapshot = self._tools
+        return [
+            tool
+            for name, tool in sorted(snapshot.items())
+            if (max_level is None or tool.safety_level.at_most(max_level))
+            and (not wanted or not wanted.isdisjoint(tool.categories))
+        ]

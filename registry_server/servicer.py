@@ -1,0 +1,92 @@
+"""The gRPC servicer: proto -> domain, one domain call, domain -> proto."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+
+from registry_server import convert, schemas
+from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
+from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
+from registry_server.errors import InvalidArgument, Unimplemented, Violation
+from registry_server.grpc_errors import maps_errors
+from registry_server.execution import CallRequest, Executor
+from registry_server.registry import Registry
+
+
+def _required(value: str, field: str) -> str:
+    if not value:
+        raise InvalidArgument(f"{field}: must not be empty", [Violation(field, "must not be empty")])
+    return value
+
+
+class ToolRegistryServicer(pb_grpc.ToolRegistryServicer):
+    def __init__(self, registry: Registry, executor: Executor) -> None:
+        self._registry = registry
+        self._executor = executor
+
+    @staticmethod
+    def _call(request: pb.ExecuteToolRequest, context: grpc.ServicerContext) -> CallRequest:
+        return CallRequest(
+            name=request.name,
+            arguments_json=request.arguments_json,
+            caller=context.peer(),
+            approval_tokens=tuple(request.approval_tokens),
+            approval_request_id=request.approval_request_id,
+        )
+
+    @maps_errors
+    def RegisterTool(self, request: pb.RegisterToolRequest, context: grpc.ServicerContext) -> pb.Tool:
+        if not request.HasField("tool"):
+            raise InvalidArgument("tool: is required", [Violation("tool", "is required")])
+        tool = convert.tool_from_pb(request.tool)
+        self._registry.register(tool, replace=request.replace)
+        return convert.tool_to_pb(self._registry.get(tool.name))
+
+    @maps_errors
+    def GetTool(self, request: pb.GetToolRequest, context: grpc.ServicerContext) -> pb.Tool:
+        return convert.tool_to_pb(self._registry.get(_required(request.name, "name")))
+
+    @maps_errors
+    def ListTools(self, request: pb.ListToolsRequest, context: grpc.ServicerContext) -> pb.ListToolsResponse:
+        level = convert.max_level_from_pb(request.max_safety_level)
+        tools = self._registry.list(level, request.categories)
+        return pb.ListToolsResponse(tools=[convert.tool_to_pb(t) for t in tools])
+
+    @maps_errors
+    def GetToolSchemas(
+        self, request: pb.GetToolSchemasRequest, context: grpc.ServicerContext
+    ) -> pb.GetToolSchemasResponse:
+        fmt = convert.format_from_pb(request.format)
+        tools = self._registry.list(convert.max_level_from_pb(request.max_safety_level), request.categories)
+        return pb.GetToolSchemasResponse(schemas_json=schemas.export_json(tools, fmt))
+
+    @maps_errors
+    def ExecuteTool(self, request: pb.ExecuteToolRequest, context: grpc.ServicerContext) -> pb.ToolResult:
+        return convert.outcome_to_pb(self._executor.execute(self._call(request, context)))
+
+    @maps_errors
+    def StreamExecuteTool(
+        self, request: pb.ExecuteToolRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.ExecutionEvent]:
+        outcome = self._executor.execute(self._call(request, context))
+        yield pb.ExecutionEvent(result=convert.outcome_to_pb(outcome))
+
+    @maps_errors
+    def ListApprovalRequests(
+        self, request: pb.ListApprovalRequestsRequest, context: grpc.ServicerContext
+    ) -> pb.ListApprovalRequestsResponse:
+        raise Unimplemented("approvals are not available on this server yet")
+
+    @maps_errors
+    def GetApprovalRequest(
+        self, request: pb.GetApprovalRequestRequest, context: grpc.ServicerContext
+    ) -> pb.ApprovalRequest:
+        raise Unimplemented("approvals are not available on this server yet")
+
+    @maps_errors
+    def SubmitApproval(
+        self, request: pb.SubmitApprovalRequest, context: grpc.ServicerContext
+    ) -> pb.ApprovalRequest:
+        raise Unimplemented("approvals are not available on this server yet")

@@ -1,0 +1,111 @@
+"""SQLite persistence (WAL) for everything that must survive a restart.
+
+One connection, serialised by a lock: writes are short and rare next to
+container starts, and one writer is what SQLite wants anyway. Every change
+runs inside a transaction, so a crash or a full disk never leaves a row
+half-written.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from registry_server.errors import StoreError
+
+DB_FILENAME = "toolreg.db"
+BUSY_TIMEOUT_MS = 5_000  # milliseconds to wait for another process's write lock
+
+_MIGRATIONS: list[str] = [
+    # 1: tools
+    """
+    CREATE TABLE tools (
+        name        TEXT PRIMARY KEY,
+        manifest    TEXT NOT NULL,   -- the definition in manifest shape, JSON
+        digest      TEXT NOT NULL,
+        created_at  REAL NOT NULL,
+        updated_at  REAL NOT NULL
+    );
+    """,
+]
+
+
+class Store:
+    def __init__(self, data_dir: Path) -> None:
+        self.path = data_dir / DB_FILENAME
+        try:
+            data_dir.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(
+                self.path, check_same_thread=False, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000
+            )
+            self._db.execute("PRAGMA journal_mode=WAL")
+            # FULL: a committed registration (and later, a used approval nonce)
+            # survives power loss, not only a process crash.
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.execute("PRAGMA foreign_keys=ON")
+        except (OSError, sqlite3.Error) as exc:
+            raise StoreError(f"cannot open the store {self.path}: {exc}") from exc
+        self._lock = threading.RLock()
+        self._migrate()
+
+    def _migrate(self) -> None:
+        with self.transaction() as db:
+            (version,) = db.execute("PRAGMA user_version").fetchone()
+            if version > len(_MIGRATIONS):
+                raise StoreError(
+                    f"{self.path} was written by a newer toolreg (schema {version}); upgrade toolreg"
+                )
+            for number, sql in enumerate(_MIGRATIONS[version:], start=version + 1):
+                # executescript() would COMMIT our transaction; run statements one by one.
+                for statement in filter(str.strip, sql.split(";")):
+                    db.execute(statement)
+                db.execute(f"PRAGMA user_version = {number}")
+
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """One atomic unit of work: all of it is committed, or none of it."""
+        with self._lock:
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    yield self._db
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+                self._db.execute("COMMIT")
+            except sqlite3.Error as exc:
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                raise StoreError(f"store {self.path}: {exc}") from exc
+
+    def read(self, sql: str, params: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
+        with self._lock:
+            try:
+                return list(self._db.execute(sql, params).fetchall())
+            except sqlite3.Error as exc:
+                raise StoreError(f"store {self.path}: {exc}") from exc
+
+    # -- tools ---------------------------------------------------------------
+
+    def load_tools(self) -> list[tuple[str, str]]:
+        rows = self.read("SELECT name, manifest FROM tools ORDER BY name")
+        return [(str(name), str(manifest)) for name, manifest in rows]
+
+    def put_tool(self, name: str, manifest_json: str, digest: str) -> None:
+        now = time.time()
+        with self.transaction() as db:
+            db.execute(
+                "INSERT INTO tools (name, manifest, digest, created_at, updated_at)"
+                " VALUES (?, ?, ?, ?, ?)"
+                " ON CONFLICT(name) DO UPDATE SET manifest = excluded.manifest,"
+                " digest = excluded.digest, updated_at = excluded.updated_at",
+                (name, manifest_json, digest, now, now),
+            )
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()

@@ -1,0 +1,25 @@
+"""Runs one tool execution in one fresh, locked-down container. Knows nothing of gRPC.
+
+The Docker backend lives in `sandbox_runner.docker_backend` (the only module importing
+`docker`), so importing the domain types stays cheap.
+"""
+
+from .profiles import CAUTIOUS_LIMITS, DANGEROUS_LIMITS, SAFE_LIMITS, profile_for, runtime_for
+from .runner import OutputSink, Runner
+from .spec import EngineUnavailable, Limits, Mount, SandboxError, SandboxResult, SandboxSpec
+
+__all__ = [
+    "CAUTIOUS_LIMITS",
+    "DANGEROUS_LIMITS",
+    "SAFE_LIMITS",
+    "EngineUnavailable",
+    "Limits",
+    "Mount",
+    "OutputSink",
+    "Runner",
+    "SandboxError",
+    "SandboxResult",
+    "SandboxSpec",
+    "profile_for",
+    "runtime_for",
+]

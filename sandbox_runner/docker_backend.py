@@ -1,0 +1,558 @@
+"""The Docker Engine backend: the only module that imports `docker`.
+
+One execution costs five engine round trips: create, attach, start, inspect, remove.
+Input and output travel over the single attach connection (hijacked HTTP), read and
+written with poll() so the wall-clock deadline, the caller's cancel event and the output
+caps are enforced by this thread while the tool runs, without helper threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import re
+import select
+import socket
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any, Final
+
+import docker
+import docker.errors
+import docker.types
+import requests.exceptions
+
+from .framing import STDERR, STDOUT, CappedBuffer, FrameDemuxer, FramingError
+from .ownership import (
+    LABEL_DEADLINE,
+    LABEL_EXECUTION_ID,
+    LABEL_INSTANCE,
+    LABEL_MANAGED,
+    RESERVED_LABELS,
+    OwnerIdentity,
+    orphan_reason,
+)
+from .runner import OutputSink
+from .spec import EngineUnavailable, SandboxError, SandboxResult, SandboxSpec
+
+__all__ = ["DockerRunner"]
+
+log = logging.getLogger(__name__)
+
+RECV_BYTES: Final = 64 * 1024  # bytes per socket read
+SEND_BYTES: Final = 64 * 1024  # bytes per socket write of stdin
+CANCEL_POLL_S: Final = 0.05  # seconds between checks of the caller's cancel event
+KILL_GRACE_S: Final = 5.0  # seconds to wait for the stream to end after SIGKILL
+API_TIMEOUT_S: Final = 60  # seconds: HTTP timeout of one engine call (not the tool's)
+UNPRIVILEGED_USER: Final = "65534:65534"  # nobody:nogroup
+# Runtimes known to reject a pids limit (gVisor enforces its own, and errors on ours).
+NO_PIDS_LIMIT_RUNTIMES: Final = frozenset({"runsc"})
+
+# Docker's container name rule, minus the prefix we add.
+_NAME_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+# Where a container's pids cgroup lives for the common engine layouts (v1/v2, cgroupfs or
+# systemd driver). Readable only when this process runs on the engine's host.
+_PIDS_EVENTS_PATHS: Final = (
+    "/sys/fs/cgroup/pids/docker/{id}/pids.events",
+    "/sys/fs/cgroup/pids/system.slice/docker-{id}.scope/pids.events",
+    "/sys/fs/cgroup/docker/{id}/pids.events",
+    "/sys/fs/cgroup/system.slice/docker-{id}.scope/pids.events",
+)
+
+
+def _is_connection_error(exc: BaseException) -> bool:
+    return isinstance(
+        exc, requests.exceptions.ConnectionError | ConnectionError | FileNotFoundError
+    )
+
+
+@contextlib.contextmanager
+def _engine_call(what: str, *, image: str | None = None) -> Iterator[None]:
+    """Map engine/transport exceptions of one call to SandboxError / EngineUnavailable."""
+    try:
+        yield
+    except SandboxError:
+        raise
+    except docker.errors.ImageNotFound as e:
+        raise SandboxError(
+            f"image {image!r} not found locally; build the sandbox images (make images)"
+            if image
+            else f"{what} failed: {e.explanation or e}"
+        ) from e
+    except docker.errors.APIError as e:
+        raise SandboxError(f"{what} failed: {e.explanation or e}") from e
+    except requests.exceptions.RequestException as e:
+        if _is_connection_error(e):
+            raise EngineUnavailable(f"Docker engine unavailable during {what}: {e}") from e
+        raise SandboxError(f"{what} failed: {e}") from e
+    except docker.errors.DockerException as e:
+        raise SandboxError(f"{what} failed: {e}") from e
+    except OSError as e:
+        if _is_connection_error(e):
+            raise EngineUnavailable(f"Docker engine unavailable during {what}: {e}") from e
+        raise SandboxError(f"{what} failed: {e}") from e
+
+
+def _status(exc: BaseException) -> int | None:
+    if isinstance(exc, docker.errors.APIError):
+        return exc.status_code
+    return None
+
+
+def _raw_socket(attached: Any) -> socket.socket:
+    """The plain socket under the SDK's attach object (SocketIO over unix/tcp)."""
+    sock = getattr(attached, "_sock", attached)
+    if not isinstance(sock, socket.socket) or hasattr(sock, "getpeercert"):
+        # TLS cannot half-close (stdin EOF) and SSH/npipe are not sockets at all.
+        raise SandboxError(
+            "unsupported Docker transport for attach: use a unix:// or tcp:// engine address"
+        )
+    return sock
+
+
+def _pids_exhausted_locally(container_id: str) -> bool | None:
+    """True/False from the container's pids cgroup, None when it is not visible here."""
+    for pattern in _PIDS_EVENTS_PATHS:
+        try:
+            with open(pattern.format(id=container_id), encoding="ascii") as f:
+                text = f.read()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            key, _, value = line.partition(" ")
+            if key == "max":
+                return value.strip().isdigit() and int(value) > 0
+        return False
+    return None
+
+
+class _Pump:
+    """Moves stdin in and stdout/stderr out of one attached container until it ends."""
+
+    def __init__(
+        self,
+        api: Any,
+        container_id: str,
+        sock: socket.socket,
+        spec: SandboxSpec,
+        deadline: float,
+        cancel: threading.Event | None,
+        on_output: OutputSink | None,
+        check_pids: bool,
+    ) -> None:
+        self.api = api
+        self.container_id = container_id
+        self.sock = sock
+        self.spec = spec
+        self.deadline = deadline
+        self.cancel = cancel
+        self.on_output = on_output
+        self.check_pids = check_pids
+        cap = spec.limits.output_bytes
+        self.buffers = {STDOUT: CappedBuffer(cap), STDERR: CappedBuffer(cap)}
+        self.timed_out = False
+        self.cancelled = False
+        self.pids_exhausted = False
+        self.killed = False
+        self.ended = False  # the stream reached EOF: the container has stopped
+        self._kill_deadline = math.inf
+
+    @property
+    def output_truncated(self) -> bool:
+        return any(b.truncated for b in self.buffers.values())
+
+    def _kill(self, why: str) -> None:
+        if self.killed:
+            return
+        self.killed = True
+        self._kill_deadline = time.monotonic() + KILL_GRACE_S
+        if self.check_pids and why != "output":
+            # Read before the kill: the cgroup disappears with the container.
+            self.pids_exhausted = self._probe_pids()
+        try:
+            self.api.kill(self.container_id)  # SIGKILL: cannot be trapped or ignored
+        except Exception as e:
+            # Already exited (409) is fine; anything else leaves the forced remove to do it.
+            if _status(e) not in (404, 409):
+                log.warning("kill of %s (%s) failed: %s", self.container_id[:12], why, e)
+
+    def _probe_pids(self) -> bool:
+        local = _pids_exhausted_locally(self.container_id)
+        if local is not None:
+            return local
+        try:  # engine elsewhere: one-shot stats, only on this (rare) kill path
+            stats = self.api.stats(self.container_id, stream=False, one_shot=True)
+            pids = stats.get("pids_stats") or {}
+            limit = int(pids.get("limit") or 0)
+            return limit > 0 and int(pids.get("current") or 0) >= limit
+        except Exception:
+            return False
+
+    def run(self) -> None:
+        sock = self.sock
+        sock.setblocking(False)
+        fd = sock.fileno()
+        pending = memoryview(self.spec.input)
+        writing = True
+        if not pending:
+            self._close_stdin()
+            writing = False
+        poller = select.poll()
+        poller.register(fd, select.POLLIN | (select.POLLOUT if writing else 0))
+        demux = FrameDemuxer()
+        cancel = self.cancel
+        while True:
+            now = time.monotonic()
+            if not self.killed:
+                if cancel is not None and cancel.is_set():
+                    self.cancelled = True
+                    self._kill("cancel")
+                elif now >= self.deadline:
+                    self.timed_out = True
+                    self._kill("timeout")
+            if self.killed:
+                if now >= self._kill_deadline:
+                    log.warning("%s: output did not end after SIGKILL", self.container_id[:12])
+                    return
+                wait = self._kill_deadline - now
+            else:
+                wait = self.deadline - now
+                if cancel is not None:
+                    wait = min(wait, CANCEL_POLL_S)
+            for _, event in poller.poll(max(0, math.ceil(wait * 1000))):
+                if writing and event & select.POLLOUT:
+                    try:
+                        sent = sock.send(pending[:SEND_BYTES])
+                        pending = pending[sent:]
+                    except BlockingIOError:
+                        pass
+                    except OSError:
+                        pending = pending[:0]  # the tool is gone or stopped reading stdin
+                    if not pending:
+                        self._close_stdin()
+                        writing = False
+                        poller.modify(fd, select.POLLIN)
+                if event & (select.POLLIN | select.POLLHUP | select.POLLERR):
+                    try:
+                        data = sock.recv(RECV_BYTES)
+                    except BlockingIOError:
+                        continue
+                    except OSError:
+                        data = b""
+                    if not data:
+                        self.ended = True
+                        if demux.mid_frame:
+                            log.warning("%s: output ended mid-frame", self.container_id[:12])
+                        return
+                    self._deliver(demux, data)
+
+    def _deliver(self, demux: FrameDemuxer, data: bytes) -> None:
+        try:
+            pieces = demux.feed(data)
+        except FramingError as e:
+            raise SandboxError(f"unexpected attach stream from the engine: {e}") from e
+        for stream, piece in pieces:
+            buf = self.buffers[stream]
+            if buf.truncated:
+                continue  # draining until the kill takes effect; nothing more is kept
+            stored = buf.add(piece)
+            if stored and self.on_output is not None:
+                self.on_output(stream, stored)
+            if buf.truncated:
+                self._kill("output")
+
+    def _close_stdin(self) -> None:
+        # Half-close: with StdinOnce the engine then closes the tool's stdin (EOF) while
+        # we keep reading its output on the same connection.
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_WR)
+
+
+class DockerRunner:
+    """Runs each SandboxSpec in a fresh, locked-down container on a Docker engine."""
+
+    def __init__(
+        self,
+        *,
+        instance_id: str,
+        base_url: str | None = None,
+        max_pool_size: int = 16,
+        name_prefix: str = "toolreg-",
+        extra_labels: Mapping[str, str] | None = None,
+        api_timeout_s: int = API_TIMEOUT_S,
+    ) -> None:
+        if not instance_id:
+            raise ValueError("instance_id must be non-empty")
+        if not re.match(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", name_prefix):
+            raise ValueError(f"invalid container name prefix {name_prefix!r}")
+        if max_pool_size < 1:
+            raise ValueError("max_pool_size must be >= 1")
+        labels = dict(extra_labels or {})
+        clash = RESERVED_LABELS.intersection(labels)
+        if clash:
+            raise ValueError(f"extra_labels may not set reserved labels: {sorted(clash)}")
+        self.instance_id = instance_id
+        self.name_prefix = name_prefix
+        self.extra_labels: Mapping[str, str] = labels
+        self.owner = OwnerIdentity.current()
+        self._base_url = base_url
+        self._max_pool_size = max_pool_size
+        self._api_timeout_s = api_timeout_s
+        self._docker: docker.DockerClient | None = None
+        self._lock = threading.Lock()
+        self._static_labels = {
+            **labels,
+            LABEL_MANAGED: "true",
+            LABEL_INSTANCE: instance_id,
+            **self.owner.labels(),
+        }
+
+    # -- engine connection ---------------------------------------------------------------
+
+    def _client(self) -> docker.DockerClient:
+        client = self._docker
+        if client is not None:
+            return client
+        with self._lock:
+            if self._docker is None:
+                # Created lazily (and retried on the next call) so a server can start, and
+                # report UNAVAILABLE, while the engine is down. "auto" costs one /version.
+                try:
+                    if self._base_url is None:
+                        self._docker = docker.DockerClient.from_env(
+                            version="auto",
+                            timeout=self._api_timeout_s,
+                            max_pool_size=self._max_pool_size,
+                        )
+                    else:
+                        self._docker = docker.DockerClient(
+                            base_url=self._base_url,
+                            version="auto",
+                            timeout=self._api_timeout_s,
+                            max_pool_size=self._max_pool_size,
+                        )
+                except docker.errors.DockerException as e:
+                    raise EngineUnavailable(f"Docker engine unavailable: {e}") from e
+            return self._docker
+
+    def close(self) -> None:
+        with self._lock:
+            if self._docker is not None:
+                self._docker.close()
+                self._docker = None
+
+    def ping(self) -> bool:
+        try:
+            return bool(self._client().ping())
+        except Exception:
+            return False
+
+    def runtimes(self) -> frozenset[str]:
+        with _engine_call("engine info"):
+            info = self._client().info()
+        return frozenset((info.get("Runtimes") or {}).keys())
+
+    # -- one execution -------------------------------------------------------------------
+
+    def _host_config(self, api: Any, spec: SandboxSpec) -> dict[str, Any]:
+        lim = spec.limits
+        memory = lim.memory_mb * 1024 * 1024
+        fsize = lim.fsize_mb * 1024 * 1024
+        host_config: dict[str, Any] = api.create_host_config(
+            network_mode="none",
+            read_only=True,
+            tmpfs={"/tmp": f"rw,noexec,nosuid,nodev,size={lim.tmpfs_mb}m"},
+            cap_drop=["ALL"],
+            security_opt=["no-new-privileges"],
+            mem_limit=memory,
+            memswap_limit=memory,  # equal: no swap beyond the memory limit
+            nano_cpus=lim.cpu_millis * 1_000_000,
+            pids_limit=None if spec.runtime in NO_PIDS_LIMIT_RUNTIMES else lim.pids,
+            ulimits=[
+                docker.types.Ulimit(name="nofile", soft=lim.nofile, hard=lim.nofile),
+                docker.types.Ulimit(name="fsize", soft=fsize, hard=fsize),
+            ],
+            ipc_mode="none",
+            privileged=False,
+            # We read output over attach; a log driver would copy every byte to disk too.
+            log_config=docker.types.LogConfig(type="none"),
+            mounts=[
+                docker.types.Mount(
+                    target=m.target, source=m.source, type="bind", read_only=m.read_only
+                )
+                for m in spec.mounts
+            ]
+            or None,
+            runtime=spec.runtime,
+            auto_remove=False,  # we read the state first, then remove
+        )
+        return host_config
+
+    def run(
+        self,
+        spec: SandboxSpec,
+        *,
+        execution_id: str,
+        on_output: OutputSink | None = None,
+        cancel: threading.Event | None = None,
+    ) -> SandboxResult:
+        started = time.monotonic()
+        deadline = started + spec.limits.timeout_ms / 1000
+        if not _NAME_PART.match(execution_id):
+            raise ValueError(f"execution_id {execution_id!r} is not usable in a container name")
+        if cancel is not None and cancel.is_set():
+            return SandboxResult(
+                exit_code=None, stdout=b"", stderr=b"", duration_ms=0, timed_out=False,
+                oom_killed=False, pids_exhausted=False, output_truncated=False,
+                container_id="", cancelled=True,
+            )  # fmt: skip
+        api = self._client().api
+        name = f"{self.name_prefix}{execution_id}"
+        labels = {
+            **self._static_labels,
+            LABEL_EXECUTION_ID: execution_id,
+            LABEL_DEADLINE: str(int((time.time() + spec.limits.timeout_ms / 1000) * 1000)),
+        }
+        container_id = ""
+        try:
+            try:
+                with _engine_call("container create", image=spec.image):
+                    created = api.create_container(
+                        image=spec.image,
+                        command=list(spec.command) or None,
+                        user=UNPRIVILEGED_USER,
+                        stdin_open=True,  # with detach=False this also sets StdinOnce
+                        tty=False,
+                        environment=[f"{k}={v}" for k, v in spec.env],
+                        network_disabled=True,
+                        name=name,
+                        labels=labels,
+                        working_dir=spec.workdir,
+                        host_config=self._host_config(api, spec),
+                        use_config_proxy=False,  # never leak the host's proxy settings
+                    )
+                    container_id = created["Id"]
+            except SandboxError as e:
+                self._remove_after_failed_create(api, name, e)
+                raise
+            pump = self._attach_start_pump(api, container_id, spec, deadline, cancel, on_output)
+            duration_ms = int((time.monotonic() - started) * 1000)
+            exit_code, oom_killed = self._final_state(api, container_id, pump)
+            return SandboxResult(
+                exit_code=exit_code,
+                stdout=pump.buffers[STDOUT].getvalue(),
+                stderr=pump.buffers[STDERR].getvalue(),
+                duration_ms=duration_ms,
+                timed_out=pump.timed_out,
+                oom_killed=oom_killed,
+                pids_exhausted=pump.pids_exhausted,
+                output_truncated=pump.output_truncated,
+                container_id=container_id,
+                cancelled=pump.cancelled,
+            )
+        finally:
+            if container_id:
+                self._remove(api, container_id)
+
+    def _attach_start_pump(
+        self,
+        api: Any,
+        container_id: str,
+        spec: SandboxSpec,
+        deadline: float,
+        cancel: threading.Event | None,
+        on_output: OutputSink | None,
+    ) -> _Pump:
+        # Attach before start so no early output is lost and nothing is buffered by the
+        # HTTP layer ahead of our own reads.
+        with _engine_call("container attach"):
+            attached = api.attach_socket(
+                container_id, params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1}
+            )
+        try:
+            sock = _raw_socket(attached)
+            with _engine_call("container start"):
+                api.start(container_id)
+            pump = _Pump(
+                api,
+                container_id,
+                sock,
+                spec,
+                deadline,
+                cancel,
+                on_output,
+                check_pids=spec.runtime not in NO_PIDS_LIMIT_RUNTIMES,
+            )
+            pump.run()  # handles its own socket errors; the sink's exceptions propagate
+            return pump
+        finally:
+            response = getattr(attached, "_response", None)
+            with contextlib.suppress(Exception):
+                sock_obj = getattr(attached, "_sock", None)
+                if isinstance(sock_obj, socket.socket):
+                    sock_obj.close()
+                attached.close()
+            if response is not None:
+                with contextlib.suppress(Exception):
+                    response.close()
+
+    def _final_state(self, api: Any, container_id: str, pump: _Pump) -> tuple[int | None, bool]:
+        with _engine_call("container inspect"):
+            state = api.inspect_container(container_id).get("State") or {}
+            if state.get("Running") and pump.ended:
+                # The stream can end a moment before the engine records the exit.
+                api.wait(container_id, timeout=KILL_GRACE_S)
+                state = api.inspect_container(container_id).get("State") or {}
+        if state.get("Running"):
+            return None, bool(state.get("OOMKilled"))
+        code = state.get("ExitCode")
+        return (code if isinstance(code, int) else None), bool(state.get("OOMKilled"))
+
+    def _remove(self, api: Any, container_id: str) -> None:
+        try:
+            api.remove_container(container_id, force=True, v=True)
+        except Exception as e:
+            if _status(e) == 404:
+                return
+            if _status(e) == 409 and "in progress" in str(e):
+                return
+            log.error("could not remove container %s: %s", container_id[:12], e)
+
+    def _remove_after_failed_create(self, api: Any, name: str, error: SandboxError) -> None:
+        # A create that timed out on our side may still have happened on the engine's.
+        cause = error.__cause__
+        if isinstance(cause, docker.errors.APIError) or isinstance(error, EngineUnavailable):
+            return  # the engine answered "no" (or not at all): nothing was created
+        with contextlib.suppress(Exception):
+            api.remove_container(name, force=True, v=True)
+
+    # -- leftovers -----------------------------------------------------------------------
+
+    def reap(self) -> int:
+        """Remove leftovers of dead server instances among the containers that carry this
+        runner's extra labels (so a runner scoped by labels only ever touches its scope)."""
+        api = self._client().api
+        filters = [f"{LABEL_MANAGED}=true"] + [f"{k}={v}" for k, v in self.extra_labels.items()]
+        with _engine_call("container list"):
+            containers = api.containers(all=True, filters={"label": filters})
+        now_ms = int(time.time() * 1000)
+        removed = 0
+        for c in containers:
+            labels = c.get("Labels") or {}
+            reason = orphan_reason(
+                labels, me=self.owner, my_instance=self.instance_id, now_ms=now_ms
+            )
+            if reason is None:
+                continue
+            try:
+                api.remove_container(c["Id"], force=True, v=True)
+            except Exception as e:
+                if _status(e) != 404:
+                    log.warning("reap: could not remove %s: %s", c["Id"][:12], e)
+                continue
+            removed += 1
+            log.info("reaped container %s (%s)", c["Id"][:12], reason)
+        return removed

@@ -1,0 +1,101 @@
+"""Default limits per safety level (DESIGN §3). Configuration/policy may tighten them;
+a tool's own request is merged with `profile.tightest(request)` and never loosens them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Set
+from typing import Final
+
+from .spec import Limits
+
+__all__ = [
+    "CAUTIOUS_LIMITS",
+    "DANGEROUS_LIMITS",
+    "LEVELS",
+    "SAFE_LIMITS",
+    "profile_for",
+    "runtime_for",
+]
+
+KIB: Final = 1024  # bytes
+MIB: Final = 1024 * KIB  # bytes
+
+# --- safe: read-only tools, no side effects -----------------------------------------------
+SAFE_MEMORY_MB: Final = 256  # MiB (swap equal: no swap)
+SAFE_CPU_MILLIS: Final = 1000  # millicpu: one core
+SAFE_PIDS: Final = 64  # processes + threads
+SAFE_TIMEOUT_MS: Final = 10_000  # milliseconds wall clock
+SAFE_OUTPUT_BYTES: Final = 1 * MIB  # bytes per stream
+SAFE_TMPFS_MB: Final = 64  # MiB of /tmp
+
+# --- cautious: runs code / changes state inside its sandbox --------------------------------
+CAUTIOUS_MEMORY_MB: Final = 128  # MiB
+CAUTIOUS_CPU_MILLIS: Final = 500  # millicpu: half a core
+CAUTIOUS_PIDS: Final = 32  # processes + threads
+CAUTIOUS_TIMEOUT_MS: Final = 5_000  # milliseconds wall clock
+CAUTIOUS_OUTPUT_BYTES: Final = 256 * KIB  # bytes per stream
+CAUTIOUS_TMPFS_MB: Final = 16  # MiB of /tmp
+
+# --- all levels ----------------------------------------------------------------------------
+NOFILE: Final = 256  # open file descriptors per process
+FSIZE_MB: Final = 16  # MiB: largest single file a process may write
+
+SAFE_LIMITS: Final = Limits(
+    memory_mb=SAFE_MEMORY_MB,
+    cpu_millis=SAFE_CPU_MILLIS,
+    pids=SAFE_PIDS,
+    timeout_ms=SAFE_TIMEOUT_MS,
+    output_bytes=SAFE_OUTPUT_BYTES,
+    tmpfs_mb=SAFE_TMPFS_MB,
+    nofile=NOFILE,
+    fsize_mb=FSIZE_MB,
+)
+
+CAUTIOUS_LIMITS: Final = Limits(
+    memory_mb=CAUTIOUS_MEMORY_MB,
+    cpu_millis=CAUTIOUS_CPU_MILLIS,
+    pids=CAUTIOUS_PIDS,
+    timeout_ms=CAUTIOUS_TIMEOUT_MS,
+    output_bytes=CAUTIOUS_OUTPUT_BYTES,
+    tmpfs_mb=CAUTIOUS_TMPFS_MB,
+    nofile=NOFILE,
+    fsize_mb=FSIZE_MB,
+)
+
+# Dangerous tools differ by runtime (gVisor) and the approval gate, not by limits.
+DANGEROUS_LIMITS: Final = CAUTIOUS_LIMITS
+
+_BY_LEVEL: Final[dict[str, Limits]] = {
+    "safe": SAFE_LIMITS,
+    "cautious": CAUTIOUS_LIMITS,
+    "dangerous": DANGEROUS_LIMITS,
+}
+LEVELS: Final = tuple(_BY_LEVEL)  # ordered from least to most dangerous
+
+# gVisor for dangerous tools; others use the engine's default OCI runtime.
+_PREFERRED_RUNTIME: Final[dict[str, str]] = {
+    "safe": "runc",
+    "cautious": "runc",
+    "dangerous": "runsc",
+}
+FALLBACK_RUNTIME: Final = "runc"
+
+
+def _check_level(level: str) -> None:
+    if level not in _BY_LEVEL:
+        raise ValueError(f"unknown safety level {level!r}; expected one of {', '.join(LEVELS)}")
+
+
+def profile_for(level: str) -> Limits:
+    """The default limits of a safety level ('safe', 'cautious' or 'dangerous')."""
+    _check_level(level)
+    return _BY_LEVEL[level]
+
+
+def runtime_for(level: str, available: Set[str]) -> str | None:
+    """The preferred runtime of a level if the engine has it, else None (caller decides
+    whether to fall back to FALLBACK_RUNTIME with a warning or to refuse)."""
+    _check_level(level)
+    preferred = _PREFERRED_RUNTIME[level]
+    return preferred if preferred in available else None
