@@ -36,7 +36,8 @@ AddressOpt = Annotated[
     typer.Option("--address", envvar=client_mod.ADDRESS_ENV, help="Server HOST:PORT."),
 ]
 LevelOpt = Annotated[
-    str | None, typer.Option("--max-level", help="Only tools at or below: safe, cautious, dangerous.")
+    str | None,
+    typer.Option("--max-level", help="Only tools at or below: safe, cautious, dangerous."),
 ]
 CategoryOpt = Annotated[
     list[str] | None, typer.Option("--category", help="Only tools in any of these (repeatable).")
@@ -63,7 +64,10 @@ def _client(address: str | None) -> RegistryClient:
 
 def _rpc_failed(err: grpc.RpcError, address: str) -> NoReturn:
     if isinstance(err, grpc.Call) and err.code() == grpc.StatusCode.UNAVAILABLE:
-        fail(f"cannot reach the toolreg server at {address} ({err.details()}); is `toolreg serve` running?")
+        fail(
+            f"cannot reach the toolreg server at {address} ({err.details()});"
+            " is `toolreg serve` running?"
+        )
     fail(describe_rpc_error(err))
 
 
@@ -74,9 +78,12 @@ def _rpc_failed(err: grpc.RpcError, address: str) -> NoReturn:
 def serve(
     host: Annotated[str | None, typer.Option(help="Address to listen on.")] = None,
     port: Annotated[int | None, typer.Option(help="Port (0 = any free port).")] = None,
-    data_dir: Annotated[Path | None, typer.Option("--data-dir", help="Where the store lives.")] = None,
+    data_dir: Annotated[
+        Path | None, typer.Option("--data-dir", help="Where the store lives.")
+    ] = None,
     tools: Annotated[
-        Path | None, typer.Option("--tools", help="Register the manifests of this directory at start.")
+        Path | None,
+        typer.Option("--tools", help="Register the manifests of this directory at start."),
     ] = None,
     policy: Annotated[Path | None, typer.Option("--policy", help="Policy file (YAML).")] = None,
     log_level: Annotated[str, typer.Option("--log-level", envvar="TOOLREG_LOG_LEVEL")] = "INFO",
@@ -88,12 +95,18 @@ def serve(
     from registry_server.server import serve as run_server
 
     logging.basicConfig(
-        level=log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     overrides: dict[str, Any] = {
         k: v
         for k, v in {
-            "host": host, "port": port, "data_dir": data_dir, "tools_dir": tools, "policy_file": policy,
+            "host": host,
+            "port": port,
+            "data_dir": data_dir,
+            "tools_dir": tools,
+            "policy_file": policy,
         }.items()
         if v is not None
     }
@@ -116,7 +129,9 @@ def serve(
 @tools_app.command("register")
 def tools_register(
     path: Annotated[Path, typer.Argument(help="A manifest file or a directory of them.")],
-    replace: Annotated[bool, typer.Option("--replace", help="Overwrite different definitions.")] = False,
+    replace: Annotated[
+        bool, typer.Option("--replace", help="Overwrite different definitions.")
+    ] = False,
     address: AddressOpt = None,
 ) -> None:
     """Register tools from YAML manifests."""
@@ -162,7 +177,8 @@ def tools_list(
     width = max(len(t.name) for t in tools)
     for t in tools:
         cats = ",".join(t.categories) or "-"
-        typer.echo(f"{t.name:<{width}}  {t.safety_level.value:<9}  {cats:<20}  {t.description.splitlines()[0]}")
+        summary = t.description.splitlines()[0]
+        typer.echo(f"{t.name:<{width}}  {t.safety_level.value:<9}  {cats:<20}  {summary}")
 
 
 @tools_app.command("get")
@@ -173,13 +189,18 @@ def tools_get(name: str, address: AddressOpt = None) -> None:
             tool = client_mod.tool_from_message(client.get(name))
         except grpc.RpcError as err:
             _rpc_failed(err, client.address)
-    typer.echo(json.dumps(tool.as_manifest() | {"digest": tool.digest}, indent=2, ensure_ascii=False))
+    typer.echo(
+        json.dumps(tool.as_manifest() | {"digest": tool.digest}, indent=2, ensure_ascii=False)
+    )
 
 
 @tools_app.command("schemas")
 def tools_schemas(
     fmt: Annotated[
-        str, typer.Option("--format", help="openai, anthropic, mcp, or text (a tool belt for a prompt).")
+        str,
+        typer.Option(
+            "--format", help="openai, anthropic, mcp, or text (a tool belt for a prompt)."
+        ),
     ] = "openai",
     max_level: LevelOpt = None,
     category: CategoryOpt = None,
@@ -190,7 +211,9 @@ def tools_schemas(
     with _client(address) as client:
         try:
             if fmt.strip().lower() == "text":
-                tools = [client_mod.tool_from_message(t) for t in client.list(level, category or ())]
+                tools = [
+                    client_mod.tool_from_message(t) for t in client.list(level, category or ())
+                ]
                 typer.echo(tool_belt(tools), nl=False)
                 return
             try:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Iterator
 from types import TracebackType
+from typing import Any
 
 import grpc
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from registry_server import convert, strict_json
+from registry_server import convert
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
 from registry_server.config import DEFAULT_HOST, DEFAULT_PORT
@@ -45,7 +46,8 @@ def describe_rpc_error(err: grpc.RpcError) -> str:
     name = code.name if code is not None else "ERROR"
     lines = [f"{name}: {message}"]
     status = rpc_status.from_call(err) if isinstance(err, grpc.Call) else None
-    for detail in status.details if status else []:
+    details: list[Any] = list(status.details) if status else []
+    for detail in details:
         bad = error_details_pb2.BadRequest()
         if detail.Unpack(bad):
             lines += [f"  - {v.field}: {v.description}" for v in bad.field_violations]
@@ -78,30 +80,49 @@ class RegistryClient:
         result: pb.Tool = self.stub.GetTool(pb.GetToolRequest(name=name), timeout=DEFAULT_TIMEOUT_S)
         return result
 
-    def list(self, max_level: SafetyLevel | None = None, categories: Iterable[str] = ()) -> list[pb.Tool]:
-        request = pb.ListToolsRequest(max_safety_level=_LEVEL_PB[max_level], categories=list(categories))
+    def list(
+        self, max_level: SafetyLevel | None = None, categories: Iterable[str] = ()
+    ) -> list[pb.Tool]:
+        request = pb.ListToolsRequest(
+            max_safety_level=_LEVEL_PB[max_level], categories=list(categories)
+        )
         return list(self.stub.ListTools(request, timeout=DEFAULT_TIMEOUT_S).tools)
 
     def schemas(
-        self, fmt: SchemaFormat, max_level: SafetyLevel | None = None, categories: Iterable[str] = ()
+        self,
+        fmt: SchemaFormat,
+        max_level: SafetyLevel | None = None,
+        categories: Iterable[str] = (),
     ) -> str:
         request = pb.GetToolSchemasRequest(
-            format=_FORMAT_PB[fmt], max_safety_level=_LEVEL_PB[max_level], categories=list(categories)
+            format=_FORMAT_PB[fmt],
+            max_safety_level=_LEVEL_PB[max_level],
+            categories=list(categories),
         )
         result: str = self.stub.GetToolSchemas(request, timeout=DEFAULT_TIMEOUT_S).schemas_json
         return result
 
     def execute(
-        self, name: str, arguments: str = "{}", *, tokens: Iterable[str] = (), request_id: str = "",
+        self,
+        name: str,
+        arguments: str = "{}",
+        *,
+        tokens: Iterable[str] = (),
+        request_id: str = "",
         timeout: float | None = None,
     ) -> pb.ToolResult:
         request = pb.ExecuteToolRequest(
-            name=name, arguments_json=arguments, approval_tokens=list(tokens), approval_request_id=request_id
+            name=name,
+            arguments_json=arguments,
+            approval_tokens=list(tokens),
+            approval_request_id=request_id,
         )
         result: pb.ToolResult = self.stub.ExecuteTool(request, timeout=timeout)
         return result
 
-    def stream(self, name: str, arguments: str = "{}", *, timeout: float | None = None) -> Iterator[pb.ExecutionEvent]:
+    def stream(
+        self, name: str, arguments: str = "{}", *, timeout: float | None = None
+    ) -> Iterator[pb.ExecutionEvent]:
         request = pb.ExecuteToolRequest(name=name, arguments_json=arguments)
         yield from self.stub.StreamExecuteTool(request, timeout=timeout)
 
@@ -111,4 +132,4 @@ def tool_from_message(msg: pb.Tool) -> ToolDefinition:
     return convert.tool_from_pb(msg)
 
 
-__all__ = ["RegistryClient", "default_address", "describe_rpc_error", "strict_json", "tool_from_message"]
+__all__ = ["RegistryClient", "default_address", "describe_rpc_error", "tool_from_message"]

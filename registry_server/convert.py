@@ -18,8 +18,8 @@ _LEVEL_TO_PB = {
     SafetyLevel.CAUTIOUS: pb.SAFETY_LEVEL_CAUTIOUS,
     SafetyLevel.DANGEROUS: pb.SAFETY_LEVEL_DANGEROUS,
 }
-_LEVEL_FROM_PB = {v: k for k, v in _LEVEL_TO_PB.items()}
-_FORMAT_FROM_PB = {
+_LEVEL_FROM_PB: dict[int, SafetyLevel] = {int(v): k for k, v in _LEVEL_TO_PB.items()}
+_FORMAT_FROM_PB: dict[int, SchemaFormat] = {
     pb.SCHEMA_FORMAT_UNSPECIFIED: SchemaFormat.OPENAI,
     pb.SCHEMA_FORMAT_OPENAI: SchemaFormat.OPENAI,
     pb.SCHEMA_FORMAT_ANTHROPIC: SchemaFormat.ANTHROPIC,
@@ -38,7 +38,7 @@ def tool_from_pb(msg: pb.Tool) -> ToolDefinition:
         problems.extend(exc.violations)
     level: str | None = None
     if msg.safety_level != pb.SAFETY_LEVEL_UNSPECIFIED:
-        found = _LEVEL_FROM_PB.get(msg.safety_level)
+        found = _LEVEL_FROM_PB.get(int(msg.safety_level))
         level = found.value if found else f"<enum value {msg.safety_level}>"
     limits = msg.sandbox.limits
     raw: dict[str, Any] = {
@@ -111,7 +111,7 @@ def tool_to_pb(tool: ToolDefinition) -> pb.Tool:
 def max_level_from_pb(value: int, field: str = "max_safety_level") -> SafetyLevel | None:
     if value == pb.SAFETY_LEVEL_UNSPECIFIED:
         return None
-    level = _LEVEL_FROM_PB.get(value)
+    level = _LEVEL_FROM_PB.get(int(value))
     if level is None:
         raise InvalidArgument(
             f"{field}: unknown safety level {value}", [Violation(field, f"unknown value {value}")]
@@ -120,10 +120,11 @@ def max_level_from_pb(value: int, field: str = "max_safety_level") -> SafetyLeve
 
 
 def format_from_pb(value: int) -> SchemaFormat:
-    fmt = _FORMAT_FROM_PB.get(value)
+    fmt = _FORMAT_FROM_PB.get(int(value))
     if fmt is None:
         raise InvalidArgument(
-            f"format: unknown schema format {value}", [Violation("format", f"unknown value {value}")]
+            f"format: unknown schema format {value}",
+            [Violation("format", f"unknown value {value}")],
         )
     return fmt
 

@@ -37,7 +37,9 @@ def to_status(exc: ToolregError) -> grpc.Status:
     if isinstance(exc, InvalidArgument) and exc.violations:
         detail = error_details_pb2.BadRequest(
             field_violations=[
-                error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description)
+                error_details_pb2.BadRequest.FieldViolation(
+                    field=v.field, description=v.description
+                )
                 for v in exc.violations
             ]
         )

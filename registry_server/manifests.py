@@ -20,7 +20,9 @@ def load_manifest(path: Path) -> ToolDefinition:
     try:
         data = path.read_bytes()
     except OSError as exc:
-        raise InvalidDefinition([Violation("", f"cannot read: {exc.strerror or exc}")], source) from None
+        raise InvalidDefinition(
+            [Violation("", f"cannot read: {exc.strerror or exc}")], source
+        ) from None
     if len(data) > MAX_MANIFEST_BYTES:
         raise InvalidDefinition([Violation("", f"larger than {MAX_MANIFEST_BYTES} bytes")], source)
     try:
@@ -29,7 +31,9 @@ def load_manifest(path: Path) -> ToolDefinition:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc)
-        raise InvalidDefinition([Violation("", f"not valid YAML: {where}{problem}")], source) from None
+        raise InvalidDefinition(
+            [Violation("", f"not valid YAML: {where}{problem}")], source
+        ) from None
     if not isinstance(raw, dict):
         raise InvalidDefinition([Violation("", "must be a mapping of tool fields")], source)
     return parse_definition(raw, source=source)

@@ -63,7 +63,9 @@ class SafetyLevel(enum.Enum):
         try:
             return cls(text.strip().lower())
         except ValueError:
-            raise ValueError(f"unknown safety level {text!r}; use safe, cautious or dangerous") from None
+            raise ValueError(
+                f"unknown safety level {text!r}; use safe, cautious or dangerous"
+            ) from None
 
 
 _RANKS = {SafetyLevel.SAFE: 1, SafetyLevel.CAUTIOUS: 2, SafetyLevel.DANGEROUS: 3}
@@ -163,7 +165,7 @@ class SandboxInput(_Strict):
     image: str
     command: list[str]
     env: dict[str, str] = Field(default_factory=dict)
-    limits: LimitsInput = Field(default_factory=LimitsInput)
+    limits: LimitsInput = Field(default_factory=lambda: LimitsInput())
 
     @field_validator("image")
     @classmethod
@@ -244,7 +246,8 @@ class ToolManifest(_Strict):
         for cat in value:
             if not re.match(CATEGORY_PATTERN, cat):
                 raise ValueError(
-                    f"{cat!r} is not a lowercase word: use a-z, 0-9, _ and -, starting with a letter"
+                    f"{cat!r} is not a lowercase word:"
+                    " use a-z, 0-9, _ and -, starting with a letter"
                 )
         if len(set(value)) != len(value):
             raise ValueError("must not repeat a category")
@@ -338,6 +341,10 @@ def _violations(exc: ValidationError) -> list[Violation]:
             out.append(Violation(path, "unknown key"))
         elif kind == "missing":
             out.append(Violation(path, "is required"))
+        elif kind == "dict_type":
+            out.append(Violation(path, "must be a mapping (JSON object)"))
+        elif kind == "list_type":
+            out.append(Violation(path, "must be a list"))
         elif kind == "value_error":
             out.append(Violation(path, str(err["ctx"]["error"]) if "ctx" in err else err["msg"]))
         else:

@@ -20,7 +20,9 @@ class SchemaFormat(enum.Enum):
         try:
             return cls(text.strip().lower())
         except ValueError:
-            raise ValueError(f"unknown schema format {text!r}; use openai, anthropic or mcp") from None
+            raise ValueError(
+                f"unknown schema format {text!r}; use openai, anthropic or mcp"
+            ) from None
 
 
 def export(tools: Sequence[ToolDefinition], fmt: SchemaFormat) -> list[dict[str, Any]]:

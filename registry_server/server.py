@@ -64,12 +64,18 @@ def create_server(config: ServerConfig, app: App | None = None) -> tuple[grpc.Se
         futures.ThreadPoolExecutor(max_workers=config.grpc_threads, thread_name_prefix="grpc"),
         options=[("grpc.so_reuseport", 0)],
     )
-    pb_grpc.add_ToolRegistryServicer_to_server(ToolRegistryServicer(app.registry, app.executor), server)
+    pb_grpc.add_ToolRegistryServicer_to_server(
+        ToolRegistryServicer(app.registry, app.executor), server
+    )
     health_pb2_grpc.add_HealthServicer_to_server(app.health, server)
     app.health.set("", health_pb2.HealthCheckResponse.SERVING)
     app.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        (
+            SERVICE_NAME,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ),
         server,
     )
     port = server.add_insecure_port(config.address)
@@ -85,7 +91,10 @@ def serve(config: ServerConfig) -> None:
     server.start()
     log.info(
         "toolreg serving on %s:%d (data %s, %d tools)",
-        config.host, port, config.data_dir, len(app.registry.names()),
+        config.host,
+        port,
+        config.data_dir,
+        len(app.registry.names()),
     )
     stopping = threading.Event()
 

@@ -10,14 +10,16 @@ from registry_server import convert, schemas
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
 from registry_server.errors import InvalidArgument, Unimplemented, Violation
-from registry_server.grpc_errors import maps_errors
 from registry_server.execution import CallRequest, Executor
+from registry_server.grpc_errors import maps_errors
 from registry_server.registry import Registry
 
 
 def _required(value: str, field: str) -> str:
     if not value:
-        raise InvalidArgument(f"{field}: must not be empty", [Violation(field, "must not be empty")])
+        raise InvalidArgument(
+            f"{field}: must not be empty", [Violation(field, "must not be empty")]
+        )
     return value
 
 
@@ -37,7 +39,9 @@ class ToolRegistryServicer(pb_grpc.ToolRegistryServicer):
         )
 
     @maps_errors
-    def RegisterTool(self, request: pb.RegisterToolRequest, context: grpc.ServicerContext) -> pb.Tool:
+    def RegisterTool(
+        self, request: pb.RegisterToolRequest, context: grpc.ServicerContext
+    ) -> pb.Tool:
         if not request.HasField("tool"):
             raise InvalidArgument("tool: is required", [Violation("tool", "is required")])
         tool = convert.tool_from_pb(request.tool)
@@ -49,7 +53,9 @@ class ToolRegistryServicer(pb_grpc.ToolRegistryServicer):
         return convert.tool_to_pb(self._registry.get(_required(request.name, "name")))
 
     @maps_errors
-    def ListTools(self, request: pb.ListToolsRequest, context: grpc.ServicerContext) -> pb.ListToolsResponse:
+    def ListTools(
+        self, request: pb.ListToolsRequest, context: grpc.ServicerContext
+    ) -> pb.ListToolsResponse:
         level = convert.max_level_from_pb(request.max_safety_level)
         tools = self._registry.list(level, request.categories)
         return pb.ListToolsResponse(tools=[convert.tool_to_pb(t) for t in tools])
@@ -59,11 +65,15 @@ class ToolRegistryServicer(pb_grpc.ToolRegistryServicer):
         self, request: pb.GetToolSchemasRequest, context: grpc.ServicerContext
     ) -> pb.GetToolSchemasResponse:
         fmt = convert.format_from_pb(request.format)
-        tools = self._registry.list(convert.max_level_from_pb(request.max_safety_level), request.categories)
+        tools = self._registry.list(
+            convert.max_level_from_pb(request.max_safety_level), request.categories
+        )
         return pb.GetToolSchemasResponse(schemas_json=schemas.export_json(tools, fmt))
 
     @maps_errors
-    def ExecuteTool(self, request: pb.ExecuteToolRequest, context: grpc.ServicerContext) -> pb.ToolResult:
+    def ExecuteTool(
+        self, request: pb.ExecuteToolRequest, context: grpc.ServicerContext
+    ) -> pb.ToolResult:
         return convert.outcome_to_pb(self._executor.execute(self._call(request, context)))
 
     @maps_errors

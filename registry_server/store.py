@@ -35,12 +35,15 @@ _MIGRATIONS: list[str] = [
 
 
 class Store:
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, *, busy_timeout_ms: int = BUSY_TIMEOUT_MS) -> None:
         self.path = data_dir / DB_FILENAME
         try:
             data_dir.mkdir(parents=True, exist_ok=True)
             self._db = sqlite3.connect(
-                self.path, check_same_thread=False, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000
+                self.path,
+                check_same_thread=False,
+                isolation_level=None,
+                timeout=busy_timeout_ms / 1000,
             )
             self._db.execute("PRAGMA journal_mode=WAL")
             # FULL: a committed registration (and later, a used approval nonce)
@@ -57,7 +60,8 @@ class Store:
             (version,) = db.execute("PRAGMA user_version").fetchone()
             if version > len(_MIGRATIONS):
                 raise StoreError(
-                    f"{self.path} was written by a newer toolreg (schema {version}); upgrade toolreg"
+                    f"{self.path} was written by a newer toolreg (schema {version});"
+                    " upgrade toolreg"
                 )
             for number, sql in enumerate(_MIGRATIONS[version:], start=version + 1):
                 # executescript() would COMMIT our transaction; run statements one by one.

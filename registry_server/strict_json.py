@@ -35,11 +35,17 @@ def loads(text: str, field: str) -> Any:
     except _Rejected as exc:
         raise InvalidArgument(f"{field}: {exc}", [Violation(field, str(exc))]) from None
     except (json.JSONDecodeError, RecursionError) as exc:
-        rule = f"not valid JSON ({exc})" if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
+        rule = (
+            f"not valid JSON ({exc})"
+            if isinstance(exc, json.JSONDecodeError)
+            else "nested too deeply"
+        )
         raise InvalidArgument(f"{field}: {rule}", [Violation(field, rule)]) from None
 
 
-def loads_object(text: str, field: str, *, empty_is: dict[str, Any] | None = None) -> dict[str, Any]:
+def loads_object(
+    text: str, field: str, *, empty_is: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Parse a JSON object; ``empty_is`` (when given) stands for blank text."""
     if empty_is is not None and not text.strip():
         return dict(empty_is)

@@ -42,7 +42,9 @@ def generate(out_dir: Path) -> None:
     for path in sorted(out_dir.rglob("*.py*")):
         text = path.read_text()
         fixed = re.sub(r"^from toolregistry\.", f"from {PACKAGE}.toolregistry.", text, flags=re.M)
-        fixed = re.sub(r"^import toolregistry\.", f"import {PACKAGE}.toolregistry.", fixed, flags=re.M)
+        fixed = re.sub(
+            r"^import toolregistry\.", f"import {PACKAGE}.toolregistry.", fixed, flags=re.M
+        )
         if fixed != text:
             path.write_text(fixed)
     for pkg in [out_dir, *(p for p in out_dir.rglob("*") if p.is_dir())]:

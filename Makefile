@@ -1,0 +1,60 @@
+# toolreg: one target per habit. `make run` and `make test` do all the set-up.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+DATA_DIR ?= .toolreg/data
+PYTEST_ARGS ?=
+
+.PHONY: help install proto check check-proto lint typecheck engine images test run bench reap clean
+
+help: ## Show the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	@test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	@touch $(STAMP)
+
+install: $(STAMP) ## Create .venv and install the project with its dev tools
+
+proto: $(STAMP) ## Regenerate registry_server/_proto from proto/
+	$(BIN)/python scripts/gen_proto.py
+
+check-proto: $(STAMP) ## Fail when the generated code is stale
+	@tmp=$$(mktemp -d) && $(BIN)/python scripts/gen_proto.py $$tmp >/dev/null && \
+	  if diff -r -q -x __pycache__ $$tmp registry_server/_proto; then echo "generated code is up to date"; \
+	  else echo "registry_server/_proto is stale: run 'make proto'"; rm -rf $$tmp; exit 1; fi; rm -rf $$tmp
+
+lint: $(STAMP)
+	$(BIN)/ruff check registry_server sandbox_runner tests scripts
+
+typecheck: $(STAMP)
+	$(BIN)/mypy registry_server sandbox_runner
+
+check: check-proto lint typecheck ## Proto drift, lint and type checks
+
+engine: ## Make sure a Docker engine answers (installs docker.io + runsc on Debian)
+	@bash scripts/ensure_docker.sh
+
+images: engine ## Build the local sandbox images (only when missing or changed)
+	@bash sandbox_runner/images/build.sh
+
+test: install check-proto images ## Set up everything, then run the whole test suite
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+run: install proto images ## Set up everything, then serve the example tools on 127.0.0.1:50051
+	$(BIN)/toolreg serve --tools examples/tools --data-dir $(DATA_DIR)
+
+bench: install images ## Benchmarks (medians, ratios against baselines in the same run)
+	$(BIN)/python -m bench
+
+reap: install ## Remove containers left behind by dead toolreg servers
+	$(BIN)/toolreg reap
+
+clean: ## Remove the virtual environment and caches (keeps images and data)
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,31 @@
+"""Small builders for test data (plain data, no fakes)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from registry_server.models import ToolDefinition, parse_definition
+
+
+def manifest(**overrides: Any) -> dict[str, Any]:
+    """A valid manifest-shaped mapping; overrides replace top-level keys."""
+    base: dict[str, Any] = {
+        "name": "echo",
+        "description": "Returns its arguments.",
+        "parameters": {
+            "type": "object",
+            "properties": {"message": {"type": "string"}},
+            "required": ["message"],
+        },
+        "safety_level": "safe",
+        "categories": ["debug"],
+        "sandbox": {"image": "toolreg/base", "command": ["cat"]},
+    }
+    out = copy.deepcopy(base)
+    out.update(overrides)
+    return out
+
+
+def tool(**overrides: Any) -> ToolDefinition:
+    return parse_definition(manifest(**overrides))
