@@ -226,6 +226,81 @@ def tools_schemas(
     typer.echo(json.dumps(json.loads(text), indent=2, ensure_ascii=False))
 
 
+# --------------------------------------------------------------- execution
+
+
+@app.command("exec")
+def exec_tool(
+    name: Annotated[str, typer.Argument(help="The tool to run.")],
+    args: Annotated[str, typer.Option("--args", help="Arguments as a JSON object.")] = "{}",
+    stream: Annotated[bool, typer.Option("--stream", help="Print output as it arrives.")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the whole ToolResult as JSON.")
+    ] = False,
+    address: AddressOpt = None,
+) -> None:
+    """Run a tool once and print its result. Exit status 0 only on success."""
+    from google.protobuf import json_format
+
+    with _client(address) as client:
+        try:
+            if stream:
+                result = None
+                for event in client.stream(name, args):
+                    kind = event.WhichOneof("event")
+                    if kind == "stdout":
+                        sys.stdout.buffer.write(event.stdout)
+                        sys.stdout.flush()
+                    elif kind == "stderr":
+                        sys.stderr.buffer.write(event.stderr)
+                        sys.stderr.flush()
+                    else:
+                        result = event.result
+                if result is None:
+                    fail("the server ended the stream without a result")
+            else:
+                result = client.execute(name, args)
+        except grpc.RpcError as err:
+            _rpc_failed(err, client.address)
+    if as_json:
+        typer.echo(json_format.MessageToJson(result, preserving_proto_field_name=True))
+    elif not stream and result.content:
+        typer.echo(result.content, nl=not result.content.endswith("\n"))
+    if not result.success:
+        status = pb_status_name(result.status)
+        fail(f"{status}: {result.error}" if result.error else status)
+
+
+def pb_status_name(value: int) -> str:
+    from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
+
+    return pb.ExecutionStatus.Name(value).removeprefix("EXECUTION_STATUS_")  # type: ignore[arg-type]
+
+
+@app.command()
+def reap(
+    docker_url: Annotated[
+        str | None,
+        typer.Option("--docker-url", envvar="TOOLREG_DOCKER_URL", help="Engine address."),
+    ] = None,
+) -> None:
+    """Remove sandbox containers left behind by toolreg servers that are gone.
+    Containers of running servers are never touched."""
+    import uuid
+
+    from sandbox_runner import SandboxError
+    from sandbox_runner.docker_backend import DockerRunner
+
+    runner = DockerRunner(instance_id=f"reaper-{uuid.uuid4().hex[:12]}", base_url=docker_url)
+    try:
+        removed = runner.reap()
+    except SandboxError as exc:
+        fail(str(exc))
+    finally:
+        runner.close()
+    typer.echo(f"removed {removed} leftover container{'s' if removed != 1 else ''}")
+
+
 def main() -> None:
     try:
         app()

@@ -31,6 +31,13 @@ class ServerConfig(BaseSettings):
     max_sandboxes: int = Field(DEFAULT_MAX_SANDBOXES, ge=1, le=256)
     max_queued: int = Field(DEFAULT_MAX_QUEUED, ge=0, le=4096)
     docker_url: str | None = None  # default: DOCKER_HOST or the local socket
+    # Dangerous tools run under gVisor (runsc). Without it: refuse them (True)
+    # or run them under runc with a warning at start-up (False).
+    require_gvisor: bool = False
+    workspace_dir: Path | None = None  # default: <data_dir>/workspace
+    # Dangerous tools that get workspace_dir mounted read-write at /workspace.
+    workspace_tools: tuple[str, ...] = ("write_file",)
+    reap_on_start: bool = True  # remove containers left by dead toolreg servers
     shutdown_grace_s: float = Field(SHUTDOWN_GRACE_S, ge=0)
 
     @property
@@ -38,6 +45,10 @@ class ServerConfig(BaseSettings):
         # Every admitted or queued execution holds a thread while it waits,
         # and registry RPCs must still be served when all of those are busy.
         return self.max_sandboxes + self.max_queued + EXTRA_GRPC_THREADS
+
+    @property
+    def workspace(self) -> Path:
+        return self.workspace_dir or self.data_dir / "workspace"
 
     @property
     def address(self) -> str:

@@ -4,10 +4,14 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
+import uuid
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import FrameType
 
 import grpc
@@ -16,15 +20,19 @@ from grpc_reflection.v1alpha import reflection
 
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
+from registry_server.admission import Admission
 from registry_server.config import ServerConfig
-from registry_server.execution import Executor
+from registry_server.execution import Executor, SandboxPolicy
 from registry_server.manifests import load_manifests
 from registry_server.registry import RegisterOutcome, Registry
 from registry_server.servicer import ToolRegistryServicer
 from registry_server.store import Store
+from sandbox_runner import SandboxError
+from sandbox_runner.docker_backend import DockerRunner
 
 log = logging.getLogger(__name__)
 
+SANDBOX_UID = 65534  # the unprivileged user every sandbox runs as
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ToolRegistry"].full_name
 
 
@@ -37,10 +45,12 @@ class App:
     registry: Registry
     executor: Executor
     health: health.HealthServicer
-    closers: list[object] = field(default_factory=list)
+    closers: list[Callable[[], None]] = field(default_factory=list)
 
     def close(self) -> None:
         self.health.enter_graceful_shutdown()
+        for close in self.closers:
+            close()
         self.store.close()
 
 
@@ -52,8 +62,60 @@ def build_app(config: ServerConfig) -> App:
             outcome = registry.register(tool, replace=True)
             if outcome is not RegisterOutcome.UNCHANGED:
                 log.info("tool %s %s from %s", tool.name, outcome.value, config.tools_dir)
-    executor = Executor(registry)
-    return App(config, store, registry, executor, health.HealthServicer())
+    runner = DockerRunner(
+        instance_id=f"toolreg-{uuid.uuid4().hex[:12]}",
+        base_url=config.docker_url,
+        # one engine connection per running sandbox, plus reaping and pings
+        max_pool_size=config.max_sandboxes + 4,
+    )
+    _start_sandboxes(config, runner)
+    executor = Executor(
+        registry,
+        runner,
+        admission=Admission(config.max_sandboxes, config.max_queued),
+        policy=SandboxPolicy(
+            require_gvisor=config.require_gvisor,
+            workspace_dir=_prepare_workspace(config.workspace),
+            workspace_tools=frozenset(config.workspace_tools),
+        ),
+        store=store,
+    )
+    app = App(config, store, registry, executor, health.HealthServicer())
+    app.closers.append(runner.close)
+    return app
+
+
+def _start_sandboxes(config: ServerConfig, runner: DockerRunner) -> None:
+    """Reap leftovers and say what isolation dangerous tools will get."""
+    try:
+        if config.reap_on_start:
+            removed = runner.reap()
+            if removed:
+                log.info("removed %d containers left behind by dead toolreg servers", removed)
+        runtimes = runner.runtimes()
+    except SandboxError as exc:
+        # Serve the registry anyway; executions answer UNAVAILABLE until it returns.
+        log.error("container engine unavailable at start-up: %s", exc)
+        return
+    if "runsc" in runtimes:
+        log.info("dangerous tools run under gVisor (runsc)")
+    elif config.require_gvisor:
+        log.warning("gVisor (runsc) is not installed: dangerous tools will be refused")
+    else:
+        log.warning(
+            "gVisor (runsc) is not installed: dangerous tools run under runc;"
+            " set TOOLREG_REQUIRE_GVISOR=true to refuse them instead"
+        )
+
+
+def _prepare_workspace(path: Path) -> Path:
+    """The shared workspace must be writable by the sandbox user (65534)."""
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() == 0:
+        os.chown(path, SANDBOX_UID, SANDBOX_UID)
+    else:
+        path.chmod(0o777)  # without root we cannot chown to the sandbox user
+    return path
 
 
 def create_server(config: ServerConfig, app: App | None = None) -> tuple[grpc.Server, int, App]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Iterator
 
 import grpc
@@ -13,6 +15,53 @@ from registry_server.errors import InvalidArgument, Unimplemented, Violation
 from registry_server.execution import CallRequest, Executor
 from registry_server.grpc_errors import maps_errors
 from registry_server.registry import Registry
+
+
+def _cancel_event(context: grpc.ServicerContext) -> threading.Event:
+    """Set when the RPC ends for any reason: the client cancelled, its deadline
+    passed, or the call completed. The runner kills the container when set."""
+    event = threading.Event()
+    if not context.add_callback(event.set):
+        event.set()  # the RPC has already terminated
+    return event
+
+
+class StreamedCall:
+    """Runs an execution on its own thread and yields its output as events,
+    then exactly one result. The queue is bounded by the output caps."""
+
+    _DONE = object()
+
+    def __init__(self, executor: Executor, call: CallRequest, cancel: threading.Event) -> None:
+        self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(executor, call, cancel), name="stream-exec", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, executor: Executor, call: CallRequest, cancel: threading.Event) -> None:
+        try:
+            outcome = executor.execute(call, on_output=self._on_output, cancel=cancel)
+            self._queue.put(pb.ExecutionEvent(result=convert.outcome_to_pb(outcome)))
+        except BaseException as exc:  # re-raised on the RPC thread, mapped there
+            self._error = exc
+        finally:
+            self._queue.put(self._DONE)
+
+    def _on_output(self, stream: str, chunk: bytes) -> None:
+        if stream == "stdout":
+            self._queue.put(pb.ExecutionEvent(stdout=chunk))
+        else:
+            self._queue.put(pb.ExecutionEvent(stderr=chunk))
+
+    def __iter__(self) -> Iterator[pb.ExecutionEvent]:
+        while (item := self._queue.get()) is not self._DONE:
+            assert isinstance(item, pb.ExecutionEvent)
+            yield item
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
 
 
 def _required(value: str, field: str) -> str:
@@ -80,8 +129,8 @@ class ToolRegistryServicer(pb_grpc.ToolRegistryServicer):
     def StreamExecuteTool(
         self, request: pb.ExecuteToolRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.ExecutionEvent]:
-        outcome = self._executor.execute(self._call(request, context))
-        yield pb.ExecutionEvent(result=convert.outcome_to_pb(outcome))
+        events = StreamedCall(self._executor, self._call(request, context), _cancel_event(context))
+        yield from events
 
     @maps_errors
     def ListApprovalRequests(

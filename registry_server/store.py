@@ -31,6 +31,24 @@ _MIGRATIONS: list[str] = [
         updated_at  REAL NOT NULL
     );
     """,
+    # 2: one row per execution attempt (the execution log)
+    """
+    CREATE TABLE executions (
+        id           TEXT PRIMARY KEY,
+        at           REAL NOT NULL,
+        tool         TEXT NOT NULL,
+        tool_digest  TEXT NOT NULL,
+        level        TEXT NOT NULL,
+        caller       TEXT NOT NULL,
+        args_digest  TEXT NOT NULL,
+        status       TEXT NOT NULL,
+        exit_code    INTEGER,
+        duration_ms  INTEGER NOT NULL,
+        runtime      TEXT NOT NULL,
+        limits       TEXT NOT NULL     -- JSON of the limits applied
+    );
+    CREATE INDEX executions_at ON executions (at);
+    """,
 ]
 
 
@@ -109,6 +127,20 @@ class Store:
                 " digest = excluded.digest, updated_at = excluded.updated_at",
                 (name, manifest_json, digest, now, now),
             )
+
+    # -- executions ------------------------------------------------------------
+
+    def record_execution(self, row: dict[str, object]) -> None:
+        columns = ", ".join(row)
+        marks = ", ".join("?" for _ in row)
+        with self.transaction() as db:
+            db.execute(f"INSERT INTO executions ({columns}) VALUES ({marks})", tuple(row.values()))
+
+    def recent_executions(self, limit: int = 50) -> list[dict[str, object]]:
+        with self._lock:
+            cursor = self._db.execute("SELECT * FROM executions ORDER BY at DESC LIMIT ?", (limit,))
+            names = [d[0] for d in cursor.description]
+            return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
 
     def close(self) -> None:
         with self._lock:

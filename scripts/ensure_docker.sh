@@ -190,7 +190,11 @@ EOF
         start_dockerd
     fi
     wait_for_docker
-    runsc_registered && log "runsc runtime registered" || log "WARNING: runsc runtime not registered"
+    if runsc_registered; then
+        log "runsc runtime registered"
+    else
+        log "WARNING: runsc runtime not registered"
+    fi
 }
 
 if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
