@@ -4,6 +4,7 @@ only problems of the request or the server (capacity, no engine) raise."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -41,6 +42,8 @@ class CallRequest:
     caller: str = "anonymous"
     approval_tokens: tuple[str, ...] = ()
     approval_request_id: str = ""
+    # time.monotonic() by which the client stops waiting (its gRPC deadline)
+    deadline: float | None = None
 
 
 @dataclass(frozen=True)
@@ -242,6 +245,16 @@ class Executor:
             log.warning("could not store the record of execution %s: %s", execution_id, exc)
 
 
+def _within_deadline(spec: SandboxSpec, deadline: float | None) -> SandboxSpec:
+    """No container outlives the client's deadline: nobody would read its result."""
+    if deadline is None:
+        return spec
+    remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))
+    if remaining_ms >= spec.limits.timeout_ms:
+        return spec
+    return dataclasses.replace(spec, limits=spec.limits.replace(timeout_ms=remaining_ms))
+
+
 def outcome_of(tool: ToolDefinition, result: SandboxResult, execution_id: str) -> Outcome:
     """Map what the sandbox reported to what the model is told."""
     content = result.stdout.decode("utf-8", errors="replace")
@@ -261,18 +274,19 @@ def outcome_of(tool: ToolDefinition, result: SandboxResult, execution_id: str) -
 
 
 def _classify(name: str, result: SandboxResult, stderr: str) -> tuple[Status, str]:
-    # Order matters: a killed tool also exits non-zero, and the kill is the cause.
-    if result.timed_out:
-        return Status.TIMEOUT, f"Tool '{name}' timed out and was stopped"
+    # Order matters: a killed tool also exits non-zero or times out, and a limit
+    # it hit on the way (memory, processes, output) is the cause to report.
     if result.oom_killed:
         return Status.RESOURCE_EXHAUSTED, f"Tool '{name}' ran out of memory and was stopped"
+    if result.pids_exhausted:
+        return Status.RESOURCE_EXHAUSTED, f"Tool '{name}' hit its process limit"
     if result.output_truncated:
         return (
             Status.RESOURCE_EXHAUSTED,
             f"Tool '{name}' wrote more output than allowed; it was stopped and its output cut",
         )
-    if result.pids_exhausted:
-        return Status.RESOURCE_EXHAUSTED, f"Tool '{name}' hit its process limit"
+    if result.timed_out:
+        return Status.TIMEOUT, f"Tool '{name}' timed out and was stopped"
     if result.cancelled:
         return Status.SANDBOX_ERROR, "call cancelled"
     if result.exit_code != 0:

@@ -45,6 +45,7 @@ class App:
     registry: Registry
     executor: Executor
     health: health.HealthServicer
+    runner: DockerRunner
     closers: list[Callable[[], None]] = field(default_factory=list)
 
     def close(self) -> None:
@@ -80,7 +81,7 @@ def build_app(config: ServerConfig) -> App:
         ),
         store=store,
     )
-    app = App(config, store, registry, executor, health.HealthServicer())
+    app = App(config, store, registry, executor, health.HealthServicer(), runner)
     app.closers.append(runner.close)
     return app
 
@@ -149,6 +150,16 @@ def create_server(config: ServerConfig, app: App | None = None) -> tuple[grpc.Se
 
 def serve(config: ServerConfig) -> None:
     """Run until SIGTERM or SIGINT, then finish in-flight calls and stop."""
+    stopping = threading.Event()
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        log.info("received %s; shutting down", signal.Signals(signum).name)
+        stopping.set()
+
+    # Installed before the server says it is serving, so a supervisor that
+    # signals right after that line still gets a graceful stop.
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     server, port, app = create_server(config)
     server.start()
     log.info(
@@ -158,14 +169,6 @@ def serve(config: ServerConfig) -> None:
         config.data_dir,
         len(app.registry.names()),
     )
-    stopping = threading.Event()
-
-    def on_signal(signum: int, _frame: FrameType | None) -> None:
-        log.info("received %s; shutting down", signal.Signals(signum).name)
-        stopping.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
     stopping.wait()
     app.health.enter_graceful_shutdown()
     server.stop(config.shutdown_grace_s).wait()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -15,6 +16,12 @@ from registry_server.errors import InvalidArgument, Unimplemented, Violation
 from registry_server.execution import CallRequest, Executor
 from registry_server.grpc_errors import maps_errors
 from registry_server.registry import Registry
+
+
+def _deadline(context: grpc.ServicerContext) -> float | None:
+    remaining = context.time_remaining()
+    # grpc reports "no deadline" as a huge number of seconds
+    return None if remaining is None or remaining > 10**8 else time.monotonic() + remaining
 
 
 def _cancel_event(context: grpc.ServicerContext) -> threading.Event:
@@ -85,6 +92,7 @@ class ToolRegistryServicer(pb_grpc.ToolRegistryServicer):
             caller=context.peer(),
             approval_tokens=tuple(request.approval_tokens),
             approval_request_id=request.approval_request_id,
+            deadline=_deadline(context),
         )
 
     @maps_errors
@@ -123,7 +131,10 @@ class ToolRegistryServicer(pb_grpc.ToolRegistryServicer):
     def ExecuteTool(
         self, request: pb.ExecuteToolRequest, context: grpc.ServicerContext
     ) -> pb.ToolResult:
-        return convert.outcome_to_pb(self._executor.execute(self._call(request, context)))
+        outcome = self._executor.execute(
+            self._call(request, context), cancel=_cancel_event(context)
+        )
+        return convert.outcome_to_pb(outcome)
 
     @maps_errors
     def StreamExecuteTool(
