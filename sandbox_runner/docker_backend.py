@@ -159,6 +159,7 @@ class _Pump:
         self.killed = False
         self.ended = False  # the stream reached EOF: the container has stopped
         self._kill_deadline = math.inf
+        self._killer: threading.Thread | None = None
 
     @property
     def output_truncated(self) -> bool:
@@ -169,6 +170,17 @@ class _Pump:
             return
         self.killed = True
         self._kill_deadline = time.monotonic() + KILL_GRACE_S
+        # The engine only finishes a kill once the container's output is drained, and we
+        # are the drain: kill from a helper thread while this one keeps reading.
+        self._killer = threading.Thread(
+            target=self._kill_now,
+            args=(why,),
+            name=f"kill-{self.container_id[:12]}",
+            daemon=True,
+        )
+        self._killer.start()
+
+    def _kill_now(self, why: str) -> None:
         if self.check_pids and why != "output":
             # Read before the kill: the cgroup disappears with the container.
             self.pids_exhausted = self._probe_pids()
@@ -178,6 +190,10 @@ class _Pump:
             # Already exited (409) is fine; anything else leaves the forced remove to do it.
             if _status(e) not in (404, 409):
                 log.warning("kill of %s (%s) failed: %s", self.container_id[:12], why, e)
+
+    def join_killer(self) -> None:
+        if self._killer is not None:
+            self._killer.join(KILL_GRACE_S)
 
     def _probe_pids(self) -> bool:
         local = _pids_exhausted_locally(self.container_id)
@@ -486,7 +502,10 @@ class DockerRunner:
                 on_output,
                 check_pids=spec.runtime not in NO_PIDS_LIMIT_RUNTIMES,
             )
-            pump.run()  # handles its own socket errors; the sink's exceptions propagate
+            try:
+                pump.run()  # handles its own socket errors; the sink's exceptions propagate
+            finally:
+                pump.join_killer()
             return pump
         finally:
             response = getattr(attached, "_response", None)
