@@ -31,7 +31,7 @@ check-proto: $(STAMP) ## Fail when the generated code is stale
 	  else echo "registry_server/_proto is stale: run 'make proto'"; rm -rf $$tmp; exit 1; fi; rm -rf $$tmp
 
 lint: $(STAMP)
-	$(BIN)/ruff check registry_server sandbox_runner tests scripts
+	$(BIN)/ruff check registry_server sandbox_runner tests scripts bench
 
 typecheck: $(STAMP)
 	$(BIN)/mypy registry_server sandbox_runner

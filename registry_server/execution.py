@@ -113,25 +113,25 @@ class Executor:
             arguments, args_digest = parse_arguments(tool, call.arguments_json)
         except InvalidArgument as exc:
             return Outcome(Status.INVALID_ARGUMENTS, error=exc.message, execution_id=execution_id)
-        if tool.safety_level is SafetyLevel.DANGEROUS:
-            outcome = Outcome(
-                Status.APPROVAL_REQUIRED,
-                error=f"Tool '{tool.name}' is dangerous and needs signed approval before it runs",
-                execution_id=execution_id,
-            )
+
+        def refuse(status: Status, error: str) -> Outcome:
+            outcome = Outcome(status, error=error, execution_id=execution_id)
             self._record(execution_id, tool, call, args_digest, outcome, "", None)
             return outcome
+
+        if tool.safety_level is SafetyLevel.DANGEROUS:
+            return refuse(
+                Status.APPROVAL_REQUIRED,
+                f"Tool '{tool.name}' is dangerous and needs signed approval before it runs",
+            )
         if self._runner is None:
             raise Unimplemented("this server has no sandbox runner")
         runtime = self.runtime_for(tool.safety_level)
         if runtime is None:
-            outcome = Outcome(
+            return refuse(
                 Status.SANDBOX_ERROR,
-                error=f"Tool '{tool.name}' needs gVisor (runsc), which this engine lacks",
-                execution_id=execution_id,
+                f"Tool '{tool.name}' needs gVisor (runsc), which this engine lacks",
             )
-            self._record(execution_id, tool, call, args_digest, outcome, "", None)
-            return outcome
         spec = self.sandbox_spec(tool, arguments, runtime)
         try:
             with self._admission.slot(cancel):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -16,50 +15,18 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from registry_server.launcher import ServerProcess, spawn_server
+
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 TOOLREG = [sys.executable, "-m", "registry_server.cli"]
 
 
-class ServerProcess:
-    def __init__(self, proc: subprocess.Popen[str], address: str) -> None:
-        self.proc = proc
-        self.address = address
-
-
 @pytest.fixture
 def served(tmp_path: Path) -> Iterator[ServerProcess]:
-    proc = subprocess.Popen(
-        [
-            *TOOLREG,
-            "serve",
-            "--port",
-            "0",
-            "--data-dir",
-            str(tmp_path / "data"),
-            "--tools",
-            str(ROOT / "examples" / "tools"),
-        ],
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-    )
-    assert proc.stderr is not None
-    deadline = time.monotonic() + 30
-    address = ""
-    while time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        match = re.search(r"serving on (\S+:\d+)", line)
-        if match:
-            address = match.group(1)
-            break
-        if not line and proc.poll() is not None:
-            break
-    assert address, "server did not report its address"
-    yield ServerProcess(proc, address)
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait(timeout=10)
+    server = spawn_server(tmp_path / "data", "--tools", str(ROOT / "examples" / "tools"), cwd=ROOT)
+    yield server
+    server.kill()
 
 
 def cli(*args: str, address: str) -> subprocess.CompletedProcess[str]:
@@ -148,7 +115,8 @@ def test_health_and_reflection(served: ServerProcess) -> None:
 
 
 def test_sigterm_stops_gracefully(served: ServerProcess) -> None:
-    served.proc.send_signal(signal.SIGTERM)
-    assert served.proc.wait(timeout=30) == 0
-    assert served.proc.stderr is not None
-    assert "toolreg stopped" in served.proc.stderr.read()
+    assert served.stop() == 0
+    deadline = time.monotonic() + 5
+    while not any("toolreg stopped" in line for line in served.log) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert any("toolreg stopped" in line for line in served.log)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import pytest
 from registry_server import convert
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
+from registry_server.launcher import spawn_server
 from registry_server.models import parse_definition
 from tests.integration.conftest import Running, StartServer
 from tests.security.conftest import Register, execute, rpc_code, wait_until_gone
@@ -104,32 +104,8 @@ def test_capacity_excess_gets_resource_exhausted(
 
 
 def _spawn_server(data_dir: Path) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "registry_server.cli",
-            "serve",
-            "--port",
-            "0",
-            "--data-dir",
-            str(data_dir),
-        ],
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-    )
-    assert proc.stderr is not None
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        if m := re.search(r"serving on (\S+:\d+)", line):
-            threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep the pipe drained
-            return proc, m.group(1)
-        if not line and proc.poll() is not None:
-            break
-    proc.kill()
-    raise AssertionError("server did not start")
+    server = spawn_server(data_dir, cwd=ROOT)
+    return server.proc, server.address
 
 
 def _owned_by(engine: docker.DockerClient, pid: int) -> list[object]:

@@ -1,0 +1,1 @@
+"""toolreg benchmarks: `make bench` (python -m bench)."""
