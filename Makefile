@@ -26,7 +26,7 @@ proto: $(STAMP) ## Regenerate registry_server/_proto from proto/
 	$(BIN)/python scripts/gen_proto.py
 
 check-proto: $(STAMP) ## Fail when the generated code is stale
-	@tmp=$$(mktemp -d) && $(BIN)/python scripts/gen_proto.py $$tmp >/dev/null && \
+	@tmp=$$(mktemp -d) && $(BIN)/python scripts/gen_proto.py $$tmp >/dev/null 2>&1 && \
 	  if diff -r -q -x __pycache__ $$tmp registry_server/_proto; then echo "generated code is up to date"; \
 	  else echo "registry_server/_proto is stale: run 'make proto'"; rm -rf $$tmp; exit 1; fi; rm -rf $$tmp
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -120,3 +121,17 @@ def test_sigterm_stops_gracefully(served: ServerProcess) -> None:
     while not any("toolreg stopped" in line for line in served.log) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert any("toolreg stopped" in line for line in served.log)
+
+
+def test_buf_curl_lists_tools_through_reflection(served: ServerProcess) -> None:
+    """A client that has only the server's reflection (no .proto, no Python)."""
+    buf = Path(sys.executable).parent / "buf"
+    out = subprocess.run(
+        [str(buf), "curl", "--protocol", "grpc", "--http2-prior-knowledge",
+         "--data", '{"max_safety_level": "SAFETY_LEVEL_SAFE"}',
+         f"http://{served.address}/toolregistry.v1.ToolRegistry/ListTools"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    names = [t["name"] for t in json.loads(out.stdout)["tools"]]
+    assert names == ["echo", "word_count"]
