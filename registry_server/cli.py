@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -16,7 +17,7 @@ import grpc
 import typer
 
 from registry_server import client as client_mod
-from registry_server.client import RegistryClient, describe_rpc_error
+from registry_server.client import RegistryClient, describe_rpc_error, open_channel
 from registry_server.errors import ToolregError
 from registry_server.models import SafetyLevel
 from registry_server.schemas import SchemaFormat, tool_belt
@@ -30,6 +31,49 @@ app = typer.Typer(
 )
 tools_app = typer.Typer(help="Register, list and export tools.", no_args_is_help=True)
 app.add_typer(tools_app, name="tools")
+approvals_app = typer.Typer(help="See and sign approval requests.", no_args_is_help=True)
+app.add_typer(approvals_app, name="approvals")
+keys_app = typer.Typer(help="Approver key pairs (Ed25519).", no_args_is_help=True)
+app.add_typer(keys_app, name="keys")
+audit_app = typer.Typer(help="The hash-chained audit log.", no_args_is_help=True)
+app.add_typer(audit_app, name="audit")
+
+
+@dataclass(frozen=True)
+class Connection:
+    """How client verbs reach the server (root options, before the verb)."""
+
+    token: str | None = None
+    tls_ca: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls: bool = False
+
+
+@app.callback()
+def root(
+    ctx: typer.Context,
+    token: Annotated[
+        str | None,
+        typer.Option("--token", envvar="TOOLREG_TOKEN", help="Bearer token of this client."),
+    ] = None,
+    tls_ca: Annotated[
+        Path | None,
+        typer.Option("--tls-ca", envvar="TOOLREG_TLS_CA", help="CA that signed the server."),
+    ] = None,
+    tls_cert: Annotated[
+        Path | None,
+        typer.Option("--tls-cert", envvar="TOOLREG_TLS_CERT", help="Client certificate (mTLS)."),
+    ] = None,
+    tls_key: Annotated[
+        Path | None, typer.Option("--tls-key", envvar="TOOLREG_TLS_KEY", help="Client key (mTLS).")
+    ] = None,
+    tls: Annotated[
+        bool, typer.Option("--tls", envvar="TOOLREG_TLS", help="Use TLS (system CAs).")
+    ] = False,
+) -> None:
+    ctx.obj = Connection(token, tls_ca, tls_cert, tls_key, tls)
+
 
 AddressOpt = Annotated[
     str | None,
@@ -58,8 +102,25 @@ def _level(text: str | None) -> SafetyLevel | None:
         fail(f"--max-level: {exc}", 2)
 
 
-def _client(address: str | None) -> RegistryClient:
-    return RegistryClient(address)
+def _client(ctx: typer.Context, address: str | None) -> RegistryClient:
+    conn = ctx.find_root().obj
+    if not isinstance(conn, Connection):
+        conn = Connection()
+    target = address or client_mod.default_address()
+
+    def read(path: Path | None) -> bytes | None:
+        if path is None:
+            return None
+        try:
+            return path.read_bytes()
+        except OSError as exc:
+            fail(f"cannot read {path}: {exc.strerror}", 2)
+
+    channel = open_channel(
+        target, token=conn.token, tls_ca=read(conn.tls_ca), tls_cert=read(conn.tls_cert),
+        tls_key=read(conn.tls_key), tls=conn.tls,
+    )  # fmt: skip
+    return RegistryClient(target, channel=channel)
 
 
 def _rpc_failed(err: grpc.RpcError, address: str) -> NoReturn:
@@ -86,6 +147,14 @@ def serve(
         typer.Option("--tools", help="Register the manifests of this directory at start."),
     ] = None,
     policy: Annotated[Path | None, typer.Option("--policy", help="Policy file (YAML).")] = None,
+    tls_cert: Annotated[
+        Path | None, typer.Option("--tls-cert", help="Server certificate (PEM).")
+    ] = None,
+    tls_key: Annotated[Path | None, typer.Option("--tls-key", help="Server key (PEM).")] = None,
+    tls_client_ca: Annotated[
+        Path | None,
+        typer.Option("--tls-client-ca", help="Require client certificates from this CA."),
+    ] = None,
     log_level: Annotated[str, typer.Option("--log-level", envvar="TOOLREG_LOG_LEVEL")] = "INFO",
 ) -> None:
     """Run the gRPC server in the foreground until SIGTERM/SIGINT."""
@@ -107,6 +176,9 @@ def serve(
             "data_dir": data_dir,
             "tools_dir": tools,
             "policy_file": policy,
+            "tls_cert": tls_cert,
+            "tls_key": tls_key,
+            "tls_client_ca": tls_client_ca,
         }.items()
         if v is not None
     }
@@ -128,6 +200,7 @@ def serve(
 
 @tools_app.command("register")
 def tools_register(
+    ctx: typer.Context,
     path: Annotated[Path, typer.Argument(help="A manifest file or a directory of them.")],
     replace: Annotated[
         bool, typer.Option("--replace", help="Overwrite different definitions.")
@@ -145,7 +218,7 @@ def tools_register(
         fail(exc.message, 2)
     if not tools:
         fail(f"{path}: no manifests (*.yaml, *.yml) found", 2)
-    with _client(address) as client:
+    with _client(ctx, address) as client:
         for tool in tools:
             try:
                 stored = client.register(tool, replace=replace)
@@ -156,6 +229,7 @@ def tools_register(
 
 @tools_app.command("list")
 def tools_list(
+    ctx: typer.Context,
     max_level: LevelOpt = None,
     category: CategoryOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
@@ -163,9 +237,11 @@ def tools_list(
 ) -> None:
     """List registered tools."""
     level = _level(max_level)
-    with _client(address) as client:
+    with _client(ctx, address) as client:
         try:
-            tools = [client_mod.tool_from_message(t) for t in client.list(level, category or ())]
+            tools = [
+                client_mod.tool_from_message(t) for t in client.list_tools(level, category or ())
+            ]
         except grpc.RpcError as err:
             _rpc_failed(err, client.address)
     if as_json:
@@ -182,9 +258,9 @@ def tools_list(
 
 
 @tools_app.command("get")
-def tools_get(name: str, address: AddressOpt = None) -> None:
+def tools_get(ctx: typer.Context, name: str, address: AddressOpt = None) -> None:
     """Show one tool's definition (JSON)."""
-    with _client(address) as client:
+    with _client(ctx, address) as client:
         try:
             tool = client_mod.tool_from_message(client.get(name))
         except grpc.RpcError as err:
@@ -196,6 +272,7 @@ def tools_get(name: str, address: AddressOpt = None) -> None:
 
 @tools_app.command("schemas")
 def tools_schemas(
+    ctx: typer.Context,
     fmt: Annotated[
         str,
         typer.Option(
@@ -208,11 +285,12 @@ def tools_schemas(
 ) -> None:
     """Export tool schemas for an LLM API."""
     level = _level(max_level)
-    with _client(address) as client:
+    with _client(ctx, address) as client:
         try:
             if fmt.strip().lower() == "text":
                 tools = [
-                    client_mod.tool_from_message(t) for t in client.list(level, category or ())
+                    client_mod.tool_from_message(t)
+                    for t in client.list_tools(level, category or ())
                 ]
                 typer.echo(tool_belt(tools), nl=False)
                 return
@@ -231,6 +309,7 @@ def tools_schemas(
 
 @app.command("exec")
 def exec_tool(
+    ctx: typer.Context,
     name: Annotated[str, typer.Argument(help="The tool to run.")],
     args: Annotated[str, typer.Option("--args", help="Arguments as a JSON object.")] = "{}",
     stream: Annotated[bool, typer.Option("--stream", help="Print output as it arrives.")] = False,
@@ -242,7 +321,7 @@ def exec_tool(
     """Run a tool once and print its result. Exit status 0 only on success."""
     from google.protobuf import json_format
 
-    with _client(address) as client:
+    with _client(ctx, address) as client:
         try:
             if stream:
                 result = None
@@ -299,6 +378,196 @@ def reap(
     finally:
         runner.close()
     typer.echo(f"removed {removed} leftover container{'s' if removed != 1 else ''}")
+
+
+# --------------------------------------------------------------- approvals
+
+
+def _request_lines(req: Any) -> list[str]:
+    created = req.created_at.ToDatetime().strftime("%Y-%m-%d %H:%M:%S")
+    expires = req.expires_at.ToDatetime().strftime("%Y-%m-%d %H:%M:%S")
+    approved = ", ".join(req.approved_by) or "nobody yet"
+    return [
+        f"request   {req.id}",
+        f"state     {req.state}",
+        f"tool      {req.tool_name} (digest {req.tool_digest})",
+        f"asked by  {req.requested_by} at {created} UTC; expires {expires} UTC",
+        f"approvals {len(req.approved_by)} of {req.approvals_required} ({approved})",
+        "arguments (digest " + req.arguments_digest + "):",
+        json.dumps(json.loads(req.arguments_json), indent=2, ensure_ascii=False),
+    ]
+
+
+@approvals_app.command("list")
+def approvals_list(
+    ctx: typer.Context,
+    state: Annotated[
+        str, typer.Option("--state", help="PENDING, APPROVED, CONSUMED or EXPIRED.")
+    ] = "",
+    address: AddressOpt = None,
+) -> None:
+    """List approval requests, newest first."""
+    with _client(ctx, address) as client:
+        try:
+            found = client.approval_requests(state)
+        except grpc.RpcError as err:
+            _rpc_failed(err, client.address)
+    if not found:
+        typer.echo("no approval requests")
+    for req in found:
+        have = f"{len(req.approved_by)}/{req.approvals_required}"
+        typer.echo(f"{req.id}  {req.state:<9} {have:>5}  {req.tool_name}  by {req.requested_by}")
+
+
+@approvals_app.command("show")
+def approvals_show(ctx: typer.Context, request_id: str, address: AddressOpt = None) -> None:
+    """Show one request with its arguments in full."""
+    with _client(ctx, address) as client:
+        try:
+            req = client.approval_request(request_id)
+        except grpc.RpcError as err:
+            _rpc_failed(err, client.address)
+    typer.echo("\n".join(_request_lines(req)))
+
+
+@approvals_app.command("approve")
+def approvals_approve(
+    ctx: typer.Context,
+    request_id: str,
+    key: Annotated[Path, typer.Option("--key", help="Your Ed25519 private key (PEM).")],
+    approver: Annotated[
+        str | None, typer.Option("--as", help="Your approver id (default: the key file's name).")
+    ] = None,
+    ttl: Annotated[
+        int | None,
+        typer.Option("--ttl", help="Token lifetime, seconds (default: the policy maximum)."),
+    ] = None,
+    print_only: Annotated[
+        bool, typer.Option("--print", help="Print the token instead of submitting it.")
+    ] = False,
+    address: AddressOpt = None,
+) -> None:
+    """Sign exactly this request (tool digest + arguments digest) with your key.
+    The key never leaves this process."""
+    from registry_server.tokens import load_private_key, mint
+
+    try:
+        private_key = load_private_key(key.read_bytes())
+    except OSError as exc:
+        fail(f"cannot read {key}: {exc.strerror}", 2)
+    except ValueError as exc:
+        fail(f"{key}: {exc}", 2)
+    issuer = approver or key.name.split(".")[0]
+    with _client(ctx, address) as client:
+        try:
+            req = client.approval_request(request_id)
+            if req.state in ("CONSUMED", "EXPIRED"):
+                fail(f"request {request_id} is {req.state.lower()}; nothing to approve")
+            lifetime = ttl or req.max_token_ttl_s or 900
+            token = mint(
+                private_key, issuer=issuer, audience=req.audience, tool_name=req.tool_name,
+                tool_digest=req.tool_digest, args_digest=req.arguments_digest, ttl_s=lifetime,
+                request_id=req.id,
+            )  # fmt: skip
+            if print_only:
+                typer.echo(token)
+                return
+            updated = client.submit_approval(request_id, token)
+        except grpc.RpcError as err:
+            _rpc_failed(err, client.address)
+    typer.echo(
+        f"approved {request_id} as {issuer}: {len(updated.approved_by)} of"
+        f" {updated.approvals_required} approvals, state {updated.state}"
+    )
+
+
+# -------------------------------------------------------------------- keys
+
+
+@keys_app.command("generate")
+def keys_generate(
+    out: Annotated[
+        Path, typer.Option("--out", help="Where to write the private key (PEM, mode 600).")
+    ],
+    install: Annotated[
+        Path | None,
+        typer.Option(
+            "--install", help="Development mode: also trust this key in this data directory."
+        ),
+    ] = None,
+) -> None:
+    """Make an approver key pair; print the public key to paste into the policy."""
+    import os
+
+    from registry_server.tokens import generate_keypair
+
+    if out.exists():
+        fail(f"{out} exists; refusing to overwrite a key", 2)
+    private_pem, public_text = generate_keypair()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(private_pem)
+    approver = out.name.split(".")[0]
+    public_file = out.with_name(f"{approver}.pub")
+    public_file.write_text(public_text + "\n")
+    typer.echo(f"private key: {out} (keep it secret; it never goes to the server)")
+    typer.echo(f"public key:  {public_text}")
+    typer.echo(f'policy entry: {{id: {approver}, public_key: "{public_text}", groups: [...]}}')
+    if install is not None:
+        target = install / "approvers" / f"{approver}.pub"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(public_text + "\n")
+        typer.echo(f"trusted in development mode as approver '{approver}': {target}")
+
+
+# ------------------------------------------------------------------- audit
+
+
+DataDirOpt = Annotated[
+    Path | None,
+    typer.Option("--data-dir", envvar="TOOLREG_DATA_DIR", help="The server's data directory."),
+]
+
+
+def _open_store(data_dir: Path | None) -> Any:
+    from registry_server.config import DEFAULT_DATA_DIR
+    from registry_server.store import DB_FILENAME, Store
+
+    directory = data_dir or DEFAULT_DATA_DIR
+    if not (directory / DB_FILENAME).exists():
+        fail(f"no toolreg store in {directory}", 2)
+    try:
+        return Store(directory)
+    except ToolregError as exc:
+        fail(exc.message)
+
+
+@audit_app.command("verify")
+def audit_verify(data_dir: DataDirOpt = None) -> None:
+    """Walk the hash chain; exit 1 at the first broken record."""
+    from registry_server import audit
+
+    store = _open_store(data_dir)
+    verdict = audit.verify(store)
+    store.close()
+    typer.echo(str(verdict))
+    if not verdict.ok:
+        raise typer.Exit(1)
+
+
+@audit_app.command("tail")
+def audit_tail(
+    count: Annotated[int, typer.Option("-n", help="How many records.")] = 20,
+    data_dir: DataDirOpt = None,
+) -> None:
+    """Show the most recent audit records, one JSON line each."""
+    from registry_server import audit
+
+    store = _open_store(data_dir)
+    for entry in audit.tail(store, count):
+        typer.echo(json.dumps(entry, ensure_ascii=False))
+    store.close()
 
 
 def main() -> None:

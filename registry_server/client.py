@@ -54,10 +54,54 @@ def describe_rpc_error(err: grpc.RpcError) -> str:
     return "\n".join(lines)
 
 
+class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds `authorization: Bearer <token>` to every call."""
+
+    def __init__(self, token: str) -> None:
+        self._header = ("authorization", f"Bearer {token}")
+
+    def _with_token(self, details: Any) -> Any:
+        metadata = [*(details.metadata or ()), self._header]
+        return details._replace(metadata=metadata)
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._with_token(details), request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._with_token(details), request)
+
+
+def open_channel(
+    address: str,
+    *,
+    token: str | None = None,
+    tls_ca: bytes | None = None,
+    tls_cert: bytes | None = None,
+    tls_key: bytes | None = None,
+    tls: bool = False,
+) -> grpc.Channel:
+    """A channel to the server: TLS when any TLS option is given (the CA
+    defaults to the system's), mTLS with a client certificate and key."""
+    if tls or tls_ca or tls_cert:
+        creds = grpc.ssl_channel_credentials(tls_ca, tls_key, tls_cert)
+        channel = grpc.secure_channel(address, creds)
+    else:
+        channel = grpc.insecure_channel(address)
+    if token:
+        channel = grpc.intercept_channel(channel, _BearerToken(token))
+    return channel
+
+
 class RegistryClient:
-    def __init__(self, address: str | None = None, *, channel: grpc.Channel | None = None) -> None:
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        channel: grpc.Channel | None = None,
+        token: str | None = None,
+    ) -> None:
         self.address = address or default_address()
-        self._channel = channel or grpc.insecure_channel(self.address)
+        self._channel = channel or open_channel(self.address, token=token)
         self.stub = pb_grpc.ToolRegistryStub(self._channel)
 
     def __enter__(self) -> RegistryClient:
@@ -80,7 +124,7 @@ class RegistryClient:
         result: pb.Tool = self.stub.GetTool(pb.GetToolRequest(name=name), timeout=DEFAULT_TIMEOUT_S)
         return result
 
-    def list(
+    def list_tools(
         self, max_level: SafetyLevel | None = None, categories: Iterable[str] = ()
     ) -> list[pb.Tool]:
         request = pb.ListToolsRequest(
@@ -118,6 +162,22 @@ class RegistryClient:
             approval_request_id=request_id,
         )
         result: pb.ToolResult = self.stub.ExecuteTool(request, timeout=timeout)
+        return result
+
+    def approval_request(self, request_id: str) -> pb.ApprovalRequest:
+        result: pb.ApprovalRequest = self.stub.GetApprovalRequest(
+            pb.GetApprovalRequestRequest(id=request_id), timeout=DEFAULT_TIMEOUT_S
+        )
+        return result
+
+    def approval_requests(self, state: str = "", limit: int = 0) -> list[pb.ApprovalRequest]:
+        request = pb.ListApprovalRequestsRequest(state=state, limit=limit)
+        return list(self.stub.ListApprovalRequests(request, timeout=DEFAULT_TIMEOUT_S).requests)
+
+    def submit_approval(self, request_id: str, token: str) -> pb.ApprovalRequest:
+        result: pb.ApprovalRequest = self.stub.SubmitApproval(
+            pb.SubmitApprovalRequest(request_id=request_id, token=token), timeout=DEFAULT_TIMEOUT_S
+        )
         return result
 
     def stream(

@@ -38,6 +38,17 @@ class ServerConfig(BaseSettings):
     # Dangerous tools that get workspace_dir mounted read-write at /workspace.
     workspace_tools: tuple[str, ...] = ("write_file",)
     reap_on_start: bool = True  # remove containers left by dead toolreg servers
+    # TLS: server certificate and key (PEM); with a client CA, clients must
+    # present a certificate it signed (mTLS).
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None
+    # Listening beyond loopback without TLS and a policy exposes an open tool
+    # runner; refused unless forced.
+    allow_insecure_remote: bool = False
+    # A broken audit chain stops the server unless the operator says go on.
+    allow_broken_audit: bool = False
+    dev_audience: str = "toolreg-dev"  # the `aud` of tokens in development mode
     shutdown_grace_s: float = Field(SHUTDOWN_GRACE_S, ge=0)
 
     @property
@@ -45,6 +56,11 @@ class ServerConfig(BaseSettings):
         # Every admitted or queued execution holds a thread while it waits,
         # and registry RPCs must still be served when all of those are busy.
         return self.max_sandboxes + self.max_queued + EXTRA_GRPC_THREADS
+
+    @property
+    def approvers_dir(self) -> Path:
+        """Development mode: public keys (<id>.pub) of approvers."""
+        return self.data_dir / "approvers"
 
     @property
     def workspace(self) -> Path:

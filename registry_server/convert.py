@@ -148,6 +148,9 @@ def approval_request_to_pb(req: ApprovalRequestView) -> pb.ApprovalRequest:
         state=req.state,
         created_at=_timestamp(req.created_at),
         expires_at=_timestamp(req.expires_at),
+        audience=req.audience,
+        max_token_ttl_s=req.max_token_ttl_s,
+        approvals_missing=max(0, req.approvals_required - len(req.approved_by)),
     )
 
 

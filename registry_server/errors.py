@@ -88,6 +88,12 @@ class Unimplemented(ToolregError):
     code = ErrorCode.UNIMPLEMENTED
 
 
+class ConfigError(ToolregError):
+    """The server's configuration or policy is unusable; it does not start."""
+
+    code = ErrorCode.FAILED_PRECONDITION
+
+
 class StoreError(ToolregError):
     """The data directory cannot be read or written (disk full, permissions)."""
 

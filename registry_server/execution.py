@@ -14,12 +14,20 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from registry_server import strict_json
+from registry_server import audit, strict_json
 from registry_server.admission import Admission, Cancelled
+from registry_server.approvals import Approvals, Approved, Call, Denied, Required
 from registry_server.arguments import parse_arguments
-from registry_server.errors import EngineUnavailable, InvalidArgument, ToolregError, Unimplemented
+from registry_server.errors import (
+    EngineUnavailable,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ToolregError,
+    Unimplemented,
+)
 from registry_server.models import SafetyLevel, ToolDefinition
-from registry_server.outcome import Outcome, Status
+from registry_server.outcome import ApprovalRequestView, Outcome, Status
 from registry_server.registry import Registry
 from registry_server.store import Store
 from sandbox_runner import EngineUnavailable as RunnerEngineUnavailable
@@ -44,6 +52,8 @@ class CallRequest:
     approval_request_id: str = ""
     # time.monotonic() by which the client stops waiting (its gRPC deadline)
     deadline: float | None = None
+    # the most dangerous level this caller may run (None = any)
+    max_level: SafetyLevel | None = None
 
 
 @dataclass(frozen=True)
@@ -71,12 +81,14 @@ class Executor:
         admission: Admission,
         policy: SandboxPolicy,
         store: Store | None = None,
+        approvals: Approvals | None = None,
     ) -> None:
         self._registry = registry
         self._runner = runner
         self._admission = admission
         self._policy = policy
         self._store = store
+        self._approvals = approvals
         self._runtimes: frozenset[str] | None = None
 
     @property
@@ -102,28 +114,58 @@ class Executor:
         cancel: threading.Event | None = None,
     ) -> Outcome:
         execution_id = uuid.uuid4().hex
+        record = AuditRecord(execution_id, call)
         tool = self._registry.find(call.name)
         if tool is None:
-            return Outcome(
+            outcome = Outcome(
                 Status.TOOL_NOT_FOUND,
                 error=f"Tool '{call.name}' not found",
                 execution_id=execution_id,
             )
-        try:
-            arguments, args_digest = parse_arguments(tool, call.arguments_json)
-        except InvalidArgument as exc:
-            return Outcome(Status.INVALID_ARGUMENTS, error=exc.message, execution_id=execution_id)
-
-        def refuse(status: Status, error: str) -> Outcome:
-            outcome = Outcome(status, error=error, execution_id=execution_id)
-            self._record(execution_id, tool, call, args_digest, outcome, "", None)
-            return outcome
-
-        if tool.safety_level is SafetyLevel.DANGEROUS:
-            return refuse(
-                Status.APPROVAL_REQUIRED,
-                f"Tool '{tool.name}' is dangerous and needs signed approval before it runs",
+            return self._finish(record, outcome)
+        record.tool = tool
+        if call.max_level is not None and not tool.safety_level.at_most(call.max_level):
+            raise PermissionDenied(
+                f"client '{call.caller}' may run tools up to {call.max_level.value};"
+                f" '{tool.name}' is {tool.safety_level.value}"
             )
+        try:
+            arguments, record.args_digest = parse_arguments(tool, call.arguments_json)
+        except InvalidArgument as exc:
+            return self._finish(
+                record,
+                Outcome(Status.INVALID_ARGUMENTS, error=exc.message, execution_id=execution_id),
+            )
+
+        def refuse(
+            status: Status, error: str, request: ApprovalRequestView | None = None
+        ) -> Outcome:
+            return self._finish(
+                record,
+                Outcome(status, error=error, execution_id=execution_id, approval_request=request),
+            )
+
+        approved: Approved | None = None
+        if tool.safety_level is SafetyLevel.DANGEROUS:
+            if self._approvals is None:
+                return refuse(
+                    Status.APPROVAL_REQUIRED,
+                    f"Tool '{tool.name}' is dangerous and this server has no approvers",
+                )
+            try:
+                decision = self._approvals.decide(
+                    Call(tool, strict_json.dumps(arguments), record.args_digest, call.caller),
+                    call.approval_tokens,
+                    call.approval_request_id,
+                )
+            except Denied as exc:
+                return refuse(Status.APPROVAL_DENIED, f"approval denied: {exc.reason}")
+            except NotFound as exc:
+                return refuse(Status.APPROVAL_DENIED, f"approval denied: {exc.message}")
+            if isinstance(decision, Required):
+                return refuse(Status.APPROVAL_REQUIRED, decision.message, decision.request)
+            approved = decision
+            record.approved = decision
         if self._runner is None:
             raise Unimplemented("this server has no sandbox runner")
         runtime = self.runtime_for(tool.safety_level)
@@ -133,8 +175,22 @@ class Executor:
                 f"Tool '{tool.name}' needs gVisor (runsc), which this engine lacks",
             )
         spec = self.sandbox_spec(tool, arguments, runtime)
+        record.runtime, record.limits = runtime, spec.limits
+        if approved is not None and self._approvals is not None and self._store is not None:
+            # Spend the tokens and write the decision in one transaction, before
+            # the container exists: a crash after this point can never let the
+            # same tokens run the call twice.
+            try:
+                with self._store.transaction() as db:
+                    self._approvals.consume(db, approved, execution_id)
+                    audit.append(
+                        db, "execution", record.as_dict(decision="approved", status="STARTING")
+                    )
+            except Denied as exc:
+                return refuse(Status.APPROVAL_DENIED, f"approval denied: {exc.reason}")
         try:
             with self._admission.slot(cancel):
+                spec = _within_deadline(spec, call.deadline)
                 result = self._runner.run(
                     spec, execution_id=execution_id, on_output=on_output, cancel=cancel
                 )
@@ -145,6 +201,9 @@ class Executor:
                 execution_id=execution_id,
             )
         except RunnerEngineUnavailable as exc:
+            self._finish(
+                record, Outcome(Status.SANDBOX_ERROR, error=str(exc), execution_id=execution_id)
+            )
             raise EngineUnavailable(f"no container engine answers: {exc}") from exc
         except SandboxError as exc:
             log.warning("sandbox error for %s (%s): %s", tool.name, execution_id, exc)
@@ -153,8 +212,7 @@ class Executor:
             )
         else:
             outcome = outcome_of(tool, result, execution_id)
-        self._record(execution_id, tool, call, args_digest, outcome, runtime, spec.limits)
-        return outcome
+        return self._finish(record, outcome)
 
     def sandbox_spec(
         self, tool: ToolDefinition, arguments: dict[str, object], runtime: str
@@ -192,57 +250,73 @@ class Executor:
             mounts=mounts,
         )
 
-    def _record(
-        self,
-        execution_id: str,
-        tool: ToolDefinition,
-        call: CallRequest,
-        args_digest: str,
-        outcome: Outcome,
-        runtime: str,
-        limits: Limits | None,
-    ) -> None:
-        applied = (
-            {}
-            if limits is None
-            else {
-                "memory_mb": limits.memory_mb,
-                "cpu_millis": limits.cpu_millis,
-                "pids": limits.pids,
-                "timeout_ms": limits.timeout_ms,
-                "output_bytes": limits.output_bytes,
-                "tmpfs_mb": limits.tmpfs_mb,
-                "nofile": limits.nofile,
-                "fsize_mb": limits.fsize_mb,
-            }
-        )
-        row: dict[str, object] = {
-            "id": execution_id,
-            "at": time.time(),
-            "tool": tool.name,
-            "tool_digest": tool.digest,
-            "level": tool.safety_level.value,
-            "caller": call.caller,
-            "args_digest": args_digest,
-            "status": outcome.status.value,
-            "exit_code": outcome.exit_code
-            if outcome.status in (Status.OK, Status.TOOL_ERROR)
-            else None,
-            "duration_ms": outcome.duration_ms,
-            "runtime": runtime,
-            "limits": json.dumps(applied, sort_keys=True),
-        }
-        execution_log.info("execution %s", json.dumps(row, sort_keys=True))
+    def _finish(self, record: AuditRecord, outcome: Outcome) -> Outcome:
+        """Write the attempt's audit record, then hand the outcome back."""
+        entry = record.as_dict(decision=_decision(outcome, record), outcome=outcome)
+        execution_log.info("execution %s", json.dumps(entry, sort_keys=True))
         if self._store is None:
-            return
+            return outcome
         try:
-            self._store.record_execution(row)
+            with self._store.transaction() as db:
+                audit.append(db, "execution", entry)
         except ToolregError as exc:
             # Cautious and dangerous calls are audited: no durable record, no
             # answer. A safe call's record is not worth failing a read for.
-            if tool.safety_level is not SafetyLevel.SAFE:
+            if record.tool is not None and record.tool.safety_level is not SafetyLevel.SAFE:
                 raise
-            log.warning("could not store the record of execution %s: %s", execution_id, exc)
+            log.warning("could not store the audit record of %s: %s", record.execution_id, exc)
+        return outcome
+
+
+class AuditRecord:
+    """What the audit log says about one execution attempt."""
+
+    def __init__(self, execution_id: str, call: CallRequest) -> None:
+        self.execution_id = execution_id
+        self.call = call
+        self.tool: ToolDefinition | None = None
+        self.args_digest = ""
+        self.approved: Approved | None = None
+        self.runtime = ""
+        self.limits: Limits | None = None
+
+    def as_dict(
+        self, *, decision: str, status: str = "", outcome: Outcome | None = None
+    ) -> dict[str, object]:
+        approvals = self.approved.approvals if self.approved else ()
+        return {
+            "execution_id": self.execution_id,
+            "caller": self.call.caller,
+            "tool": self.tool.name if self.tool else self.call.name,
+            "tool_digest": self.tool.digest if self.tool else "",
+            "level": self.tool.safety_level.value if self.tool else "",
+            "args_digest": self.args_digest,
+            "decision": decision,
+            "approvers": [a.approver for a in approvals],
+            "jtis": [a.jti for a in approvals],
+            "approval_request_id": (self.approved.request_id if self.approved else None)
+            or self.call.approval_request_id
+            or None,
+            "status": outcome.status.value if outcome else status,
+            "exit_code": outcome.exit_code
+            if outcome and outcome.status in (Status.OK, Status.TOOL_ERROR)
+            else None,
+            "duration_ms": outcome.duration_ms if outcome else 0,
+            "runtime": self.runtime,
+            "limits": dataclasses.asdict(self.limits) if self.limits else {},
+        }
+
+
+def _decision(outcome: Outcome, record: AuditRecord) -> str:
+    refused = {
+        Status.TOOL_NOT_FOUND: "not_found",
+        Status.INVALID_ARGUMENTS: "invalid_arguments",
+        Status.APPROVAL_REQUIRED: "approval_required",
+        Status.APPROVAL_DENIED: "approval_denied",
+    }
+    if outcome.status in refused:
+        return refused[outcome.status]
+    return "approved" if record.approved else "allowed"
 
 
 def _within_deadline(spec: SandboxSpec, deadline: float | None) -> SandboxSpec:

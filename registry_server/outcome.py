@@ -32,6 +32,8 @@ class ApprovalRequestView:
     state: str
     created_at: datetime
     expires_at: datetime
+    audience: str = ""
+    max_token_ttl_s: int = 0
 
 
 @dataclass(frozen=True)

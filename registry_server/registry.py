@@ -59,7 +59,9 @@ class Registry:
         """Called after a definition is created or replaced: (old or None, new)."""
         self._listeners.append(listener)
 
-    def register(self, tool: ToolDefinition, *, replace: bool = False) -> RegisterOutcome:
+    def register(
+        self, tool: ToolDefinition, *, replace: bool = False, actor: str = "server"
+    ) -> RegisterOutcome:
         with self._write_lock:
             current = self._tools.get(tool.name)
             if current is not None and current.digest == tool.digest:
@@ -70,7 +72,16 @@ class Registry:
                     f" (digest {current.digest[:12]}); pass replace to overwrite it"
                 )
             if self._store is not None:
-                self._store.put_tool(tool.name, strict_json.dumps(tool.as_manifest()), tool.digest)
+                record: dict[str, object] = {
+                    "event": "replaced" if current else "created",
+                    "tool": tool.name,
+                    "digest": tool.digest,
+                    "previous_digest": current.digest if current else None,
+                    "level": tool.safety_level.value,
+                    "by": actor,
+                }
+                manifest = strict_json.dumps(tool.as_manifest())
+                self._store.put_tool(tool.name, manifest, tool.digest, record)
             tools = dict(self._tools)
             tools[tool.name] = tool
             self._tools = tools  # publish: one reference swap, atomic for readers

@@ -18,17 +18,24 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from registry_server import audit
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
 from registry_server.admission import Admission
+from registry_server.approvals import Approvals
+from registry_server.auth import Authenticator, AuthInterceptor
 from registry_server.config import ServerConfig
+from registry_server.errors import ConfigError
 from registry_server.execution import Executor, SandboxPolicy
 from registry_server.manifests import load_manifests
+from registry_server.models import SafetyLevel
+from registry_server.policy import Policy, PolicyError, development_policy, load_policy
 from registry_server.registry import RegisterOutcome, Registry
 from registry_server.servicer import ToolRegistryServicer
 from registry_server.store import Store
-from sandbox_runner import SandboxError
+from sandbox_runner import Limits, SandboxError
 from sandbox_runner.docker_backend import DockerRunner
+from sandbox_runner.profiles import profile_for
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +53,8 @@ class App:
     executor: Executor
     health: health.HealthServicer
     runner: DockerRunner
+    approvals: Approvals
+    dev_mode: bool = False
     closers: list[Callable[[], None]] = field(default_factory=list)
 
     def close(self) -> None:
@@ -56,13 +65,20 @@ class App:
 
 
 def build_app(config: ServerConfig) -> App:
+    _check_exposure(config)
+    policy, dev_mode = _load_policy(config)
     store = Store(config.data_dir)
-    registry = Registry(store)
-    if config.tools_dir is not None:
-        for tool in load_manifests(config.tools_dir):
-            outcome = registry.register(tool, replace=True)
-            if outcome is not RegisterOutcome.UNCHANGED:
-                log.info("tool %s %s from %s", tool.name, outcome.value, config.tools_dir)
+    try:
+        _check_audit_chain(config, store)
+        registry = Registry(store)
+        if config.tools_dir is not None:
+            for tool in load_manifests(config.tools_dir):
+                outcome = registry.register(tool, replace=True, actor="server:--tools")
+                if outcome is not RegisterOutcome.UNCHANGED:
+                    log.info("tool %s %s from %s", tool.name, outcome.value, config.tools_dir)
+    except BaseException:
+        store.close()
+        raise
     runner = DockerRunner(
         instance_id=f"toolreg-{uuid.uuid4().hex[:12]}",
         base_url=config.docker_url,
@@ -70,20 +86,76 @@ def build_app(config: ServerConfig) -> App:
         max_pool_size=config.max_sandboxes + 4,
     )
     _start_sandboxes(config, runner)
+    approvals = Approvals(store, policy, registry)
     executor = Executor(
         registry,
         runner,
         admission=Admission(config.max_sandboxes, config.max_queued),
         policy=SandboxPolicy(
+            ceilings={level: _ceiling(policy, level) for level in SafetyLevel},
             require_gvisor=config.require_gvisor,
             workspace_dir=_prepare_workspace(config.workspace),
             workspace_tools=frozenset(config.workspace_tools),
         ),
         store=store,
+        approvals=approvals,
     )
-    app = App(config, store, registry, executor, health.HealthServicer(), runner)
+    app = App(config, store, registry, executor, health.HealthServicer(), runner, approvals)
+    app.dev_mode = dev_mode
     app.closers.append(runner.close)
     return app
+
+
+def _check_exposure(config: ServerConfig) -> None:
+    """An open tool runner must not be reachable from the network by accident."""
+    loopback = config.host in ("127.0.0.1", "::1", "localhost") or config.host.startswith("127.")
+    if loopback or config.allow_insecure_remote:
+        return
+    if config.policy_file is None or config.tls_cert is None:
+        raise ConfigError(
+            f"refusing to listen on {config.host} without TLS (--tls-cert/--tls-key) and a policy"
+            " (--policy); set TOOLREG_ALLOW_INSECURE_REMOTE=true to force it"
+        )
+
+
+def _load_policy(config: ServerConfig) -> tuple[Policy, bool]:
+    if config.policy_file is not None:
+        try:
+            return load_policy(config.policy_file), False
+        except PolicyError as exc:
+            raise ConfigError(str(exc)) from None
+    keys: dict[str, str] = {}
+    if config.approvers_dir.is_dir():
+        keys = {p.stem: p.read_text().strip() for p in sorted(config.approvers_dir.glob("*.pub"))}
+    log.warning(
+        "DEVELOPMENT MODE (no --policy): loopback only, every client allowed with every role;"
+        " dangerous tools need a token from one of %d approver key(s) in %s"
+        " (add one with `toolreg keys generate --out FILE --install %s`)",
+        len(keys), config.approvers_dir, config.data_dir,
+    )  # fmt: skip
+    try:
+        return development_policy(audience=config.dev_audience, approvers=keys), True
+    except PolicyError as exc:
+        raise ConfigError(f"{config.approvers_dir}: {exc}") from None
+
+
+def _check_audit_chain(config: ServerConfig, store: Store) -> None:
+    verdict = audit.verify(store)
+    if verdict.ok:
+        log.info("%s", verdict)
+        return
+    if not config.allow_broken_audit:
+        raise ConfigError(
+            f"{verdict} in {store.path}; refusing to start. Investigate, then set"
+            " TOOLREG_ALLOW_BROKEN_AUDIT=true to start anyway"
+        )
+    log.error("%s; starting anyway (TOOLREG_ALLOW_BROKEN_AUDIT)", verdict)
+
+
+def _ceiling(policy: Policy, level: SafetyLevel) -> Limits:
+    """The built-in profile of a level, with the policy's fields replacing its own."""
+    override = policy.ceiling(level) or {}
+    return profile_for(level.value).replace(**override)
 
 
 def _start_sandboxes(config: ServerConfig, runner: DockerRunner) -> None:
@@ -125,10 +197,13 @@ def create_server(config: ServerConfig, app: App | None = None) -> tuple[grpc.Se
     app = app or build_app(config)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.grpc_threads, thread_name_prefix="grpc"),
+        interceptors=[
+            AuthInterceptor(Authenticator(None if app.dev_mode else app.approvals.policy))
+        ],
         options=[("grpc.so_reuseport", 0)],
     )
     pb_grpc.add_ToolRegistryServicer_to_server(
-        ToolRegistryServicer(app.registry, app.executor), server
+        ToolRegistryServicer(app.registry, app.executor, app.approvals), server
     )
     health_pb2_grpc.add_HealthServicer_to_server(app.health, server)
     app.health.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -141,11 +216,37 @@ def create_server(config: ServerConfig, app: App | None = None) -> tuple[grpc.Se
         ),
         server,
     )
-    port = server.add_insecure_port(config.address)
+    credentials = _tls_credentials(config)
+    if credentials is None:
+        port = server.add_insecure_port(config.address)
+    else:
+        port = server.add_secure_port(config.address, credentials)
     if port == 0:
         app.close()
         raise OSError(f"cannot listen on {config.address}")
     return server, port, app
+
+
+def _tls_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
+    if config.tls_cert is None and config.tls_key is None:
+        if config.tls_client_ca is not None:
+            raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key")
+        return None
+    if config.tls_cert is None or config.tls_key is None:
+        raise ConfigError("TLS needs both --tls-cert and --tls-key")
+
+    def read(path: Path, what: str) -> bytes:
+        try:
+            return path.read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"cannot read the {what} {path}: {exc.strerror}") from None
+
+    client_ca = read(config.tls_client_ca, "client CA") if config.tls_client_ca else None
+    return grpc.ssl_server_credentials(
+        [(read(config.tls_key, "TLS key"), read(config.tls_cert, "TLS certificate"))],
+        root_certificates=client_ca,
+        require_client_auth=client_ca is not None,
+    )
 
 
 def serve(config: ServerConfig) -> None:

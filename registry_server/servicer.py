@@ -12,6 +12,8 @@ import grpc
 from registry_server import convert, schemas
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
+from registry_server.approvals import Approvals
+from registry_server.auth import current_principal
 from registry_server.errors import InvalidArgument, Unimplemented, Violation
 from registry_server.execution import CallRequest, Executor
 from registry_server.grpc_errors import maps_errors
@@ -80,16 +82,24 @@ def _required(value: str, field: str) -> str:
 
 
 class ToolRegistryServicer(pb_grpc.ToolRegistryServicer):
-    def __init__(self, registry: Registry, executor: Executor) -> None:
+    def __init__(self, registry: Registry, executor: Executor, approvals: Approvals | None) -> None:
         self._registry = registry
         self._executor = executor
+        self._approvals = approvals
+
+    def _approval_service(self) -> Approvals:
+        if self._approvals is None:
+            raise Unimplemented("this server has no approval service")
+        return self._approvals
 
     @staticmethod
     def _call(request: pb.ExecuteToolRequest, context: grpc.ServicerContext) -> CallRequest:
+        caller = current_principal()
         return CallRequest(
             name=request.name,
             arguments_json=request.arguments_json,
-            caller=context.peer(),
+            caller=caller.id,
+            max_level=caller.max_level,
             approval_tokens=tuple(request.approval_tokens),
             approval_request_id=request.approval_request_id,
             deadline=_deadline(context),
@@ -102,7 +112,7 @@ class ToolRegistryServicer(pb_grpc.ToolRegistryServicer):
         if not request.HasField("tool"):
             raise InvalidArgument("tool: is required", [Violation("tool", "is required")])
         tool = convert.tool_from_pb(request.tool)
-        self._registry.register(tool, replace=request.replace)
+        self._registry.register(tool, replace=request.replace, actor=current_principal().id)
         return convert.tool_to_pb(self._registry.get(tool.name))
 
     @maps_errors
@@ -147,16 +157,25 @@ class ToolRegistryServicer(pb_grpc.ToolRegistryServicer):
     def ListApprovalRequests(
         self, request: pb.ListApprovalRequestsRequest, context: grpc.ServicerContext
     ) -> pb.ListApprovalRequestsResponse:
-        raise Unimplemented("approvals are not available on this server yet")
+        found = self._approval_service().list_requests(request.state, request.limit)
+        return pb.ListApprovalRequestsResponse(
+            requests=[convert.approval_request_to_pb(r) for r in found]
+        )
 
     @maps_errors
     def GetApprovalRequest(
         self, request: pb.GetApprovalRequestRequest, context: grpc.ServicerContext
     ) -> pb.ApprovalRequest:
-        raise Unimplemented("approvals are not available on this server yet")
+        found = self._approval_service().get(_required(request.id, "id"))
+        return convert.approval_request_to_pb(found)
 
     @maps_errors
     def SubmitApproval(
         self, request: pb.SubmitApprovalRequest, context: grpc.ServicerContext
     ) -> pb.ApprovalRequest:
-        raise Unimplemented("approvals are not available on this server yet")
+        updated = self._approval_service().submit(
+            _required(request.request_id, "request_id"),
+            _required(request.token, "token"),
+            submitted_by=current_principal().id,
+        )
+        return convert.approval_request_to_pb(updated)

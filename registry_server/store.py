@@ -49,6 +49,45 @@ _MIGRATIONS: list[str] = [
     );
     CREATE INDEX executions_at ON executions (at);
     """,
+    # 3: the hash-chained audit log replaces the execution log; approvals
+    """
+    DROP TABLE executions;
+    CREATE TABLE audit (
+        seq        INTEGER PRIMARY KEY,  -- 1, 2, 3, ... in append order
+        at         REAL NOT NULL,
+        kind       TEXT NOT NULL,        -- execution, approval, registration
+        record     TEXT NOT NULL,        -- the record, canonical JSON (RFC 8785)
+        prev_hash  TEXT NOT NULL,        -- hash of record seq-1 (64 zeros for the first)
+        hash       TEXT NOT NULL         -- sha256 of the canonical JSON of the fields above
+    );
+    CREATE TABLE approval_requests (
+        id                  TEXT PRIMARY KEY,
+        tool_name           TEXT NOT NULL,
+        tool_digest         TEXT NOT NULL,
+        arguments_json      TEXT NOT NULL,
+        arguments_digest    TEXT NOT NULL,
+        requested_by        TEXT NOT NULL,
+        approvals_required  INTEGER NOT NULL,
+        state               TEXT NOT NULL,   -- PENDING, APPROVED, CONSUMED (EXPIRED is derived)
+        created_at          REAL NOT NULL,
+        expires_at          REAL NOT NULL
+    );
+    CREATE INDEX approval_requests_created ON approval_requests (created_at);
+    CREATE TABLE approval_tokens (
+        request_id  TEXT NOT NULL REFERENCES approval_requests (id),
+        approver    TEXT NOT NULL,
+        jti         TEXT NOT NULL,
+        token       TEXT NOT NULL,
+        expires_at  REAL NOT NULL,
+        PRIMARY KEY (request_id, approver)
+    );
+    CREATE TABLE used_nonces (
+        jti           TEXT PRIMARY KEY,   -- a token's jti: used once, ever
+        approver      TEXT NOT NULL,
+        used_at       REAL NOT NULL,
+        execution_id  TEXT NOT NULL
+    );
+    """,
 ]
 
 
@@ -117,9 +156,20 @@ class Store:
         rows = self.read("SELECT name, manifest FROM tools ORDER BY name")
         return [(str(name), str(manifest)) for name, manifest in rows]
 
-    def put_tool(self, name: str, manifest_json: str, digest: str) -> None:
+    def put_tool(
+        self,
+        name: str,
+        manifest_json: str,
+        digest: str,
+        audit_record: dict[str, object] | None = None,
+    ) -> None:
+        """Store a definition, and its audit record in the same transaction."""
+        from registry_server import audit
+
         now = time.time()
         with self.transaction() as db:
+            if audit_record is not None:
+                audit.append(db, "registration", audit_record)
             db.execute(
                 "INSERT INTO tools (name, manifest, digest, created_at, updated_at)"
                 " VALUES (?, ?, ?, ?, ?)"
@@ -127,20 +177,6 @@ class Store:
                 " digest = excluded.digest, updated_at = excluded.updated_at",
                 (name, manifest_json, digest, now, now),
             )
-
-    # -- executions ------------------------------------------------------------
-
-    def record_execution(self, row: dict[str, object]) -> None:
-        columns = ", ".join(row)
-        marks = ", ".join("?" for _ in row)
-        with self.transaction() as db:
-            db.execute(f"INSERT INTO executions ({columns}) VALUES ({marks})", tuple(row.values()))
-
-    def recent_executions(self, limit: int = 50) -> list[dict[str, object]]:
-        with self._lock:
-            cursor = self._db.execute("SELECT * FROM executions ORDER BY at DESC LIMIT ?", (limit,))
-            names = [d[0] for d in cursor.description]
-            return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
 
     def close(self) -> None:
         with self._lock:

@@ -41,13 +41,13 @@ def start_server(tmp_path: Path) -> Iterator[StartServer]:
     running: list[Running] = []
 
     def start(data_dir: Path | None = None, **settings: Any) -> Running:
-        config = ServerConfig(
-            host="127.0.0.1", port=0, data_dir=data_dir or tmp_path / "data", **settings
-        )
+        settings.setdefault("host", "127.0.0.1")
+        config = ServerConfig(port=0, data_dir=data_dir or tmp_path / "data", **settings)
         server, port, app = create_server(config)
         server.start()
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-        grpc.channel_ready_future(channel).result(timeout=10)
+        if "tls_cert" not in settings:  # a TLS server never answers a plaintext channel
+            grpc.channel_ready_future(channel).result(timeout=10)
         r = Running(server, port, app, channel, pb_grpc.ToolRegistryStub(channel))
         running.append(r)
         return r

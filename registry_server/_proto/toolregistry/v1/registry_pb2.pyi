@@ -544,6 +544,9 @@ class ApprovalRequest(_message.Message):
     STATE_FIELD_NUMBER: _builtins.int
     CREATED_AT_FIELD_NUMBER: _builtins.int
     EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    AUDIENCE_FIELD_NUMBER: _builtins.int
+    MAX_TOKEN_TTL_S_FIELD_NUMBER: _builtins.int
+    APPROVALS_MISSING_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     tool_name: _builtins.str
     tool_digest: _builtins.str
@@ -553,6 +556,13 @@ class ApprovalRequest(_message.Message):
     approvals_required: _builtins.int
     state: _builtins.str
     """PENDING, APPROVED, CONSUMED or EXPIRED."""
+    audience: _builtins.str
+    """What an approver's token must carry: its `aud`, and the longest lifetime
+    (exp - iat) the policy accepts for this tool.
+    """
+    max_token_ttl_s: _builtins.int
+    approvals_missing: _builtins.int
+    """The distinct approvers still needed."""
     @_builtins.property
     def approved_by(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -573,10 +583,13 @@ class ApprovalRequest(_message.Message):
         state: _builtins.str = ...,
         created_at: _timestamp_pb2.Timestamp | None = ...,
         expires_at: _timestamp_pb2.Timestamp | None = ...,
+        audience: _builtins.str = ...,
+        max_token_ttl_s: _builtins.int = ...,
+        approvals_missing: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "expires_at", b"expires_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["approvals_required", b"approvals_required", "approved_by", b"approved_by", "arguments_digest", b"arguments_digest", "arguments_json", b"arguments_json", "created_at", b"created_at", "expires_at", b"expires_at", "id", b"id", "requested_by", b"requested_by", "state", b"state", "tool_digest", b"tool_digest", "tool_name", b"tool_name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["approvals_missing", b"approvals_missing", "approvals_required", b"approvals_required", "approved_by", b"approved_by", "arguments_digest", b"arguments_digest", "arguments_json", b"arguments_json", "audience", b"audience", "created_at", b"created_at", "expires_at", b"expires_at", "id", b"id", "max_token_ttl_s", b"max_token_ttl_s", "requested_by", b"requested_by", "state", b"state", "tool_digest", b"tool_digest", "tool_name", b"tool_name"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

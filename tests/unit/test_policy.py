@@ -1,0 +1,371 @@
+"""The policy file: loading, every rejection naming file and line, and lookups."""
+
+from __future__ import annotations
+
+import hashlib
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from registry_server.models import SafetyLevel
+from registry_server.policy import (
+    DEFAULT_TOKEN_TTL_S,
+    Client,
+    EffectiveRule,
+    Policy,
+    PolicyError,
+    Role,
+    development_policy,
+    load_policy,
+)
+from registry_server.tokens import generate_keypair, public_key_from_text
+
+pytestmark = pytest.mark.unit
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "policy.yaml"
+KEY_A = generate_keypair()[1]
+KEY_B = generate_keypair()[1]
+KEY_C = generate_keypair()[1]
+SAFE, CAUTIOUS, DANGEROUS = SafetyLevel.SAFE, SafetyLevel.CAUTIOUS, SafetyLevel.DANGEROUS
+
+
+def sha(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+# A valid policy; tests break one line of it. Line numbers below refer to it.
+BASE = f"""\
+audience: toolreg-test
+approvers:
+  - id: alice
+    public_key: "{KEY_A}"
+    groups: [security, ops]
+  - id: bob
+    public_key: "{KEY_B}"
+    groups: [security]
+  - id: carol
+    public_key: "{KEY_C}"
+    groups: [ops]
+approval_rules:
+  - match: {{tool: write_file}}
+    approvals_required: 2
+    groups: [security]
+    max_token_ttl_s: 900
+  - match: {{category: files}}
+    approvals_required: 1
+    groups: [ops]
+  - match: {{category: net}}
+    approvals_required: 3
+  - match: {{level: dangerous}}
+    approvals_required: 2
+    max_token_ttl_s: 600
+clients:
+  - id: agent
+    token_sha256: "{sha("agent-secret")}"
+    roles: [execute, register]
+    max_safety_level: cautious
+  - id: alice
+    mtls_subject: "CN=alice,O=example"
+    roles: [approve]
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "policy.yaml"
+    path.write_text(text)
+    return path
+
+
+def replace_line(number: int, new: str) -> str:
+    lines = BASE.splitlines()
+    lines[number - 1] = new
+    return "\n".join(lines) + "\n"
+
+
+def insert_after(number: int, new: str) -> str:
+    lines = BASE.splitlines()
+    lines.insert(number, new)
+    return "\n".join(lines) + "\n"
+
+
+def error(tmp_path: Path, text: str) -> str:
+    path = write(tmp_path, text)
+    with pytest.raises(PolicyError) as info:
+        load_policy(path)
+    message = str(info.value)
+    assert str(path) in message
+    return message
+
+
+@pytest.fixture
+def policy(tmp_path: Path) -> Policy:
+    return load_policy(write(tmp_path, BASE))
+
+
+# ---------------------------------------------------------------- loading
+
+
+def test_example_policy_loads() -> None:
+    policy = load_policy(EXAMPLE)
+    assert policy.audience == "toolreg-example"
+    assert [a.id for a in policy.approvers] == ["alice", "bob", "carol"]
+    assert policy.client_by_token("agent-token-123") is not None
+    assert policy.client_by_token("approver-token-456") is not None
+    rule = policy.rule_for(tool_name="write_file", categories=["files"], level=DANGEROUS)
+    assert (rule.approvals_required, rule.groups) == (2, ("security",))
+    assert policy.ceiling(DANGEROUS) is not None
+
+
+def test_example_policy_holds_no_private_key() -> None:
+    assert "PRIVATE" not in EXAMPLE.read_text()
+
+
+def test_base_policy_loads(policy: Policy) -> None:
+    assert policy.approval_request_ttl_s == 3600
+    assert set(policy.approver_keys()) == {"alice", "bob", "carol"}
+    assert policy.ceiling(SAFE) is None
+
+
+def test_unknown_top_level_key(tmp_path: Path) -> None:
+    message = error(tmp_path, BASE + "approver_groups: [x]\n")
+    assert "policy.yaml line 33: approver_groups: unknown key" in message
+
+
+def test_unknown_nested_key(tmp_path: Path) -> None:
+    message = error(tmp_path, insert_after(7, "    colour: blue"))
+    assert "policy.yaml line 8: approvers[1].colour: unknown key" in message
+
+
+def test_unknown_key_in_a_rule_match(tmp_path: Path) -> None:
+    message = error(tmp_path, replace_line(13, "  - match: {tool: write_file, tools: x}"))
+    assert "line 13: approval_rules[0].match.tools: unknown key" in message
+
+
+def test_bad_public_key_named_with_line(tmp_path: Path) -> None:
+    message = error(tmp_path, replace_line(7, '    public_key: "bm90IGEga2V5"'))
+    assert "policy.yaml line 7: approvers[1].public_key: not an Ed25519 public key" in message
+
+
+def test_private_key_pasted_as_public_is_refused_without_echo(tmp_path: Path) -> None:
+    private_pem = generate_keypair()[0].decode()
+    block = textwrap.indent(private_pem, "      ")
+    message = error(tmp_path, replace_line(7, "    public_key: |\n" + block.rstrip()))
+    assert "line 7: approvers[1].public_key" in message and "PRIVATE key" in message
+    assert private_pem.splitlines()[1] not in message
+
+
+def test_duplicate_approver_id(tmp_path: Path) -> None:
+    message = error(tmp_path, replace_line(6, "  - id: alice"))
+    assert "line 6: approvers[1].id: duplicate approver id 'alice' (also approvers[0])" in message
+
+
+def test_one_key_for_two_approvers(tmp_path: Path) -> None:
+    message = error(tmp_path, replace_line(7, f'    public_key: "{KEY_A}"'))
+    assert "line 7: approvers[1].public_key: same key as approvers[0] ('alice')" in message
+
+
+def test_rule_with_unknown_group(tmp_path: Path) -> None:
+    message = error(tmp_path, replace_line(15, "    groups: [securty]"))
+    assert "line 15: approval_rules[0].groups[0]: unknown group 'securty'" in message
+
+
+def test_unsatisfiable_rule(tmp_path: Path) -> None:
+    message = error(tmp_path, replace_line(14, "    approvals_required: 3"))
+    assert "line 14: approval_rules[0].approvals_required: unsatisfiable rule" in message
+    assert "only 2 approver(s) (alice, bob) are in groups security" in message
+
+
+def test_rule_must_match_exactly_one_thing(tmp_path: Path) -> None:
+    message = error(tmp_path, replace_line(13, "  - match: {tool: write_file, level: dangerous}"))
+    assert "line 13: approval_rules[0].match: must name exactly one of" in message
+
+
+def test_rule_for_a_non_dangerous_level_would_never_apply(tmp_path: Path) -> None:
+    message = error(tmp_path, replace_line(22, "  - match: {level: cautious}"))
+    assert "approval_rules[3].match.level: only dangerous tools need approvals" in message
+
+
+def test_duplicate_yaml_key(tmp_path: Path) -> None:
+    message = error(tmp_path, insert_after(4, f'    public_key: "{KEY_B}"'))
+    assert "line 5: approvers[0].public_key: duplicate key 'public_key'" in message
+
+
+def test_client_needs_a_credential(tmp_path: Path) -> None:
+    text = BASE + "  - id: nobody\n    roles: [execute]\n"
+    assert "line 33: clients[2]: needs a credential" in error(tmp_path, text)
+
+
+def test_client_token_must_be_a_hash(tmp_path: Path) -> None:
+    message = error(tmp_path, replace_line(27, '    token_sha256: "agent-secret"'))
+    assert "line 27: clients[0].token_sha256: must be the sha256" in message
+    assert "agent-secret" not in message
+
+
+def test_duplicate_client_credential(tmp_path: Path) -> None:
+    text = BASE + f'  - id: other\n    token_sha256: "{sha("agent-secret").upper()}"\n'
+    assert "line 34: clients[2].token_sha256: duplicate credential" in error(tmp_path, text)
+
+
+def test_id_with_a_trailing_newline_is_refused(tmp_path: Path) -> None:
+    message = error(tmp_path, replace_line(6, '  - id: "bob\\n"'))
+    assert "line 6: approvers[1].id: 'bob\\n' is not a valid approver id" in message
+
+
+def test_unknown_role_and_level(tmp_path: Path) -> None:
+    text = replace_line(28, "    roles: [execute, admin]")
+    assert "line 28: clients[0].roles: unknown role 'admin'" in error(tmp_path, text)
+    text = replace_line(29, "    max_safety_level: extreme")
+    assert "line 29: clients[0].max_safety_level: unknown safety level" in error(tmp_path, text)
+
+
+def test_missing_audience(tmp_path: Path) -> None:
+    message = error(tmp_path, BASE.replace("audience: toolreg-test\n", ""))
+    assert "line 1: audience: is required" in message
+
+
+def test_empty_audience(tmp_path: Path) -> None:
+    assert "audience: must not be empty" in error(tmp_path, replace_line(1, 'audience: ""'))
+
+
+def test_wrong_types(tmp_path: Path) -> None:
+    assert "line 14: approval_rules[0].approvals_required: must be a valid integer" in error(
+        tmp_path, replace_line(14, '    approvals_required: "2"')
+    )
+    assert "line 2: approvers: must be a list" in error(
+        tmp_path, "audience: x\napprovers: {alice: 1}\n"
+    )
+
+
+def test_bad_profile_field(tmp_path: Path) -> None:
+    text = BASE + "profiles:\n  safe: {memory_mb: 0}\n  risky: {pids: 1}\n"
+    message = error(tmp_path, text)
+    assert "line 34: profiles.safe.memory_mb: must be greater than or equal to 1" in message
+    assert "line 35: profiles.risky: unknown key" in message
+
+
+def test_every_problem_is_reported_in_file_order(tmp_path: Path) -> None:
+    text = replace_line(4, '    public_key: "junk"').replace("max_token_ttl_s: 900", "ttl: 900")
+    lines = error(tmp_path, text).splitlines()
+    assert len(lines) == 2
+    assert "line 4:" in lines[0] and "line 16:" in lines[1]
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "absent.yaml"
+    with pytest.raises(PolicyError, match=r"absent\.yaml: cannot read the policy file"):
+        load_policy(path)
+
+
+def test_bad_yaml_syntax_with_line(tmp_path: Path) -> None:
+    message = error(tmp_path, replace_line(5, "    groups: [security, ops"))
+    assert "policy.yaml line 6" in message and "not valid YAML" in message
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"), [("", "is empty"), ("- a\n- b\n", "must be a mapping")]
+)
+def test_not_a_mapping(tmp_path: Path, text: str, reason: str) -> None:
+    assert reason in error(tmp_path, text)
+
+
+# ---------------------------------------------------------------- lookups
+
+
+def test_rule_for_tool_beats_category_beats_level(policy: Policy) -> None:
+    def rule(name: str, categories: list[str], level: SafetyLevel = DANGEROUS) -> EffectiveRule:
+        return policy.rule_for(tool_name=name, categories=categories, level=level)
+
+    by_tool = rule("write_file", ["files", "net"])
+    assert (by_tool.approvals_required, by_tool.groups, by_tool.max_token_ttl_s) == (
+        2,
+        ("security",),
+        900,
+    )
+    assert by_tool.source == "rule 1 (tool write_file)"
+    by_category = rule("delete_file", ["files"])
+    assert (by_category.approvals_required, by_category.groups) == (1, ("ops",))
+    assert by_category.max_token_ttl_s == DEFAULT_TOKEN_TTL_S
+    # several categories match: the first rule in file order wins
+    assert rule("fetch", ["net", "files"]).source == "rule 2 (category files)"
+    by_level = rule("launch", ["misc"])
+    assert (by_level.approvals_required, by_level.max_token_ttl_s) == (2, 600)
+    assert by_level.source == "rule 4 (level dangerous)"
+
+
+def test_rule_for_defaults(tmp_path: Path) -> None:
+    policy = load_policy(write(tmp_path, "audience: x\n"))
+    dangerous = policy.rule_for(tool_name="t", categories=[], level=DANGEROUS)
+    assert dangerous == EffectiveRule(1, (), DEFAULT_TOKEN_TTL_S, "default for dangerous tools")
+    for level in (SAFE, CAUTIOUS):
+        assert policy.rule_for(tool_name="t", categories=[], level=level).approvals_required == 0
+
+
+def test_eligible(policy: Policy) -> None:
+    security = policy.rule_for(tool_name="write_file", categories=[], level=DANGEROUS)
+    assert policy.eligible("alice", security) and policy.eligible("bob", security)
+    assert not policy.eligible("carol", security)
+    assert not policy.eligible("mallory", security)
+    anyone = policy.rule_for(tool_name="x", categories=[], level=DANGEROUS)
+    assert all(policy.eligible(a, anyone) for a in ("alice", "bob", "carol"))
+    assert not policy.eligible("mallory", anyone)
+
+
+def test_approver_keys(policy: Policy) -> None:
+    keys = policy.approver_keys()
+    assert keys["alice"] == public_key_from_text(KEY_A)
+
+
+def test_client_by_token(policy: Policy) -> None:
+    client = policy.client_by_token("agent-secret")
+    assert client is not None and client.id == "agent"
+    assert policy.client_by_token("agent-secret ") is None
+    assert policy.client_by_token("wrong") is None
+    assert policy.client_by_token("") is None
+    assert sha("agent-secret") not in repr(client)
+
+
+def test_client_by_subject(policy: Policy) -> None:
+    client = policy.client_by_subject("CN=alice,O=example")
+    assert client is not None and client.id == "alice"
+    assert policy.client_by_subject("CN=alice") is None
+    assert policy.client_by_subject("") is None
+
+
+def test_may_with_level_boundaries(policy: Policy) -> None:
+    agent = policy.client_by_token("agent-secret")
+    assert agent is not None
+    assert agent.may(Role.EXECUTE) and agent.may(Role.REGISTER)
+    assert agent.may(Role.EXECUTE, SAFE) and agent.may(Role.EXECUTE, CAUTIOUS)
+    assert not agent.may(Role.EXECUTE, DANGEROUS)
+    assert not agent.may(Role.APPROVE)
+    approver = policy.client_by_subject("CN=alice,O=example")
+    assert approver is not None
+    assert approver.may(Role.APPROVE) and not approver.may(Role.EXECUTE, SAFE)
+
+
+def test_default_max_level_is_safe() -> None:
+    client = Client("c", frozenset({Role.EXECUTE}))
+    assert client.may(Role.EXECUTE, SAFE) and not client.may(Role.EXECUTE, CAUTIOUS)
+
+
+def test_ceiling_keeps_only_the_fields_set(tmp_path: Path) -> None:
+    text = BASE + "profiles:\n  dangerous: {memory_mb: 64, timeout_ms: 2000}\n  safe: {}\n"
+    policy = load_policy(write(tmp_path, text))
+    assert policy.ceiling(DANGEROUS) == {"memory_mb": 64, "timeout_ms": 2000}
+    assert policy.ceiling(SAFE) == {}
+    assert policy.ceiling(CAUTIOUS) is None
+
+
+def test_development_policy() -> None:
+    policy = development_policy(audience="toolreg-dev", approvers={"dev": KEY_A})
+    assert policy.audience == "toolreg-dev" and policy.clients == ()
+    rule = policy.rule_for(tool_name="write_file", categories=["files"], level=DANGEROUS)
+    assert rule.approvals_required == 1 and policy.eligible("dev", rule)
+    assert development_policy(audience="a", approvers={}).approvers == ()
+    with pytest.raises(PolicyError, match="approver 'Bad Id'"):
+        development_policy(audience="a", approvers={"Bad Id": KEY_A})
+    with pytest.raises(PolicyError, match="approver 'dev': not an Ed25519 public key"):
+        development_policy(audience="a", approvers={"dev": "junk"})
+    with pytest.raises(PolicyError, match="same key"):
+        development_policy(audience="a", approvers={"a": KEY_A, "b": KEY_A})
