@@ -25,6 +25,8 @@ from registry_server.store import Store
 from registry_server.tokens import TokenRejected, VerifiedApproval, verify
 
 STATES = ("PENDING", "APPROVED", "CONSUMED", "EXPIRED")
+MAX_TOKENS_PER_CALL = 16  # approval tokens one call may carry; more is an attack, not a quorum
+MAX_TOKEN_CHARS = 8_192  # characters; an EdDSA token is well under 1 KiB
 MAX_LISTED = 500  # approval requests per ListApprovalRequests answer
 DEFAULT_LISTED = 100
 
@@ -111,6 +113,11 @@ class Approvals:
     def decide(self, call: Call, tokens: tuple[str, ...], request_id: str) -> Decision:
         """Approved when enough valid approvals exist; Required (with a stored
         request) when not enough; raises Denied when any token is wrong."""
+        if len(tokens) > MAX_TOKENS_PER_CALL or any(len(t) > MAX_TOKEN_CHARS for t in tokens):
+            raise Denied(
+                f"at most {MAX_TOKENS_PER_CALL} approval tokens of at most {MAX_TOKEN_CHARS}"
+                " characters each"
+            )
         tool = call.tool
         rule = self.policy.rule_for(
             tool_name=tool.name, categories=tool.categories, level=tool.safety_level
@@ -245,6 +252,8 @@ class Approvals:
         """Attach one approver's token to a request (verified now, spent later)."""
         if not token.strip():
             raise InvalidArgument("token: must not be empty")
+        if len(token) > MAX_TOKEN_CHARS:
+            raise InvalidArgument(f"token: longer than {MAX_TOKEN_CHARS} characters")
         request = self.get(request_id)
         if request.state in ("CONSUMED", "EXPIRED"):
             raise FailedPrecondition(f"approval request {request_id} is {request.state.lower()}")

@@ -181,9 +181,18 @@ class RegistryClient:
         return result
 
     def stream(
-        self, name: str, arguments: str = "{}", *, timeout: float | None = None
+        self,
+        name: str,
+        arguments: str = "{}",
+        *,
+        tokens: Iterable[str] = (),
+        request_id: str = "",
+        timeout: float | None = None,
     ) -> Iterator[pb.ExecutionEvent]:
-        request = pb.ExecuteToolRequest(name=name, arguments_json=arguments)
+        request = pb.ExecuteToolRequest(
+            name=name, arguments_json=arguments, approval_tokens=list(tokens),
+            approval_request_id=request_id,
+        )  # fmt: skip
         yield from self.stub.StreamExecuteTool(request, timeout=timeout)
 
 
