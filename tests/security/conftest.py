@@ -14,6 +14,7 @@ import pytest
 from registry_server import convert
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server.models import parse_definition
+from registry_server.tokens import generate_keypair, load_private_key, mint
 from tests.integration.conftest import Running, StartServer, start_server  # noqa: F401
 
 pytestmark = pytest.mark.docker
@@ -52,9 +53,24 @@ def wait_until_gone(
     return left
 
 
+APPROVER = "tester"
+_approver_keys: dict[int, bytes] = {}  # server port -> the test approver's private key
+
+
 @pytest.fixture
-def sandbox_server(start_server: StartServer, engine: docker.DockerClient) -> Iterator[Running]:  # noqa: F811
-    running = start_server()
+def sandbox_server(
+    start_server: StartServer,  # noqa: F811
+    engine: docker.DockerClient,
+    tmp_path: Path,
+) -> Iterator[Running]:
+    """A development-mode server that trusts one test approver, so dangerous
+    tools can run here too (``execute`` signs for them)."""
+    private, public = generate_keypair()
+    data = tmp_path / "sandbox-data"
+    (data / "approvers").mkdir(parents=True)
+    (data / "approvers" / f"{APPROVER}.pub").write_text(public)
+    running = start_server(data_dir=data)
+    _approver_keys[running.port] = private
     yield running
     assert wait_until_gone(engine, running) == [], "containers left behind"
 
@@ -96,9 +112,26 @@ def register(sandbox_server: Running) -> Register:
 
 
 def execute(running: Running, name: str, args: str = "{}", timeout: float = 60) -> pb.ToolResult:
+    """Run a tool; a dangerous one is approved by the test approver first."""
     result: pb.ToolResult = running.stub.ExecuteTool(
         pb.ExecuteToolRequest(name=name, arguments_json=args), timeout=timeout
     )
+    key = _approver_keys.get(running.port)
+    if result.status == pb.EXECUTION_STATUS_APPROVAL_REQUIRED and key is not None:
+        req = result.approval_request
+        token = mint(
+            load_private_key(key),
+            issuer=APPROVER,
+            audience=req.audience,
+            tool_name=req.tool_name,
+            tool_digest=req.tool_digest,
+            args_digest=req.arguments_digest,
+            ttl_s=300,
+        )
+        result = running.stub.ExecuteTool(
+            pb.ExecuteToolRequest(name=name, arguments_json=args, approval_tokens=[token]),
+            timeout=timeout,
+        )
     return result
 
 

@@ -71,3 +71,21 @@ def test_limits_applied_are_the_tightest(sandbox_server: Running, register: Regi
     modest = execute(sandbox_server, "modest")
     assert int(greedy.content) == 128 * 1024 * 1024  # the cautious ceiling, not 60 GB
     assert int(modest.content) == 32 * 1024 * 1024
+
+
+def test_dangerous_tools_run_under_gvisor_locked_down(
+    sandbox_server: Running, register: Register
+) -> None:
+    register("posture_gvisor", POSTURE + "; dmesg 2>/dev/null | head -1", "dangerous")
+    result = execute(sandbox_server, "posture_gvisor")
+    assert result.success, result.error
+    assert "gVisor" in result.content  # the guest kernel is gVisor's, not the host's
+    facts = dict(
+        line.replace(":\t", "=").split("=", 1)
+        for line in result.content.splitlines()
+        if "=" in line or ":\t" in line
+    )
+    assert facts["CapEff"] == "0000000000000000" and facts["CapBnd"] == "0000000000000000"
+    assert "uid=65534 gid=65534" in result.content
+    assert facts["root"] == "ro"
+    assert facts["ifaces"] == "lo,"
