@@ -109,9 +109,17 @@ def build_app(config: ServerConfig) -> App:
 def _check_exposure(config: ServerConfig) -> None:
     """An open tool runner must not be reachable from the network by accident."""
     loopback = config.host in ("127.0.0.1", "::1", "localhost") or config.host.startswith("127.")
-    if loopback or config.allow_insecure_remote:
+    if loopback:
         return
-    if config.policy_file is None or config.tls_cert is None:
+    if config.policy_file is None:
+        # Development mode trusts every caller: never beyond this machine.
+        raise ConfigError(
+            f"refusing to listen on {config.host} in development mode (no --policy):"
+            " it trusts every caller; give a policy, and TLS, to serve the network"
+        )
+    if config.allow_insecure_remote:
+        return
+    if config.tls_cert is None:
         raise ConfigError(
             f"refusing to listen on {config.host} without TLS (--tls-cert/--tls-key) and a policy"
             " (--policy); set TOOLREG_ALLOW_INSECURE_REMOTE=true to force it"
