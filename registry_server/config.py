@@ -37,6 +37,11 @@ class ServerConfig(BaseSettings):
     workspace_dir: Path | None = None  # default: <data_dir>/workspace
     # Dangerous tools that get workspace_dir mounted read-write at /workspace.
     workspace_tools: tuple[str, ...] = ("write_file",)
+    # Warm pools: a tool's manifest `warm_pool: N` (or this default when it
+    # says 0) keeps N started single-use containers ready.
+    warm_pool_default: int = Field(0, ge=0, le=32)
+    max_warm: int = Field(16, ge=0, le=256)  # warm containers across all tools
+    warm_max_age_s: float = Field(300.0, gt=0)  # seconds before an unused one is replaced
     reap_on_start: bool = True  # remove containers left by dead toolreg servers
     # TLS: server certificate and key (PEM); with a client CA, clients must
     # present a certificate it signed (mTLS).

@@ -30,6 +30,7 @@ from registry_server.models import SafetyLevel, ToolDefinition
 from registry_server.outcome import ApprovalRequestView, Outcome, Status
 from registry_server.registry import Registry
 from registry_server.store import Store
+from registry_server.warm_pool import WarmPools
 from sandbox_runner import EngineUnavailable as RunnerEngineUnavailable
 from sandbox_runner import Limits, Mount, Runner, SandboxError, SandboxResult, SandboxSpec
 from sandbox_runner.profiles import FALLBACK_RUNTIME, profile_for, runtime_for
@@ -89,7 +90,16 @@ class Executor:
         self._policy = policy
         self._store = store
         self._approvals = approvals
+        self._pools: WarmPools | None = None
         self._runtimes: frozenset[str] | None = None
+
+    def use_pools(self, pools: WarmPools) -> None:
+        self._pools = pools
+
+    def warm_spec(self, tool: ToolDefinition) -> SandboxSpec | None:
+        """What a warm container of ``tool`` is made from (None: it may not run here)."""
+        runtime = self.runtime_for(tool.safety_level)
+        return None if runtime is None else self.sandbox_spec(tool, {}, runtime)
 
     @property
     def admission(self) -> Admission:
@@ -190,10 +200,18 @@ class Executor:
                 return refuse(Status.APPROVAL_DENIED, f"approval denied: {exc.reason}")
         try:
             with self._admission.slot(cancel):
+                warm = self._pools.take(tool, spec) if self._pools is not None else None
                 spec = _within_deadline(spec, call.deadline)
-                result = self._runner.run(
-                    spec, execution_id=execution_id, on_output=on_output, cancel=cancel
-                )
+                if warm is not None:
+                    # The timeout counts from now, not from when the container was made.
+                    record.container_id, record.warm = warm.container_id, True
+                    deadline = time.monotonic() + spec.limits.timeout_ms / 1000
+                    result = warm.finish(spec.input, deadline, on_output, cancel)
+                else:
+                    result = self._runner.run(
+                        spec, execution_id=execution_id, on_output=on_output, cancel=cancel
+                    )
+                record.container_id = result.container_id
         except Cancelled:
             outcome = Outcome(
                 Status.SANDBOX_ERROR,
@@ -279,6 +297,8 @@ class AuditRecord:
         self.approved: Approved | None = None
         self.runtime = ""
         self.limits: Limits | None = None
+        self.container_id = ""
+        self.warm = False
 
     def as_dict(
         self, *, decision: str, status: str = "", outcome: Outcome | None = None
@@ -303,6 +323,8 @@ class AuditRecord:
             else None,
             "duration_ms": outcome.duration_ms if outcome else 0,
             "runtime": self.runtime,
+            "container_id": self.container_id,
+            "warm": self.warm,
             "limits": dataclasses.asdict(self.limits) if self.limits else {},
         }
 

@@ -33,6 +33,7 @@ from registry_server.policy import Policy, PolicyError, development_policy, load
 from registry_server.registry import RegisterOutcome, Registry
 from registry_server.servicer import ToolRegistryServicer
 from registry_server.store import Store
+from registry_server.warm_pool import WarmPools
 from sandbox_runner import Limits, SandboxError
 from sandbox_runner.docker_backend import DockerRunner
 from sandbox_runner.profiles import profile_for
@@ -55,6 +56,7 @@ class App:
     runner: DockerRunner
     approvals: Approvals
     dev_mode: bool = False
+    pools: WarmPools | None = None
     closers: list[Callable[[], None]] = field(default_factory=list)
 
     def close(self) -> None:
@@ -84,6 +86,7 @@ def build_app(config: ServerConfig) -> App:
         base_url=config.docker_url,
         # one engine connection per running sandbox, plus reaping and pings
         max_pool_size=config.max_sandboxes + 4,
+        remove_in_background=True,  # answer first; the container goes right after
     )
     _start_sandboxes(config, runner)
     approvals = Approvals(store, policy, registry)
@@ -103,6 +106,20 @@ def build_app(config: ServerConfig) -> App:
     app = App(config, store, registry, executor, health.HealthServicer(), runner, approvals)
     app.dev_mode = dev_mode
     app.closers.append(runner.close)
+    if config.max_warm > 0:
+        pools = WarmPools(
+            runner,
+            executor.warm_spec,
+            default_size=config.warm_pool_default,
+            max_total=config.max_warm,
+            max_age_s=config.warm_max_age_s,
+        )
+        executor.use_pools(pools)
+        registry.add_listener(pools.on_change)
+        for tool in registry.list():
+            pools.track(tool)
+        app.pools = pools
+        app.closers.insert(0, pools.close)  # before the runner's engine connection goes
     return app
 
 

@@ -9,8 +9,10 @@ caps are enforced by this thread while the tool runs, without helper threads.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
+import queue
 import re
 import select
 import socket
@@ -37,7 +39,7 @@ from .ownership import (
 from .runner import OutputSink
 from .spec import EngineUnavailable, SandboxError, SandboxResult, SandboxSpec
 
-__all__ = ["DockerRunner"]
+__all__ = ["DockerRunner", "Prepared"]
 
 log = logging.getLogger(__name__)
 
@@ -287,6 +289,107 @@ class _Pump:
             self.sock.shutdown(socket.SHUT_WR)
 
 
+def _close_attached(attached: Any) -> None:
+    response = getattr(attached, "_response", None)
+    with contextlib.suppress(Exception):
+        sock_obj = getattr(attached, "_sock", None)
+        if isinstance(sock_obj, socket.socket):
+            sock_obj.close()
+        attached.close()
+    if response is not None:
+        with contextlib.suppress(Exception):
+            response.close()
+
+
+class Prepared:
+    """A started container whose tool waits on stdin: used for exactly one call
+    (``finish``), or thrown away (``discard``). Never both, never twice."""
+
+    def __init__(
+        self, runner: DockerRunner, api: Any, container_id: str, attached: Any,
+        sock: socket.socket, spec: SandboxSpec,
+    ) -> None:  # fmt: skip
+        self._runner = runner
+        self._api = api
+        self.container_id = container_id
+        self._attached = attached
+        self._sock = sock
+        self.spec = spec
+        self.created = time.monotonic()
+        self._used = False
+        self._lock = threading.Lock()
+
+    def _claim(self) -> None:
+        with self._lock:
+            if self._used:
+                raise RuntimeError(f"container {self.container_id[:12]} was already used")
+            self._used = True
+
+    def alive(self) -> bool:
+        """True while the tool still waits for its input (no engine round trip:
+        a container that died has closed its end of the attach stream)."""
+        try:
+            data = self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return True  # nothing to read: still waiting
+        except OSError:
+            return False
+        return bool(data)  # early output means alive; EOF means it is gone
+
+    def finish(
+        self,
+        input_bytes: bytes,
+        deadline: float | None = None,
+        on_output: OutputSink | None = None,
+        cancel: threading.Event | None = None,
+        *,
+        started: float | None = None,
+    ) -> SandboxResult:
+        """Hand the call its input and see it through; the container is removed
+        whatever happens. The deadline defaults to the spec's timeout from now:
+        a warm container's wait before the call does not count."""
+        self._claim()
+        started = time.monotonic() if started is None else started
+        if deadline is None:
+            deadline = started + self.spec.limits.timeout_ms / 1000
+        spec = dataclasses.replace(self.spec, input=input_bytes)
+        try:
+            pump = _Pump(
+                self._api, self.container_id, self._sock, spec, deadline, cancel, on_output,
+                check_pids=spec.runtime not in NO_PIDS_LIMIT_RUNTIMES,
+            )  # fmt: skip
+            try:
+                pump.run()  # handles its own socket errors; the sink's exceptions propagate
+            finally:
+                pump.join_killer()
+                _close_attached(self._attached)
+            duration_ms = int((time.monotonic() - started) * 1000)
+            exit_code, oom_killed = self._runner._final_state(self._api, self.container_id, pump)
+            return SandboxResult(
+                exit_code=exit_code,
+                stdout=pump.buffers[STDOUT].getvalue(),
+                stderr=pump.buffers[STDERR].getvalue(),
+                duration_ms=duration_ms,
+                timed_out=pump.timed_out,
+                oom_killed=oom_killed,
+                pids_exhausted=pump.pids_exhausted,
+                output_truncated=pump.output_truncated,
+                container_id=self.container_id,
+                cancelled=pump.cancelled,
+            )
+        finally:
+            self._runner._remove_soon(self._api, self.container_id)
+
+    def discard(self) -> None:
+        """Remove it unused (pool drained, too old, tool replaced)."""
+        with self._lock:
+            if self._used:
+                return
+            self._used = True
+        _close_attached(self._attached)
+        self._runner._remove_soon(self._api, self.container_id)
+
+
 class DockerRunner:
     """Runs each SandboxSpec in a fresh, locked-down container on a Docker engine."""
 
@@ -299,6 +402,7 @@ class DockerRunner:
         name_prefix: str = "toolreg-",
         extra_labels: Mapping[str, str] | None = None,
         api_timeout_s: int = API_TIMEOUT_S,
+        remove_in_background: bool = False,
     ) -> None:
         if not instance_id:
             raise ValueError("instance_id must be non-empty")
@@ -319,6 +423,14 @@ class DockerRunner:
         self._api_timeout_s = api_timeout_s
         self._docker: docker.DockerClient | None = None
         self._lock = threading.Lock()
+        # Removing a finished container changes nothing the caller is told, so a
+        # server can answer first and remove right after; close() waits for it.
+        self._removals: queue.Queue[tuple[Any, str] | None] | None = None
+        self._remover: threading.Thread | None = None
+        if remove_in_background:
+            self._removals = queue.Queue()
+            self._remover = threading.Thread(target=self._remove_loop, name="remover", daemon=True)
+            self._remover.start()
         self._static_labels = {
             **labels,
             LABEL_MANAGED: "true",
@@ -355,6 +467,10 @@ class DockerRunner:
             return self._docker
 
     def close(self) -> None:
+        if self._removals is not None and self._remover is not None:
+            self._removals.put(None)  # finish what is queued, then stop
+            self._remover.join(timeout=60)
+            self._removals = None
         with self._lock:
             if self._docker is not None:
                 self._docker.close()
@@ -425,98 +541,63 @@ class DockerRunner:
                 oom_killed=False, pids_exhausted=False, output_truncated=False,
                 container_id="", cancelled=True,
             )  # fmt: skip
+        prepared = self.prepare(spec, execution_id=execution_id, lifetime_s=0)
+        return prepared.finish(spec.input, deadline, on_output, cancel, started=started)
+
+    def prepare(self, spec: SandboxSpec, *, execution_id: str, lifetime_s: float = 0) -> Prepared:
+        """Create, attach and start a container for one call, and leave its tool
+        blocked reading stdin. ``spec.input`` is ignored: the call brings its own.
+        ``lifetime_s``: how long it may wait for its call (for the reaper's
+        deadline label), on top of the call's own timeout."""
+        if not _NAME_PART.match(execution_id):
+            raise ValueError(f"execution_id {execution_id!r} is not usable in a container name")
         api = self._client().api
         name = f"{self.name_prefix}{execution_id}"
+        expires = time.time() + lifetime_s + spec.limits.timeout_ms / 1000
         labels = {
             **self._static_labels,
             LABEL_EXECUTION_ID: execution_id,
-            LABEL_DEADLINE: str(int((time.time() + spec.limits.timeout_ms / 1000) * 1000)),
+            LABEL_DEADLINE: str(int(expires * 1000)),
         }
         container_id = ""
         try:
-            try:
-                with _engine_call("container create", image=spec.image):
-                    created = api.create_container(
-                        image=spec.image,
-                        command=list(spec.command) or None,
-                        user=UNPRIVILEGED_USER,
-                        stdin_open=True,  # with detach=False this also sets StdinOnce
-                        tty=False,
-                        environment=[f"{k}={v}" for k, v in spec.env],
-                        network_disabled=True,
-                        name=name,
-                        labels=labels,
-                        working_dir=spec.workdir,
-                        host_config=self._host_config(api, spec),
-                        use_config_proxy=False,  # never leak the host's proxy settings
-                    )
-                    container_id = created["Id"]
-            except SandboxError as e:
-                self._remove_after_failed_create(api, name, e)
-                raise
-            pump = self._attach_start_pump(api, container_id, spec, deadline, cancel, on_output)
-            duration_ms = int((time.monotonic() - started) * 1000)
-            exit_code, oom_killed = self._final_state(api, container_id, pump)
-            return SandboxResult(
-                exit_code=exit_code,
-                stdout=pump.buffers[STDOUT].getvalue(),
-                stderr=pump.buffers[STDERR].getvalue(),
-                duration_ms=duration_ms,
-                timed_out=pump.timed_out,
-                oom_killed=oom_killed,
-                pids_exhausted=pump.pids_exhausted,
-                output_truncated=pump.output_truncated,
-                container_id=container_id,
-                cancelled=pump.cancelled,
-            )
-        finally:
-            if container_id:
-                self._remove(api, container_id)
-
-    def _attach_start_pump(
-        self,
-        api: Any,
-        container_id: str,
-        spec: SandboxSpec,
-        deadline: float,
-        cancel: threading.Event | None,
-        on_output: OutputSink | None,
-    ) -> _Pump:
-        # Attach before start so no early output is lost and nothing is buffered by the
-        # HTTP layer ahead of our own reads.
-        with _engine_call("container attach"):
-            attached = api.attach_socket(
-                container_id, params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1}
-            )
+            with _engine_call("container create", image=spec.image):
+                created = api.create_container(
+                    image=spec.image,
+                    command=list(spec.command) or None,
+                    user=UNPRIVILEGED_USER,
+                    stdin_open=True,  # with detach=False this also sets StdinOnce
+                    tty=False,
+                    environment=[f"{k}={v}" for k, v in spec.env],
+                    network_disabled=True,
+                    name=name,
+                    labels=labels,
+                    working_dir=spec.workdir,
+                    host_config=self._host_config(api, spec),
+                    use_config_proxy=False,  # never leak the host's proxy settings
+                )
+                container_id = created["Id"]
+        except SandboxError as e:
+            self._remove_after_failed_create(api, name, e)
+            raise
         try:
-            sock = _raw_socket(attached)
-            with _engine_call("container start"):
-                api.start(container_id)
-            pump = _Pump(
-                api,
-                container_id,
-                sock,
-                spec,
-                deadline,
-                cancel,
-                on_output,
-                check_pids=spec.runtime not in NO_PIDS_LIMIT_RUNTIMES,
-            )
+            # Attach before start so no early output is lost and nothing is buffered by
+            # the HTTP layer ahead of our own reads.
+            with _engine_call("container attach"):
+                attached = api.attach_socket(
+                    container_id, params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1}
+                )
             try:
-                pump.run()  # handles its own socket errors; the sink's exceptions propagate
-            finally:
-                pump.join_killer()
-            return pump
-        finally:
-            response = getattr(attached, "_response", None)
-            with contextlib.suppress(Exception):
-                sock_obj = getattr(attached, "_sock", None)
-                if isinstance(sock_obj, socket.socket):
-                    sock_obj.close()
-                attached.close()
-            if response is not None:
-                with contextlib.suppress(Exception):
-                    response.close()
+                sock = _raw_socket(attached)
+                with _engine_call("container start"):
+                    api.start(container_id)
+            except BaseException:
+                _close_attached(attached)
+                raise
+        except BaseException:
+            self._remove(api, container_id)
+            raise
+        return Prepared(self, api, container_id, attached, sock, spec)
 
     def _final_state(self, api: Any, container_id: str, pump: _Pump) -> tuple[int | None, bool]:
         with _engine_call("container inspect"):
@@ -530,7 +611,31 @@ class DockerRunner:
         code = state.get("ExitCode")
         return (code if isinstance(code, int) else None), bool(state.get("OOMKilled"))
 
+    def _remove_soon(self, api: Any, container_id: str) -> None:
+        if self._removals is None:
+            self._remove(api, container_id)
+        else:
+            self._removals.put((api, container_id))
+
+    def _remove_loop(self) -> None:
+        assert self._removals is not None
+        while True:
+            job = self._removals.get()
+            try:
+                if job is None:
+                    return
+                self._remove(*job)
+            finally:
+                self._removals.task_done()
+
+    def flush(self) -> None:
+        """Wait until every container handed to background removal is gone."""
+        if self._removals is not None:
+            self._removals.join()
+
     def _remove(self, api: Any, container_id: str) -> None:
+        if not container_id:
+            return
         try:
             api.remove_container(container_id, force=True, v=True)
         except Exception as e:

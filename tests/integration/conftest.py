@@ -27,7 +27,12 @@ class Running:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    stopped: bool = False
+
     def stop(self) -> None:
+        if self.stopped:
+            return
+        self.stopped = True
         self.channel.close()
         self.server.stop(grace=None).wait()
         self.app.close()

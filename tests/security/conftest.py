@@ -37,9 +37,14 @@ def engine() -> Iterator[docker.DockerClient]:
     client.close()
 
 
-def containers_of(engine: docker.DockerClient, running: Running) -> list[Any]:
-    label = f"{INSTANCE_LABEL}={running.app.runner.instance_id}"
-    return list(engine.containers.list(all=True, filters={"label": label}))
+def labelled(engine: docker.DockerClient, label: str) -> list[str]:
+    """Ids of the containers with ``label``. (The low-level list: the high-level
+    one inspects each container and fails on one removed meanwhile.)"""
+    return [c["Id"] for c in engine.api.containers(all=True, filters={"label": label})]
+
+
+def containers_of(engine: docker.DockerClient, running: Running) -> list[str]:
+    return labelled(engine, f"{INSTANCE_LABEL}={running.app.runner.instance_id}")
 
 
 def wait_until_gone(
@@ -139,4 +144,12 @@ def rpc_code(exc: BaseException) -> grpc.StatusCode | None:
     return exc.code() if isinstance(exc, grpc.Call) else None
 
 
-__all__ = ["Path", "Register", "containers_of", "execute", "rpc_code", "wait_until_gone"]
+__all__ = [
+    "Path",
+    "Register",
+    "containers_of",
+    "execute",
+    "labelled",
+    "rpc_code",
+    "wait_until_gone",
+]

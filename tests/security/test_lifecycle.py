@@ -20,7 +20,7 @@ from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
 from registry_server.launcher import spawn_server
 from registry_server.models import parse_definition
 from tests.integration.conftest import Running, StartServer
-from tests.security.conftest import Register, execute, rpc_code, wait_until_gone
+from tests.security.conftest import Register, execute, labelled, rpc_code, wait_until_gone
 
 pytestmark = pytest.mark.docker
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,8 +108,8 @@ def _spawn_server(data_dir: Path) -> tuple[subprocess.Popen[str], str]:
     return server.proc, server.address
 
 
-def _owned_by(engine: docker.DockerClient, pid: int) -> list[object]:
-    return list(engine.containers.list(all=True, filters={"label": f"io.toolreg.owner-pid={pid}"}))
+def _owned_by(engine: docker.DockerClient, pid: int) -> list[str]:
+    return labelled(engine, f"io.toolreg.owner-pid={pid}")
 
 
 def test_sigkilled_server_leaves_containers_the_next_start_removes(

@@ -95,7 +95,9 @@ def test_development_mode_needs_a_token_from_an_installed_key(tmp_path: Path) ->
 
 def test_listening_beyond_loopback_needs_tls_and_a_policy(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="development mode"):
-        build_app(ServerConfig(host="0.0.0.0", port=0, data_dir=tmp_path, allow_insecure_remote=True))
+        build_app(
+            ServerConfig(host="0.0.0.0", port=0, data_dir=tmp_path, allow_insecure_remote=True)
+        )
     with pytest.raises(ConfigError, match="without TLS"):
         build_app(
             ServerConfig(
