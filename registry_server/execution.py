@@ -206,7 +206,11 @@ class Executor:
                     # The timeout counts from now, not from when the container was made.
                     record.container_id, record.warm = warm.container_id, True
                     deadline = time.monotonic() + spec.limits.timeout_ms / 1000
-                    result = warm.finish(spec.input, deadline, on_output, cancel)
+                    try:
+                        result = warm.finish(spec.input, deadline, on_output, cancel)
+                    finally:
+                        assert self._pools is not None
+                        self._pools.call_done()
                 else:
                     result = self._runner.run(
                         spec, execution_id=execution_id, on_output=on_output, cancel=cancel

@@ -126,9 +126,16 @@ class WarmPools:
                     log.info("warm pool of %s cannot refill; running cold", tool.name)
             else:
                 self._stats.hits += 1
-            self._cond.notify_all()  # wake the worker to refill
+            if found is None:
+                self._cond.notify_all()  # nothing to compete with: refill now
         self._discard_all(stale)
         return found
+
+    def call_done(self) -> None:
+        """A call that took a warm container has finished: refill now. (Refilling
+        while the call runs would compete with it for the engine and the CPUs.)"""
+        with self._cond:
+            self._cond.notify_all()
 
     def stats(self) -> PoolStats:
         with self._cond:
