@@ -18,6 +18,7 @@ from registry_server.errors import InvalidArgument, Unimplemented, Violation
 from registry_server.execution import CallRequest, Executor
 from registry_server.grpc_errors import maps_errors
 from registry_server.registry import Registry
+from registry_server.views import RegistryViews
 
 
 def _deadline(context: grpc.ServicerContext) -> float | None:
@@ -86,6 +87,7 @@ class ToolRegistryServicer(pb_grpc.ToolRegistryServicer):
         self._registry = registry
         self._executor = executor
         self._approvals = approvals
+        self._views = RegistryViews(registry)
 
     def _approval_service(self) -> Approvals:
         if self._approvals is None:
@@ -124,18 +126,27 @@ class ToolRegistryServicer(pb_grpc.ToolRegistryServicer):
         self, request: pb.ListToolsRequest, context: grpc.ServicerContext
     ) -> pb.ListToolsResponse:
         level = convert.max_level_from_pb(request.max_safety_level)
-        tools = self._registry.list(level, request.categories)
-        return pb.ListToolsResponse(tools=[convert.tool_to_pb(t) for t in tools])
+        categories = tuple(sorted(set(request.categories)))
+
+        def build() -> pb.ListToolsResponse:
+            tools = self._registry.list(level, categories)
+            return pb.ListToolsResponse(tools=[convert.tool_to_pb(t) for t in tools])
+
+        return self._views.get(("list", level, categories), build)
 
     @maps_errors
     def GetToolSchemas(
         self, request: pb.GetToolSchemasRequest, context: grpc.ServicerContext
     ) -> pb.GetToolSchemasResponse:
         fmt = convert.format_from_pb(request.format)
-        tools = self._registry.list(
-            convert.max_level_from_pb(request.max_safety_level), request.categories
-        )
-        return pb.GetToolSchemasResponse(schemas_json=schemas.export_json(tools, fmt))
+        level = convert.max_level_from_pb(request.max_safety_level)
+        categories = tuple(sorted(set(request.categories)))
+
+        def build() -> pb.GetToolSchemasResponse:
+            tools = self._registry.list(level, categories)
+            return pb.GetToolSchemasResponse(schemas_json=schemas.export_json(tools, fmt))
+
+        return self._views.get(("schemas", fmt, level, categories), build)
 
     @maps_errors
     def ExecuteTool(
