@@ -51,7 +51,8 @@ run: install proto images ## Set up everything, then serve the example tools on 
 	$(BIN)/toolreg serve --tools examples/tools --data-dir $(DATA_DIR)
 
 bench: install images ## Benchmarks (medians, ratios against baselines in the same run)
-	$(BIN)/python -m bench
+	$(BIN)/pip install --quiet -e '.[dev,bench]'
+	$(BIN)/python -m bench $(BENCH_ARGS)
 
 reap: install ## Remove containers left behind by dead toolreg servers
 	$(BIN)/toolreg reap

@@ -191,3 +191,24 @@ def test_dangerous_pooled_call_still_needs_approval(pooled: Running) -> None:
     assert approved.success
     record = executions(pooled)[-1]
     assert record["warm"] and record["runtime"] == "runsc" and record["decision"] == "approved"
+
+
+def test_pool_that_cannot_refill_falls_back_to_cold(
+    pooled: Running, caplog: pytest.LogCaptureFixture
+) -> None:
+    manifest = shell_tool("imageless", "cat", 2)
+    manifest["sandbox"]["image"] = "toolreg/not-built"
+    register(pooled, manifest)
+    assert pooled.app.pools is not None
+    deadline = time.monotonic() + WAIT_FOR_POOL_S
+    while pooled.app.pools.stats().refill_failures == 0:
+        assert time.monotonic() < deadline, "the refill failure was never counted"
+        time.sleep(0.1)
+    assert any("cannot refill" in r.getMessage() for r in caplog.records)
+    result = execute(pooled, "imageless", "{}")  # cold: the engine's own error, as a result
+    assert (
+        result.status == pb.EXECUTION_STATUS_SANDBOX_ERROR and "toolreg/not-built" in result.error
+    )
+    assert pooled.app.pools.stats().misses >= 1
+    register(pooled, shell_tool("healthy", "cat", 1))  # other pools are unaffected
+    wait_warm(pooled, "healthy", 1)
