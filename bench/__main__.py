@@ -1,8 +1,9 @@
-"""Cold-path latency: toolreg's ExecuteTool against the baselines it must not
-fall far behind, measured interleaved in one run on the same image, command,
-input and isolation flags, so machine noise hits every method alike.
+"""toolreg benchmarks: latency against the baselines users would pick,
+throughput, registry operations with 1,000 tools, and memory, all in one run
+on the same image and command.
 
-Writes bench/results/cold-<timestamp>.{md,json} and prints the table.
+Writes bench/results/<timestamp>.{md,json,png} and prints the tables.
+`--quick` is a smoke test (few runs, short cells); `--only` picks sections.
 """
 
 from __future__ import annotations
@@ -10,265 +11,162 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import socket
-import statistics
-import subprocess
-import tempfile
 import time
+import traceback
 import uuid
-from collections.abc import Callable
 from datetime import UTC, datetime
-from pathlib import Path
+from typing import Any
 
-import docker
-import grpc
+from bench import latency, memory, registry_ops, report, throughput
+from bench.common import (
+    COMMAND,
+    IMAGE,
+    PAYLOAD,
+    RESULTS,
+    SERVER_SOURCES,
+    Interference,
+    engine_client,
+    machine,
+    package_versions,
+    remove_leftovers,
+    require_image,
+    server,
+    source_version,
+)
 
-from registry_server import convert
-from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
-from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
-from registry_server.launcher import spawn_server
-from registry_server.models import parse_definition
-from sandbox_runner import SAFE_LIMITS, SandboxSpec
-from sandbox_runner.docker_backend import DockerRunner
-
-IMAGE = "toolreg/base"
-COMMAND = ["cat"]
-PAYLOAD = b'{"message":"hello"}'
-RESULTS = Path(__file__).resolve().parent / "results"
-# The same isolation every toolreg sandbox gets (safe profile), so the
-# baselines pay for the same work.
-HARDENING = {
-    "network_mode": "none",
-    "read_only": True,
-    "user": "65534:65534",
-    "cap_drop": ["ALL"],
-    "security_opt": ["no-new-privileges"],
-    "mem_limit": "256m",
-    "memswap_limit": "256m",
-    "nano_cpus": 1_000_000_000,
-    "pids_limit": 64,
-    "tmpfs": {"/tmp": "rw,noexec,nosuid,nodev,size=64m"},
-}
-# What toolreg adds on top (sandbox_runner.docker_backend): no network
-# sandbox at all (NetworkDisabled, which spares the engine ~90 ms of network
-# namespace set-up even under --network none), no log copy on disk, no IPC
-# sharing, fd and file-size ulimits.
-TOOLREG_EXTRAS = {
-    "network_disabled": True,
-    "log_config": docker.types.LogConfig(type="none"),
-    "ipc_mode": "none",
-    "ulimits": [
-        docker.types.Ulimit(name="nofile", soft=256, hard=256),
-        docker.types.Ulimit(name="fsize", soft=16 * 1024 * 1024, hard=16 * 1024 * 1024),
-    ],
-}
-DOCKER_RUN_FLAGS = [
-    "--network",
-    "none",
-    "--read-only",
-    "--user",
-    "65534:65534",
-    "--cap-drop",
-    "ALL",
-    "--security-opt",
-    "no-new-privileges",
-    "--memory",
-    "256m",
-    "--memory-swap",
-    "256m",
-    "--cpus",
-    "1",
-    "--pids-limit",
-    "64",
-    "--tmpfs",
-    "/tmp:rw,noexec,nosuid,nodev,size=64m",
-]
+SECTIONS = ("latency", "throughput", "registry", "memory")
+PACKAGES = ("epicbox", "llm-sandbox", "docker", "grpcio", "matplotlib")
+FULL = {"runs": 50, "warmup": 3, "cell_seconds": 10.0, "read_runs": 200}
+QUICK = {"runs": 5, "warmup": 1, "cell_seconds": 2.0, "read_runs": 20}
 
 
-def docker_run() -> bytes:
-    out = subprocess.run(
-        ["docker", "run", "--rm", "-i", *DOCKER_RUN_FLAGS, IMAGE, *COMMAND],
-        input=PAYLOAD,
-        capture_output=True,
-        check=True,
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    return out.stdout
-
-
-def sdk_cycle(client: docker.DockerClient, extra: dict[str, object]) -> Callable[[], bytes]:
-    """The minimal docker-py sequence that gives a fresh container its stdin
-    and reads its stdout: create, attach, start, write, read, wait, remove."""
-
-    def run() -> bytes:
-        container = client.containers.create(
-            IMAGE,
-            COMMAND,
-            stdin_open=True,
-            **HARDENING,
-            **extra,  # type: ignore[arg-type]
-        )
-        try:
-            sock = container.attach_socket(params={"stdin": 1, "stdout": 1, "stream": 1})
-            raw: socket.socket = sock._sock
-            container.start()
-            raw.sendall(PAYLOAD)
-            raw.shutdown(socket.SHUT_WR)
-            chunks = []
-            while data := raw.recv(65536):
-                chunks.append(data)
-            raw.close()
-            container.wait()
-            return b"".join(chunks)[8:]  # one multiplexed frame: 8-byte header
-        finally:
-            container.remove(force=True)
-
-    return run
-
-
-def runner_call(runner: DockerRunner) -> Callable[[], bytes]:
-    spec = SandboxSpec(
-        image=IMAGE, command=tuple(COMMAND), env=(), limits=SAFE_LIMITS, input=PAYLOAD
+    parser.add_argument("--quick", action="store_true", help="few runs, short cells: a smoke test")
+    parser.add_argument(
+        "--only",
+        action="append",
+        metavar="NAME",
+        help=f"run only these sections (repeat or comma-separate): {', '.join(SECTIONS)}",
     )
-
-    def run() -> bytes:
-        return runner.run(spec, execution_id=uuid.uuid4().hex).stdout
-
-    return run
-
-
-def toolreg_call(stub: pb_grpc.ToolRegistryStub) -> Callable[[], bytes]:
-    def run() -> bytes:
-        result = stub.ExecuteTool(
-            pb.ExecuteToolRequest(name="bench_echo", arguments_json=PAYLOAD.decode())
-        )
-        if not result.success:
-            raise RuntimeError(result.error)
-        return result.content.encode()
-
-    return run
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+    parser.add_argument("--runs", type=int, help="measured calls per method (latency)")
+    parser.add_argument("--warmup", type=int, help="unmeasured calls per method first")
+    parser.add_argument("--cell-seconds", type=float, help="seconds per throughput cell")
+    parser.add_argument("--read-runs", type=int, help="calls per registry read RPC")
+    args = parser.parse_args()
+    chosen = [s.strip() for item in args.only or [] for s in item.split(",") if s.strip()]
+    unknown = sorted(set(chosen) - set(SECTIONS))
+    if unknown:
+        parser.error(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
+    args.sections = [s for s in SECTIONS if s in chosen] if chosen else list(SECTIONS)
+    for key, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--runs", type=int, default=40, help="measured calls per method")
-    parser.add_argument("--warmup", type=int, default=3, help="unmeasured calls per method first")
-    args = parser.parse_args()
-
-    client = docker.from_env(max_pool_size=4)
-    runner = DockerRunner(instance_id=f"bench-{uuid.uuid4().hex[:8]}")
-    server = spawn_server(Path(tempfile.mkdtemp(prefix="toolreg-bench-")))
-    address = server.address
-    try:
-        channel = grpc.insecure_channel(address)
-        stub = pb_grpc.ToolRegistryStub(channel)
-        tool = parse_definition(
-            {
-                "name": "bench_echo",
-                "description": "echo for benchmarks",
-                "parameters": {"type": "object"},
-                "sandbox": {"image": IMAGE, "command": COMMAND},
-            }
-        )
-        stub.RegisterTool(pb.RegisterToolRequest(tool=convert.tool_to_pb(tool), replace=True))
-        methods: dict[str, Callable[[], bytes]] = {
-            "docker run --rm": docker_run,
-            "docker SDK cycle": sdk_cycle(client, {}),
-            "docker SDK cycle, toolreg's container config": sdk_cycle(client, TOOLREG_EXTRAS),
-            "sandbox_runner.run in-process (no gRPC)": runner_call(runner),
-            "toolreg ExecuteTool (cold)": toolreg_call(stub),
-        }
-        for name, fn in methods.items():
-            for _ in range(args.warmup):
-                out = fn()
-            assert out.strip() == PAYLOAD, f"{name} returned {out!r}"
-        samples: dict[str, list[float]] = {name: [] for name in methods}
-        for _ in range(args.runs):  # interleaved: noise hits every method alike
-            for name, fn in methods.items():
-                started = time.perf_counter()
-                fn()
-                samples[name].append((time.perf_counter() - started) * 1000)
-        channel.close()
-    finally:
-        server.stop()
-        client.close()
-        runner.close()
-
-    base = statistics.median(samples["docker SDK cycle"])
-    server_overhead = statistics.median(samples["toolreg ExecuteTool (cold)"]) / statistics.median(
-        samples["sandbox_runner.run in-process (no gRPC)"]
-    )
-    rows = []
-    for name, values in samples.items():
-        p50 = statistics.median(values)
-        rows.append(
-            {
-                "method": name,
-                "runs": len(values),
-                "p50_ms": round(p50, 1),
-                "p95_ms": round(pct(values, 0.95), 1),
-                "p50_vs_sdk": round(p50 / base, 3),
-            }
-        )
+    args = parse_args()
+    run_id = uuid.uuid4().hex[:8]
     when = datetime.now(UTC)
-    machine = f"{os.cpu_count()} cores, {_mem_gib()} GiB, {platform.system()} {platform.release()}"
-    engine = client_version()
-    lines = [
-        f"Cold path, {when:%Y-%m-%d %H:%M} UTC, {machine}, Docker {engine}; "
-        f"image {IMAGE}, command {' '.join(COMMAND)}, {args.runs} interleaved runs each",
-        "",
-        "| method | runs | p50 ms | p95 ms | p50 / SDK cycle |",
-        "|---|---:|---:|---:|---:|",
-        *(
-            f"| {r['method']} | {r['runs']} | {r['p50_ms']} | {r['p95_ms']}"
-            f" | {r['p50_vs_sdk']:.2f}x |"
-            for r in rows
+    engine = engine_client(pool=8)
+    require_image(engine)
+    res: dict[str, Any] = {
+        "when": when.isoformat(),
+        "machine": machine(),
+        "packages": package_versions(PACKAGES),
+        "toolreg": source_version(),
+        "image": IMAGE,
+        "command": " ".join(COMMAND),
+        "payload": PAYLOAD.decode(),
+        "mode": (
+            f"{'quick' if args.quick else 'full'} (runs={args.runs}, warmup={args.warmup},"
+            f" cell={args.cell_seconds:g} s, registry reads={args.read_runs})"
         ),
-    ]
-    lines += [
-        "",
-        f"What the gRPC server adds: ExecuteTool p50 / runner.run p50 = {server_overhead:.2f}x.",
-        "The SDK cycles are docker-py's create, attach, start, wait, remove, same isolation;",
-        "toolreg's config adds NetworkDisabled (no network sandbox: most of the gap), log driver",
-        "none, ipc none and ulimits. docker run cannot set NetworkDisabled.",
-    ]
-    table = "\n".join(lines)
-    print(table)
-    RESULTS.mkdir(exist_ok=True)
-    stem = RESULTS / f"cold-{when:%Y%m%dT%H%M%S}"
-    stem.with_suffix(".md").write_text(table + "\n")
-    stem.with_suffix(".json").write_text(
-        json.dumps(
-            {
-                "when": when.isoformat(),
-                "machine": machine,
-                "engine": engine,
-                "rows": rows,
-                "server_overhead": round(server_overhead, 3),
-                "samples_ms": samples,
-            },
-            indent=2,
-        )
-    )
-    print(f"\nwritten: {stem}.md, {stem}.json")
+        "sections": args.sections,
+        "errors": {},
+    }
+    started = time.monotonic()
 
+    def section(name: str, fn: Any) -> None:
+        print(f"== {name} ({time.monotonic() - started:.0f} s in)", flush=True)
+        watch.section = name
+        try:
+            res[name] = fn()
+        except Exception as exc:
+            traceback.print_exc()
+            res["errors"][name] = f"{type(exc).__name__}: {exc}"
 
-def _mem_gib() -> int:
-    with open("/proc/meminfo") as f:
-        kib = int(f.readline().split()[1])
-    return round(kib / 1024 / 1024)
-
-
-def client_version() -> str:
+    res["load_avg_start"] = os.getloadavg()
+    watch = Interference(run_id)
+    watch.start()
     try:
-        return str(docker.from_env().version().get("Version", "?"))
-    except docker.errors.DockerException:
-        return "?"
+        if "latency" in args.sections:
+            section("latency", lambda: latency.run(args.runs, args.warmup, run_id, engine))
+        if "throughput" in args.sections:
+            section("throughput", lambda: throughput.run(args.cell_seconds, run_id, engine))
+        if "registry" in args.sections or "memory" in args.sections:
+            _registry_and_memory(args, res, run_id, engine, section)
+    finally:
+        watch.stop()
+        res["interference"] = watch.summary()
+        res["leftover_bench_containers"] = remove_leftovers(engine, run_id)
+        engine.close()
+    res["elapsed_s"] = round(time.monotonic() - started, 1)
+    sources = list(dict.fromkeys(SERVER_SOURCES)) or [res["toolreg"]]
+    res["toolreg"] = (
+        sources[0] if len(sources) == 1 else ("CHANGED DURING THE RUN: " + " -> ".join(sources))
+    )
+    res["targets"] = report.targets(res)
+
+    RESULTS.mkdir(exist_ok=True)
+    stem = RESULTS / f"{when:%Y%m%dT%H%M%S}{'-quick' if args.quick else ''}"
+    md = report.markdown(res)
+    md += f"\nWhole run: {res['elapsed_s']:.0f} s.\n"
+    stem.with_suffix(".md").write_text(md)
+    stem.with_suffix(".json").write_text(json.dumps(res, indent=2, default=str) + "\n")
+    drew = False
+    try:
+        drew = report.chart(res, stem.with_suffix(".png"))
+    except Exception:
+        traceback.print_exc()
+    print("\n" + md)
+    written = [f"{stem}.md", f"{stem}.json"] + ([f"{stem}.png"] if drew else [])
+    print("written: " + ", ".join(written))
+
+
+def _registry_and_memory(
+    args: argparse.Namespace, res: dict[str, Any], run_id: str, engine: Any, section: Any
+) -> None:
+    """One server for both: 1,000 tools are registered once (that is the
+    RegisterTool measurement), then read, then given a warm pool."""
+    with server(engine) as srv:
+        time.sleep(0.5)  # let start-up allocations finish before the empty RSS
+        rss_empty = srv.rss_kib()
+        print(f"== registering {registry_ops.N_TOOLS} tools", flush=True)
+        registered = registry_ops.register_many(srv, registry_ops.N_TOOLS)
+        if "registry" in args.sections:
+            section(
+                "registry",
+                lambda: {
+                    "register": registered,
+                    "reads": registry_ops.reads(srv, registry_ops.N_TOOLS, args.read_runs),
+                },
+            )
+        if "memory" in args.sections:
+
+            def mem() -> dict[str, Any]:
+                out = memory.run(srv, rss_empty, run_id, engine)
+                out["tools"] = registry_ops.N_TOOLS
+                return out
+
+            section("memory", mem)
+    if "memory" in res:
+        res["memory"]["leftover_server_containers"] = srv.leftovers
 
 
 if __name__ == "__main__":
