@@ -17,6 +17,7 @@ from typing import Any
 
 import grpc
 
+from registry_server.handlers import rewrap
 from registry_server.models import SafetyLevel
 from registry_server.policy import Policy, Role
 
@@ -127,19 +128,7 @@ class AuthInterceptor(grpc.ServerInterceptor):
         method = details.method
         if handler is None or method not in METHOD_ROLES:
             return handler
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(
-                self._unary(handler.unary_unary, method),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                self._stream(handler.unary_stream, method),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        return handler
+        return rewrap(handler, lambda b: self._unary(b, method), lambda b: self._stream(b, method))
 
     def _admit(self, context: grpc.ServicerContext, method: str) -> Principal:
         try:

@@ -7,7 +7,6 @@ clear line and exit non-zero; tracebacks are for bugs only.
 from __future__ import annotations
 
 import json
-import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,18 +155,24 @@ def serve(
         typer.Option("--tls-client-ca", help="Require client certificates from this CA."),
     ] = None,
     log_level: Annotated[str, typer.Option("--log-level", envvar="TOOLREG_LOG_LEVEL")] = "INFO",
+    log_format: Annotated[
+        str, typer.Option("--log-format", envvar="TOOLREG_LOG_FORMAT", help="auto, json or text.")
+    ] = "auto",
+    metrics_port: Annotated[
+        int | None, typer.Option("--metrics-port", help="Serve Prometheus metrics on this port.")
+    ] = None,
 ) -> None:
     """Run the gRPC server in the foreground until SIGTERM/SIGINT."""
     from pydantic import ValidationError
 
+    from registry_server import logs
     from registry_server.config import ServerConfig
     from registry_server.server import serve as run_server
 
-    logging.basicConfig(
-        level=log_level.upper(),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    try:
+        logs.configure(log_level, log_format)
+    except ValueError as exc:
+        fail(f"--log-format/--log-level: {exc}", 2)
     overrides: dict[str, Any] = {
         k: v
         for k, v in {
@@ -179,6 +184,7 @@ def serve(
             "tls_cert": tls_cert,
             "tls_key": tls_key,
             "tls_client_ca": tls_client_ca,
+            "metrics_port": metrics_port,
         }.items()
         if v is not None
     }

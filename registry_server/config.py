@@ -42,6 +42,10 @@ class ServerConfig(BaseSettings):
     warm_pool_default: int = Field(0, ge=0, le=32)
     max_warm: int = Field(16, ge=0, le=256)  # warm containers across all tools
     warm_max_age_s: float = Field(300.0, gt=0)  # seconds before an unused one is replaced
+    # Prometheus metrics on their own HTTP port (None: off; 0: any free port).
+    metrics_host: str = DEFAULT_HOST
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+    health_interval_s: float = Field(5.0, gt=0)  # seconds between engine checks
     reap_on_start: bool = True  # remove containers left by dead toolreg servers
     # TLS: server certificate and key (PEM); with a client CA, clients must
     # present a certificate it signed (mTLS).

@@ -5,7 +5,6 @@ only problems of the request or the server (capacity, no engine) raise."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import threading
 import time
@@ -91,7 +90,12 @@ class Executor:
         self._store = store
         self._approvals = approvals
         self._pools: WarmPools | None = None
+        self._observers: list[Callable[[dict[str, object], Outcome], None]] = []
         self._runtimes: frozenset[str] | None = None
+
+    def observe(self, observer: Callable[[dict[str, object], Outcome], None]) -> None:
+        """Called with each attempt's audit record and outcome (metrics)."""
+        self._observers.append(observer)
 
     def use_pools(self, pools: WarmPools) -> None:
         self._pools = pools
@@ -275,7 +279,9 @@ class Executor:
     def _finish(self, record: AuditRecord, outcome: Outcome) -> Outcome:
         """Write the attempt's audit record, then hand the outcome back."""
         entry = record.as_dict(decision=_decision(outcome, record), outcome=outcome)
-        execution_log.info("execution %s", json.dumps(entry, sort_keys=True))
+        execution_log.info("execution", extra={"fields": entry})
+        for observer in self._observers:
+            observer(entry, outcome)
         if self._store is None:
             return outcome
         try:

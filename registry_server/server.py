@@ -27,7 +27,9 @@ from registry_server.auth import Authenticator, AuthInterceptor
 from registry_server.config import ServerConfig
 from registry_server.errors import ConfigError
 from registry_server.execution import Executor, SandboxPolicy
+from registry_server.health_monitor import HealthMonitor
 from registry_server.manifests import load_manifests
+from registry_server.metrics import Metrics, MetricsInterceptor
 from registry_server.models import SafetyLevel
 from registry_server.policy import Policy, PolicyError, development_policy, load_policy
 from registry_server.registry import RegisterOutcome, Registry
@@ -57,6 +59,8 @@ class App:
     approvals: Approvals
     dev_mode: bool = False
     pools: WarmPools | None = None
+    metrics: Metrics = field(default_factory=Metrics)
+    metrics_port: int | None = None
     closers: list[Callable[[], None]] = field(default_factory=list)
 
     def close(self) -> None:
@@ -106,6 +110,7 @@ def build_app(config: ServerConfig) -> App:
     app = App(config, store, registry, executor, health.HealthServicer(), runner, approvals)
     app.dev_mode = dev_mode
     app.closers.append(runner.close)
+    executor.observe(app.metrics.observe_execution)
     if config.max_warm > 0:
         pools = WarmPools(
             runner,
@@ -120,6 +125,7 @@ def build_app(config: ServerConfig) -> App:
             pools.track(tool)
         app.pools = pools
         app.closers.insert(0, pools.close)  # before the runner's engine connection goes
+    app.metrics.watch(executor.admission, app.pools.stats if app.pools else None)
     return app
 
 
@@ -223,7 +229,8 @@ def create_server(config: ServerConfig, app: App | None = None) -> tuple[grpc.Se
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.grpc_threads, thread_name_prefix="grpc"),
         interceptors=[
-            AuthInterceptor(Authenticator(None if app.dev_mode else app.approvals.policy))
+            MetricsInterceptor(app.metrics),  # first: it counts refused calls too
+            AuthInterceptor(Authenticator(None if app.dev_mode else app.approvals.policy)),
         ],
         options=[("grpc.so_reuseport", 0)],
     )
@@ -249,7 +256,28 @@ def create_server(config: ServerConfig, app: App | None = None) -> tuple[grpc.Se
     if port == 0:
         app.close()
         raise OSError(f"cannot listen on {config.address}")
+    _start_health_monitor(app)
+    if config.metrics_port is not None:
+        http, app.metrics_port = app.metrics.serve(config.metrics_host, config.metrics_port)
+        app.closers.insert(0, http.shutdown)
+        log.info("metrics on http://%s:%d/metrics", config.metrics_host, app.metrics_port)
     return server, port, app
+
+
+def _start_health_monitor(app: App) -> None:
+    def on_change(healthy: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if healthy
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        app.health.set("", status)
+        app.health.set(SERVICE_NAME, status)
+        app.metrics.engine_up.set(1 if healthy else 0)
+
+    monitor = HealthMonitor(app.runner.ping, on_change, app.config.health_interval_s)
+    monitor.start()
+    app.closers.insert(0, monitor.stop)
 
 
 def _tls_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:

@@ -1,0 +1,35 @@
+"""Wrapping a gRPC method handler's behaviour, for server interceptors."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+
+Unary = Callable[[Any, grpc.ServicerContext], Any]
+Stream = Callable[[Any, grpc.ServicerContext], Iterator[Any]]
+
+
+def rewrap(
+    handler: grpc.RpcMethodHandler[Any, Any] | None,
+    wrap_unary: Callable[[Unary], Unary],
+    wrap_stream: Callable[[Stream], Stream],
+) -> grpc.RpcMethodHandler[Any, Any] | None:
+    """The same handler with its unary-unary or unary-stream behaviour wrapped
+    (this service has no client-streaming methods; others pass through)."""
+    if handler is None:
+        return None
+    if handler.unary_unary is not None:
+        return grpc.unary_unary_rpc_method_handler(
+            wrap_unary(handler.unary_unary),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+    if handler.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(
+            wrap_stream(handler.unary_stream),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+    return handler
