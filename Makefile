@@ -32,6 +32,7 @@ check-proto: $(STAMP) ## Fail when the generated code is stale
 
 lint: $(STAMP)
 	$(BIN)/ruff check registry_server sandbox_runner tests scripts bench
+	$(BIN)/buf lint proto
 
 typecheck: $(STAMP)
 	$(BIN)/mypy registry_server sandbox_runner
