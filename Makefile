@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-stamp
 DATA_DIR ?= .toolreg/data
 PYTEST_ARGS ?=
 
-.PHONY: help install proto check check-proto lint typecheck engine images test run bench reap clean
+.PHONY: help install proto check check-proto lint typecheck engine images interop-deps test run bench reap clean
 
 help: ## Show the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -45,7 +45,10 @@ engine: ## Make sure a Docker engine answers (installs docker.io + runsc on Debi
 images: engine ## Build the local sandbox images (only when missing or changed)
 	@bash sandbox_runner/images/build.sh
 
-test: install check-proto images ## Set up everything, then run the whole test suite
+interop-deps: ## Install the Node.js interop test dependencies (tests/interop)
+	cd tests/interop && npm ci --no-audit --no-fund --silent
+
+test: install check-proto images interop-deps ## Set up everything, then run the whole test suite
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 run: install proto images ## Set up everything, then serve the example tools on 127.0.0.1:50051

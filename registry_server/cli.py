@@ -594,6 +594,34 @@ def audit_tail(
     store.close()
 
 
+# --------------------------------------------------------------------- mcp
+
+
+@app.command("mcp")
+def mcp_serve(
+    ctx: typer.Context,
+    max_level: LevelOpt = None,
+    category: CategoryOpt = None,
+    address: AddressOpt = None,
+    log_level: Annotated[str, typer.Option("--log-level", envvar="TOOLREG_LOG_LEVEL")] = "INFO",
+) -> None:
+    """Serve the registry's tools as an MCP server over stdio, for MCP hosts.
+
+    Lists the tools this client may see and runs calls through ExecuteTool. A
+    dangerous call answers with its approval request id; once approved, call
+    again with "_approval_request_id": ID added to the arguments. Logs go to
+    stderr (stdout is the MCP channel)."""
+    from registry_server import mcp_bridge
+
+    level = _level(max_level)
+    try:
+        mcp_bridge.configure_logging(log_level)
+    except ValueError as exc:
+        fail(f"--log-level: {exc}", 2)
+    with _client(ctx, address) as client:
+        mcp_bridge.serve(client, max_level=level, categories=category or ())
+
+
 def main() -> None:
     try:
         app()

@@ -1,0 +1,97 @@
+"""The Node.js client suite (tests/interop/) against a real `toolreg serve`
+process with a policy: proves the .proto alone is enough for another language."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from registry_server.launcher import spawn_server
+from registry_server.tokens import generate_keypair
+
+pytestmark = pytest.mark.docker
+ROOT = Path(__file__).resolve().parents[2]
+INTEROP = ROOT / "tests" / "interop"
+EXAMPLES = ROOT / "examples" / "tools"
+NODE_TIMEOUT_S = 300  # seconds for the whole Node suite (it starts a few dozen containers)
+TOKENS = {"agent": "interop-agent", "admin": "interop-admin", "alice": "interop-alice"}
+
+
+def sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def write_policy(path: Path, public_keys: dict[str, str]) -> None:
+    policy = {
+        "audience": "toolreg-interop",
+        "approvers": [
+            {"id": who, "public_key": key, "groups": ["security"]}
+            for who, key in public_keys.items()
+        ],
+        "approval_rules": [
+            {
+                "match": {"tool": "write_file"},
+                "approvals_required": 1,
+                "groups": ["security"],
+                "max_token_ttl_s": 600,
+            },
+        ],
+        "clients": [
+            {
+                "id": "agent",
+                "token_sha256": sha(TOKENS["agent"]),
+                "roles": ["execute"],
+                "max_safety_level": "dangerous",
+            },
+            {"id": "admin", "token_sha256": sha(TOKENS["admin"]), "roles": ["register"]},
+            {"id": "alice", "token_sha256": sha(TOKENS["alice"]), "roles": ["approve"]},
+        ],
+    }
+    path.write_text(yaml.safe_dump(policy, sort_keys=False))
+
+
+def test_node_client_suite(tmp_path: Path) -> None:
+    node = shutil.which("node")
+    if node is None:
+        pytest.fail("node (>= 20) is not on PATH: the interop suite needs Node.js")
+    if not (INTEROP / "node_modules").is_dir():
+        pytest.fail(
+            "tests/interop/node_modules is missing: "
+            "run `make test` (it installs the interop dependencies)"
+        )
+    alice_private, alice_public = generate_keypair()
+    _, bob_public = generate_keypair()
+    policy = tmp_path / "policy.yaml"
+    write_policy(policy, {"alice": alice_public, "bob": bob_public})
+    server = spawn_server(
+        tmp_path / "data", "--policy", str(policy), "--tools", str(EXAMPLES), cwd=ROOT
+    )
+    try:
+        env = {
+            **os.environ,
+            "TOOLREG_ADDRESS": server.address,
+            "TOOLREG_AGENT_TOKEN": TOKENS["agent"],
+            "TOOLREG_ADMIN_TOKEN": TOKENS["admin"],
+            "TOOLREG_APPROVER_TOKEN": TOKENS["alice"],
+            "TOOLREG_APPROVER_ID": "alice",
+            "TOOLREG_APPROVER_KEY_PEM": alice_private.decode(),
+        }
+        done = subprocess.run(
+            [node, "--test", "tests/interop/"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=NODE_TIMEOUT_S,
+        )  # fmt: skip
+    finally:
+        code = server.stop()
+    output = done.stdout + done.stderr
+    print(output)  # node's TAP report: shown by `pytest -rP`, and on failure
+    assert done.returncode == 0, (
+        f"node --test tests/interop/ failed ({done.returncode}):\n{output}\n"
+        "--- server log (last 40 lines) ---\n" + "".join(server.log[-40:])
+    )
+    assert code == 0, "the server did not stop cleanly:\n" + "".join(server.log[-40:])
