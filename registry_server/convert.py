@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import UTC
 from typing import Any
 
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -152,6 +153,32 @@ def approval_request_to_pb(req: ApprovalRequestView) -> pb.ApprovalRequest:
         max_token_ttl_s=req.max_token_ttl_s,
         approvals_missing=max(0, req.approvals_required - len(req.approved_by)),
     )
+
+
+def approval_request_from_pb(msg: pb.ApprovalRequest) -> ApprovalRequestView:
+    return ApprovalRequestView(
+        id=msg.id,
+        tool_name=msg.tool_name,
+        tool_digest=msg.tool_digest,
+        arguments_json=msg.arguments_json,
+        arguments_digest=msg.arguments_digest,
+        requested_by=msg.requested_by,
+        approvals_required=msg.approvals_required,
+        approved_by=tuple(msg.approved_by),
+        state=msg.state,
+        created_at=msg.created_at.ToDatetime(tzinfo=UTC),
+        expires_at=msg.expires_at.ToDatetime(tzinfo=UTC),
+        audience=msg.audience,
+        max_token_ttl_s=msg.max_token_ttl_s,
+    )
+
+
+_STATUS_FROM_PB = {int(v): k for k, v in _STATUS_TO_PB.items()}
+
+
+def status_from_pb(value: int) -> Status:
+    """An unknown status (a newer server's) is still a failure: SANDBOX_ERROR."""
+    return _STATUS_FROM_PB.get(value, Status.SANDBOX_ERROR)
 
 
 def outcome_to_pb(out: Outcome) -> pb.ToolResult:
