@@ -25,7 +25,7 @@ from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
 from registry_server.launcher import ServerProcess, spawn_server
 from registry_server.models import parse_definition
-from registry_server.tokens import generate_keypair, load_private_key, mint
+from registry_server.tokens import generate_keypair, load_private_key, mint_for
 from sandbox_runner.ownership import LABEL_OWNER_PID
 
 IMAGE = "toolreg/base"
@@ -345,15 +345,7 @@ class Server:
         key = load_private_key(self.approver_pem)
 
         def token() -> str:
-            return mint(
-                key,
-                issuer=APPROVER,
-                audience=req.audience,
-                tool_name=req.tool_name,
-                tool_digest=req.tool_digest,
-                args_digest=req.arguments_digest,
-                ttl_s=TOKEN_TTL_S,
-            )
+            return mint_for(key, issuer=APPROVER, request=req, ttl_s=TOKEN_TTL_S)
 
         return token
 

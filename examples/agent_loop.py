@@ -103,21 +103,12 @@ class DemoApprover:
         return thread
 
     def _approve(self, request_id: str) -> None:
-        from registry_server.tokens import mint
+        from registry_server.tokens import mint_for
 
         time.sleep(DEMO_APPROVER_DELAY_S)
         with RegistryClient.connect(self._address, token=self._token) as client:
             req = client.get_approval_request(request_id)
-            token = mint(
-                self._key,
-                issuer=self._id,
-                audience=req.audience,
-                tool_name=req.tool_name,
-                tool_digest=req.tool_digest,
-                args_digest=req.arguments_digest,
-                ttl_s=req.max_token_ttl_s or 300,
-                request_id=req.id,
-            )
+            token = mint_for(self._key, issuer=self._id, request=req, bind_request=True)
             try:
                 updated = client.submit_approval_token(request_id, token)
             except grpc.RpcError as err:

@@ -473,7 +473,7 @@ def approvals_approve(
 ) -> None:
     """Sign exactly this request (tool digest + arguments digest) with your key.
     The key never leaves this process."""
-    from registry_server.tokens import load_private_key, mint
+    from registry_server.tokens import load_private_key, mint_for
 
     try:
         private_key = load_private_key(key.read_bytes())
@@ -487,11 +487,9 @@ def approvals_approve(
             req = client.approval_request(request_id)
             if req.state in ("CONSUMED", "EXPIRED"):
                 fail(f"request {request_id} is {req.state.lower()}; nothing to approve")
-            lifetime = ttl or req.max_token_ttl_s or 900
-            token = mint(
-                private_key, issuer=issuer, audience=req.audience, tool_name=req.tool_name,
-                tool_digest=req.tool_digest, args_digest=req.arguments_digest, ttl_s=lifetime,
-                request_id=req.id,
+            token = mint_for(
+                private_key, issuer=issuer, request=req, ttl_s=ttl or req.max_token_ttl_s or 900,
+                bind_request=True,
             )  # fmt: skip
             if print_only:
                 typer.echo(token)

@@ -23,7 +23,7 @@ import secrets
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import jwt
 from cryptography.exceptions import UnsupportedAlgorithm
@@ -37,6 +37,7 @@ TOKEN_TYPE = "toolreg-approval+jwt"
 ALGORITHM = "EdDSA"
 MIN_JTI_BITS = 128  # bits of randomness a jti must carry to be unguessable and unique
 JTI_BYTES = MIN_JTI_BITS // 8  # bytes of randomness per minted jti
+DEFAULT_TTL_S = 300  # seconds: a token's lifetime when neither approver nor request says
 MIN_JTI_CHARS = 22  # base64url characters that hold MIN_JTI_BITS (6 bits each, rounded up)
 MAX_JTI_CHARS = 128  # characters; a jti is stored forever, so keep it small
 MAX_REQUEST_ID_CHARS = 128  # characters of the optional `req` claim (ids are 32 hex)
@@ -184,6 +185,45 @@ def mint(
     if request_id:
         claims["req"] = request_id
     return jwt.encode(claims, private_key, algorithm=ALGORITHM, headers={"typ": TOKEN_TYPE})
+
+
+class Approvable(Protocol):
+    """What an approval request says (the proto message or the client's domain object)."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def audience(self) -> str: ...
+    @property
+    def tool_name(self) -> str: ...
+    @property
+    def tool_digest(self) -> str: ...
+    @property
+    def arguments_digest(self) -> str: ...
+    @property
+    def max_token_ttl_s(self) -> int: ...
+
+
+def mint_for(
+    private_key: Ed25519PrivateKey,
+    *,
+    issuer: str,
+    request: Approvable,
+    ttl_s: int | None = None,
+    bind_request: bool = False,
+) -> str:
+    """A token approving exactly what `request` asks to run: its lifetime is `ttl_s`,
+    else the request's maximum, else DEFAULT_TTL_S; `bind_request` names the request."""
+    return mint(
+        private_key,
+        issuer=issuer,
+        audience=request.audience,
+        tool_name=request.tool_name,
+        tool_digest=request.tool_digest,
+        args_digest=request.arguments_digest,
+        ttl_s=ttl_s or request.max_token_ttl_s or DEFAULT_TTL_S,
+        request_id=request.id if bind_request else None,
+    )
 
 
 # --------------------------------------------------------------- verification

@@ -427,6 +427,10 @@ class DockerRunner:
         # server can answer first and remove right after; close() waits for it.
         self._removals: queue.Queue[tuple[Any, str] | None] | None = None
         self._remover: threading.Thread | None = None
+        # Containers whose removal failed (the engine was down or erred): removed again by
+        # retry_removals() once it answers, so an engine restart leaves nothing behind.
+        self._unremoved: set[str] = set()
+        self._unremoved_lock = threading.Lock()
         if remove_in_background:
             self._removals = queue.Queue()
             self._remover = threading.Thread(target=self._remove_loop, name="remover", daemon=True)
@@ -634,16 +638,39 @@ class DockerRunner:
             self._removals.join()
 
     def _remove(self, api: Any, container_id: str) -> None:
-        if not container_id:
-            return
+        if container_id and not self._try_remove(api, container_id):
+            with self._unremoved_lock:
+                self._unremoved.add(container_id)
+
+    def _try_remove(self, api: Any, container_id: str) -> bool:
+        """True when the container is gone (or going); False (logged) when it is not."""
         try:
             api.remove_container(container_id, force=True, v=True)
         except Exception as e:
             if _status(e) == 404:
-                return
+                return True
             if _status(e) == 409 and "in progress" in str(e):
-                return
-            log.error("could not remove container %s: %s", container_id[:12], e)
+                return True
+            log.error("could not remove container %s (retried when the engine answers): %s",
+                      container_id[:12], e)  # fmt: skip
+            return False
+        return True
+
+    def retry_removals(self) -> int:
+        """Remove again the containers whose removal failed; returns how many are still
+        there. Cheap when there are none: the health check calls it on every pass."""
+        with self._unremoved_lock:
+            pending = list(self._unremoved)
+        if not pending:
+            return 0
+        api = self._client().api
+        removed = {cid for cid in pending if self._try_remove(api, cid)}
+        with self._unremoved_lock:
+            self._unremoved -= removed
+            left = len(self._unremoved)
+        if removed:
+            log.info("removed %d container(s) left when the engine failed", len(removed))
+        return left
 
     def _remove_after_failed_create(self, api: Any, name: str, error: SandboxError) -> None:
         # A create that timed out on our side may still have happened on the engine's.

@@ -42,6 +42,11 @@ class Runner(Protocol):
         """OCI runtimes the engine offers (e.g. {'runc', 'runsc'})."""
         ...
 
+    def retry_removals(self) -> int:
+        """Remove again the containers whose removal failed (say, while the engine was
+        down); returns how many are still there."""
+        ...
+
     def reap(self) -> int:
         """Remove containers left by dead server instances; returns how many were removed."""
         ...

@@ -14,7 +14,7 @@ import pytest
 from registry_server import convert
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server.models import parse_definition
-from registry_server.tokens import generate_keypair, load_private_key, mint
+from registry_server.tokens import generate_keypair, load_private_key, mint_for
 from tests.integration.conftest import Running, StartServer, start_server  # noqa: F401
 
 pytestmark = pytest.mark.docker
@@ -116,6 +116,13 @@ def register(sandbox_server: Running) -> Register:
     return add
 
 
+def sign_request(
+    private_key_pem: bytes, issuer: str, req: pb.ApprovalRequest, ttl_s: int = 300
+) -> str:
+    """An approval token from `issuer` for exactly what `req` asks to run."""
+    return mint_for(load_private_key(private_key_pem), issuer=issuer, request=req, ttl_s=ttl_s)
+
+
 def execute(running: Running, name: str, args: str = "{}", timeout: float = 60) -> pb.ToolResult:
     """Run a tool; a dangerous one is approved by the test approver first."""
     result: pb.ToolResult = running.stub.ExecuteTool(
@@ -123,16 +130,7 @@ def execute(running: Running, name: str, args: str = "{}", timeout: float = 60) 
     )
     key = _approver_keys.get(running.port)
     if result.status == pb.EXECUTION_STATUS_APPROVAL_REQUIRED and key is not None:
-        req = result.approval_request
-        token = mint(
-            load_private_key(key),
-            issuer=APPROVER,
-            audience=req.audience,
-            tool_name=req.tool_name,
-            tool_digest=req.tool_digest,
-            args_digest=req.arguments_digest,
-            ttl_s=300,
-        )
+        token = sign_request(key, APPROVER, result.approval_request)
         result = running.stub.ExecuteTool(
             pb.ExecuteToolRequest(name=name, arguments_json=args, approval_tokens=[token]),
             timeout=timeout,

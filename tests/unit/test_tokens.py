@@ -25,6 +25,7 @@ from registry_server.tokens import (
     generate_keypair,
     load_private_key,
     mint,
+    mint_for,
     peek_issuer,
     public_key_from_text,
     public_key_text,
@@ -291,6 +292,38 @@ def test_every_minted_jti_is_fresh() -> None:
 def peek_jti(token: str) -> str:
     jti: str = json.loads(unb64url(token.split(".")[1]))["jti"]
     return jti
+
+
+@dataclass(frozen=True)
+class Request:  # what an approver's client reads from GetApprovalRequest
+    id: str = "req-7"
+    audience: str = AUDIENCE
+    tool_name: str = TOOL
+    tool_digest: str = TOOL_DIGEST
+    arguments_digest: str = ARGS_DIGEST
+    max_token_ttl_s: int = 0
+
+
+@pytest.mark.parametrize(
+    ("request_ttl", "ttl", "bind", "lifetime", "request_id"),
+    [
+        (0, None, False, 300, None),  # neither says: the default
+        (120, None, True, 120, "req-7"),  # the request's maximum
+        (120, 60, False, 60, None),  # the approver's choice
+    ],
+)
+def test_mint_for_signs_what_the_request_names(
+    request_ttl: int, ttl: int | None, bind: bool, lifetime: int, request_id: str | None
+) -> None:
+    req = Request(max_token_ttl_s=request_ttl)
+    token = mint_for(ALICE, issuer="alice", request=req, ttl_s=ttl, bind_request=bind)
+    body = json.loads(unb64url(token.split(".")[1]))
+    approval = verify(
+        token, keys=KEYS, audience=AUDIENCE, tool_name=TOOL, tool_digest=TOOL_DIGEST,
+        args_digest=ARGS_DIGEST, max_ttl_s=MAX_TTL_S, now=body["iat"],
+    )  # fmt: skip
+    assert approval.expires_at - approval.issued_at == lifetime
+    assert approval.request_id == request_id
 
 
 def test_mint_refuses_a_non_positive_lifetime() -> None:
