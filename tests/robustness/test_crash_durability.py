@@ -222,16 +222,20 @@ def test_full_disk_is_reported_and_recovers(
         assert err.code() == grpc.StatusCode.UNAVAILABLE, (err.code(), err.details())
         message = (err.details() or "").lower()
         assert "store" in message and ("full" in message or "disk" in message), message
+        assert str(small_disk / "data").lower() in message, "the error must name the file"
 
-        # Reads still work.
+        # Reads still work, and the refused registration left nothing behind.
+        acknowledged = {"before_full"} | {f"when_full_{n}" for n in range(i)}
         names = {t.name for t in running.stub.ListTools(pb.ListToolsRequest(), timeout=10).tools}
-        assert "before_full" in names
+        assert names == acknowledged
         assert running.stub.GetTool(pb.GetToolRequest(name="before_full"), timeout=10).name
 
-        # Space back: writes work again.
+        # Space back: writes work again, in memory and on disk.
         filler.unlink()
         running.stub.RegisterTool(pb.RegisterToolRequest(tool=_tool("after_full")), timeout=10)
+        running.stop()
+        running = start_server(data_dir=small_disk / "data", max_warm=0)
         names = {t.name for t in running.stub.ListTools(pb.ListToolsRequest(), timeout=10).tools}
-        assert "after_full" in names
+        assert names == acknowledged | {"after_full"}
     finally:
         running.stop()  # close the store before the tmpfs is unmounted
