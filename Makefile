@@ -35,7 +35,7 @@ lint: $(STAMP)
 	$(BIN)/buf lint proto
 
 typecheck: $(STAMP)
-	$(BIN)/mypy registry_server sandbox_runner
+	$(BIN)/mypy registry_server sandbox_runner bench examples
 
 check: check-proto lint typecheck ## Proto drift, lint and type checks
 

@@ -192,7 +192,7 @@ def engine_client(pool: int = 8) -> docker.DockerClient:
     def refuse_pull(*args: object, **kwargs: object) -> None:
         raise Unavailable(f"refused to pull {args or kwargs}: no registry is reachable here")
 
-    client.images.pull = refuse_pull  # type: ignore[method-assign]
+    client.images.pull = refuse_pull  # type: ignore[method-assign,assignment]
     client.api.pull = refuse_pull  # type: ignore[method-assign]
     return client
 

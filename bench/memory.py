@@ -101,6 +101,7 @@ def stand_in(client: docker.DockerClient, run_id: str) -> dict[str, Any]:
         sock = container.attach_socket(params={"stdin": 1, "stdout": 1, "stream": 1})
         container.start()
         time.sleep(0.5)  # let the process settle into its read()
+        assert container.id is not None
         return container_memory(client, container.id)
     finally:
         if sock is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
 from bench.common import Server, definition, summary
@@ -74,7 +75,7 @@ def reads(srv: Server, n_tools: int, runs: int) -> dict[str, Any]:
         "GetToolSchemas (OpenAI)": schemas.ByteSize(),
         "GetTool": srv.stub.GetTool(pb.GetToolRequest(name="bench_tool_0000")).ByteSize(),
     }
-    calls = {
+    calls: dict[str, Callable[[], object]] = {
         "ListTools": lambda: srv.stub.ListTools(list_req, timeout=60),
         "GetToolSchemas (OpenAI)": lambda: srv.stub.GetToolSchemas(schema_req, timeout=60),
         "GetTool": lambda: srv.stub.GetTool(
