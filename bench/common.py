@@ -334,6 +334,13 @@ class Server:
         )
         return result
 
+    def run(self, name: str, tokens: Sequence[str] = ()) -> bytes:
+        """One timed call: its output, or RuntimeError when it did not succeed."""
+        result = self.execute(name, tokens)
+        if not result.success:
+            raise RuntimeError(f"{name}: {result.error} (status {result.status})")
+        return result.content.encode()
+
     def token_minter(self, name: str) -> Callable[[], str]:
         """Mints one fresh approval token per call for ``name`` with PAYLOAD as
         arguments; the digests and audience come from the server's own

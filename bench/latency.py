@@ -6,6 +6,7 @@ the refill lands in no other method's measurement."""
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 import traceback
@@ -69,13 +70,7 @@ def toolreg_methods(srv: Server, expected_running: Callable[[], int]) -> list[Me
         srv.settle(expected_running(), SETTLE_TIMEOUT_S)
 
     def plain(name: str) -> Callable[[], bytes]:
-        def call() -> bytes:
-            result = srv.execute(name)
-            if not result.success:
-                raise RuntimeError(f"{name}: {result.error}")
-            return result.content.encode()
-
-        return call
+        return functools.partial(srv.run, name)
 
     def approved(name: str) -> tuple[Callable[[], None], Callable[[], bytes]]:
         minter = srv.token_minter(name)
@@ -84,13 +79,7 @@ def toolreg_methods(srv: Server, expected_running: Callable[[], int]) -> list[Me
         def before() -> None:  # an approver's signature is not the server's time
             token[:] = [minter()]
 
-        def call() -> bytes:
-            result = srv.execute(name, token)
-            if not result.success:
-                raise RuntimeError(f"{name}: {result.error}")
-            return result.content.encode()
-
-        return before, call
+        return before, functools.partial(srv.run, name, token)
 
     runsc_before, runsc_call = approved("bench_echo_runsc")
     runsc_warm_before, runsc_warm_call = approved("bench_echo_runsc_warm")

@@ -4,12 +4,13 @@ interleaved, p50/p95 per RPC."""
 
 from __future__ import annotations
 
+import functools
 import random
 import time
 from collections.abc import Callable
 from typing import Any
 
-from bench.common import Server, definition, summary
+from bench.common import Server, definition, summary, timed_ms
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 
 N_TOOLS = 1_000  # tools registered before the reads are timed
@@ -50,9 +51,8 @@ def register_many(srv: Server, n: int) -> dict[str, Any]:
     latencies = []
     started = time.perf_counter()
     for tool in tools:
-        t0 = time.perf_counter()
-        srv.stub.RegisterTool(pb.RegisterToolRequest(tool=tool, replace=True), timeout=60)
-        latencies.append((time.perf_counter() - t0) * 1000)
+        request = pb.RegisterToolRequest(tool=tool, replace=True)
+        latencies.append(timed_ms(functools.partial(srv.stub.RegisterTool, request, timeout=60)))
     elapsed = time.perf_counter() - started
     return {
         "tools": n,
@@ -88,9 +88,7 @@ def reads(srv: Server, n_tools: int, runs: int) -> dict[str, Any]:
     samples: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(runs):  # interleaved
         for name, fn in calls.items():
-            t0 = time.perf_counter()
-            fn()
-            samples[name].append((time.perf_counter() - t0) * 1000)
+            samples[name].append(timed_ms(fn))
     rows = [
         {"rpc": name, "runs": len(vals), "response_bytes": sizes[name], **summary(vals)}
         for name, vals in samples.items()

@@ -5,6 +5,7 @@ at the deadline and the in-flight ones finish; rate = completed / elapsed."""
 
 from __future__ import annotations
 
+import functools
 import statistics
 import threading
 import time
@@ -19,7 +20,6 @@ from bench.common import (
     SERVER_MAX_QUEUED,
     SERVER_MAX_SANDBOXES,
     TOOLREG_EXTRAS,
-    Server,
     definition,
     pct,
     server,
@@ -85,8 +85,8 @@ def run(seconds: float, run_id: str, engine: docker.DockerClient) -> dict[str, A
         methods: list[tuple[str, Callable[[], bytes], bool]] = [
             (SDK_DEFAULT, sdk_cycle(client, {}, run_id), False),
             (SDK_TOOLREG, sdk_cycle(client, TOOLREG_EXTRAS, run_id), False),
-            (COLD, _call(srv, "bench_echo"), False),
-            (WARM, _call(srv, "bench_echo_warm"), True),
+            (COLD, functools.partial(srv.run, "bench_echo"), False),
+            (WARM, functools.partial(srv.run, "bench_echo_warm"), True),
         ]
         for concurrency in CONCURRENCY:  # methods interleaved within each level
             for name, fn, warm in methods:
@@ -110,16 +110,6 @@ def run(seconds: float, run_id: str, engine: docker.DockerClient) -> dict[str, A
         "cells": cells,
         "leftover_server_containers": srv.leftovers,
     }
-
-
-def _call(srv: Server, name: str) -> Callable[[], bytes]:
-    def call() -> bytes:
-        result = srv.execute(name)
-        if not result.success:
-            raise RuntimeError(f"{result.error} (status {result.status})")
-        return result.content.encode()
-
-    return call
 
 
 def rate(section: dict[str, Any], method: str, concurrency: int) -> float | None:

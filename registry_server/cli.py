@@ -16,6 +16,7 @@ import grpc
 import typer
 
 from registry_server import client as client_mod
+from registry_server import convert
 from registry_server.client import RegistryClient, describe_rpc_error, open_channel
 from registry_server.errors import ToolregError
 from registry_server.models import SafetyLevel
@@ -370,14 +371,8 @@ def exec_tool(
             err=True,
         )
     if not result.success:
-        status = pb_status_name(result.status)
+        status = convert.status_name(result.status)
         fail(f"{status}: {result.error}" if result.error else status)
-
-
-def pb_status_name(value: int) -> str:
-    from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
-
-    return pb.ExecutionStatus.Name(value).removeprefix("EXECUTION_STATUS_")  # type: ignore[arg-type]
 
 
 @app.command()

@@ -164,17 +164,11 @@ def approval_from_message(msg: pb.ApprovalRequest) -> ApprovalRequestView:
 def result_from_message(msg: pb.ToolResult) -> CallResult:
     """The domain form of a ToolResult message; an unknown status is SANDBOX_ERROR
     (a newer server's outcome this client cannot name is still a failure)."""
-    data: Any = None
-    if msg.data_json:
-        try:
-            data = json.loads(msg.data_json)
-        except ValueError:
-            data = None
     return CallResult(
         success=msg.success,
         status=convert.status_from_pb(int(msg.status)),
         content=msg.content,
-        data=data,
+        data=convert.data_from_pb(msg.data_json),
         error=msg.error,
         exit_code=msg.exit_code,
         stderr=msg.stderr,

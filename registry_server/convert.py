@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from datetime import UTC
 from typing import Any
 
@@ -174,6 +175,24 @@ def approval_request_from_pb(msg: pb.ApprovalRequest) -> ApprovalRequestView:
 
 
 _STATUS_FROM_PB = {int(v): k for k, v in _STATUS_TO_PB.items()}
+
+
+def status_name(value: int) -> str:
+    """A wire status for people ("TOOL_ERROR"); a newer server's unknown one by number."""
+    try:
+        return pb.ExecutionStatus.Name(value).removeprefix("EXECUTION_STATUS_")  # type: ignore[arg-type]
+    except ValueError:
+        return f"STATUS_{value}"
+
+
+def data_from_pb(data_json: str) -> Any:
+    """A ToolResult's ``data_json`` parsed; None when it is empty or not JSON."""
+    if not data_json:
+        return None
+    try:
+        return json.loads(data_json)
+    except ValueError:
+        return None
 
 
 def status_from_pb(value: int) -> Status:

@@ -51,6 +51,7 @@ from mcp.server.stdio import stdio_server
 from mcp.shared.exceptions import MCPError
 
 from registry_server import client as client_mod
+from registry_server import convert
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server.client import RegistryClient, describe_rpc_error, open_channel
 from registry_server.models import SafetyLevel
@@ -89,10 +90,6 @@ def tool_to_mcp(tool: pb.Tool) -> types.Tool:
     )
 
 
-def _status_name(value: int) -> str:
-    return pb.ExecutionStatus.Name(value).removeprefix("EXECUTION_STATUS_")  # type: ignore[arg-type]
-
-
 def _text(text: str) -> types.TextContent:
     return types.TextContent(type="text", text=text)
 
@@ -121,17 +118,11 @@ def result_to_mcp(tool_name: str, result: pb.ToolResult) -> types.CallToolResult
         content: list[types.ContentBlock] = [_text(result.content)]
         if result.output_truncated:
             content.append(_text("[output truncated: the tool wrote more than its byte cap]"))
-        structured: Any = None
-        if result.data_json:
-            try:
-                data = json.loads(result.data_json)
-            except ValueError:
-                data = None
-            if isinstance(data, dict):
-                structured = data
+        data = convert.data_from_pb(result.data_json)
+        structured = data if isinstance(data, dict) else None
         return types.CallToolResult(content=content, structured_content=structured)
 
-    status = _status_name(result.status)
+    status = convert.status_name(result.status)
     if result.status == pb.EXECUTION_STATUS_APPROVAL_REQUIRED and result.approval_request.id:
         text = approval_message(tool_name, result.approval_request)
     else:
@@ -213,7 +204,10 @@ class Bridge:
             log.warning("ExecuteTool %s failed: %s", name, message)
             return types.CallToolResult(content=[_text(message)], is_error=True)
         log.info(
-            "call %s -> %s (execution %s)", name, _status_name(result.status), result.execution_id
+            "call %s -> %s (execution %s)",
+            name,
+            convert.status_name(result.status),
+            result.execution_id,
         )
         return result_to_mcp(name, result)
 

@@ -28,7 +28,7 @@ from registry_server.client import (
 from registry_server.launcher import ServerProcess, spawn_server
 from registry_server.models import SafetyLevel, ToolDefinition
 from registry_server.schemas import SchemaFormat
-from registry_server.tokens import generate_keypair, load_private_key, mint
+from registry_server.tokens import generate_keypair, load_private_key, mint_for
 from tests.factories import tool
 
 pytestmark = pytest.mark.docker
@@ -55,16 +55,8 @@ def dev_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Serve
 
 
 def sign(key_file: Path, req: ApprovalRequestView) -> str:
-    return mint(
-        load_private_key(key_file.read_bytes()),
-        issuer=APPROVER,
-        audience=req.audience,
-        tool_name=req.tool_name,
-        tool_digest=req.tool_digest,
-        args_digest=req.arguments_digest,
-        ttl_s=req.max_token_ttl_s or 300,
-        request_id=req.id,
-    )
+    key = load_private_key(key_file.read_bytes())
+    return mint_for(key, issuer=APPROVER, request=req, bind_request=True)
 
 
 def got_description(client: RegistryClient, name: str) -> str:

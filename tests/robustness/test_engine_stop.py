@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import docker
@@ -84,8 +85,7 @@ def _health(running: Running) -> int:
     return stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
 
 
-def _wait_for(what: str, predicate: object, timeout_s: float) -> None:
-    assert callable(predicate)
+def _wait_for(what: str, predicate: Callable[[], bool], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
@@ -147,7 +147,7 @@ def test_engine_stopped_during_calls_and_started_again(
         30,
     )
 
-    os.kill(stoppable_engine, 15)
+    os.kill(stoppable_engine, signal.SIGTERM)
     _wait_for("dockerd to exit", lambda: not Path(f"/proc/{stoppable_engine}").exists(),
               ENGINE_STOP_S)  # fmt: skip
     for t in threads:
