@@ -8,8 +8,12 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 DATA_DIR ?= .toolreg/data
 PYTEST_ARGS ?=
+INIT_SRC := sandbox_runner/init/toolreg_init.c
+INIT_BIN := sandbox_runner/init/toolreg-init
+INIT_CC ?= gcc
+INIT_CFLAGS := -std=c11 -Os -static -s -Wall -Wextra -Werror
 
-.PHONY: help install proto check check-proto lint typecheck engine images interop-deps test run bench reap clean
+.PHONY: help install init proto check check-proto lint typecheck engine images interop-deps test run bench reap clean
 
 help: ## Show the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -21,6 +25,24 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 install: $(STAMP) ## Create .venv and install the project with its dev tools
+
+# The toolchain is used as found when it can link statically; otherwise gcc and libc6-dev
+# are installed with apt (Debian + root only, as images/build.sh does), else a message.
+$(INIT_BIN): $(INIT_SRC)
+	@if ! { command -v $(INIT_CC) >/dev/null 2>&1 && \
+	        [[ "$$($(INIT_CC) -print-file-name=libc.a)" == /* ]]; }; then \
+	  if [[ "$$(id -u)" != 0 ]] || ! command -v apt-get >/dev/null 2>&1; then \
+	    echo "make init: needs $(INIT_CC) and a static libc (Debian: apt-get install gcc libc6-dev)" >&2; \
+	    exit 1; \
+	  fi; \
+	  echo "make init: installing gcc libc6-dev (apt-get) ..."; \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get update -qq && apt-get install -y -qq --no-install-recommends gcc libc6-dev >/dev/null; \
+	fi
+	$(INIT_CC) $(INIT_CFLAGS) -o $@.tmp $<
+	@chmod 0755 $@.tmp && mv -f $@.tmp $@  # o+x: containers run it as uid 65534
+
+init: $(INIT_BIN) ## Build the sandbox init (static, from source)
 
 proto: $(STAMP) ## Regenerate registry_server/_proto from proto/
 	$(BIN)/python scripts/gen_proto.py
@@ -48,13 +70,13 @@ images: engine ## Build the local sandbox images (only when missing or changed)
 interop-deps: ## Install the Node.js interop test dependencies (tests/interop)
 	cd tests/interop && npm ci --no-audit --no-fund --silent
 
-test: install check-proto images interop-deps ## Set up everything, then run the whole test suite
+test: install init check-proto images interop-deps ## Set up everything, then run the whole test suite
 	$(BIN)/pytest $(PYTEST_ARGS)
 
-run: install proto images ## Set up everything, then serve the example tools on 127.0.0.1:50051
+run: install init images ## Set up everything, then serve the example tools on 127.0.0.1:50051
 	$(BIN)/toolreg serve --tools examples/tools --data-dir $(DATA_DIR)
 
-bench: install images ## Benchmarks (medians, ratios against baselines in the same run)
+bench: install init images ## Benchmarks (medians, ratios against baselines in the same run)
 	$(BIN)/pip install --quiet -e '.[dev,bench]'
 	$(BIN)/python -m bench $(BENCH_ARGS)
 

@@ -30,7 +30,7 @@ from bench.common import (
     summary,
 )
 from sandbox_runner import SAFE_LIMITS, SandboxSpec
-from sandbox_runner.docker_backend import DockerRunner
+from sandbox_runner.docker_backend import INIT_BINARY, DockerRunner
 
 WARM_POOL = 4  # warm_pool registered for the warm rows
 LLM_POOL = 4  # llm-sandbox pool size, the same
@@ -108,7 +108,8 @@ def run(runs: int, warmup: int, run_id: str, engine: docker.DockerClient) -> dic
             traceback.print_exc()
 
     client = docker.from_env(max_pool_size=4)
-    runner = DockerRunner(instance_id=f"bench-{run_id}")
+    # The real configuration: every container held by the init until its call (make init).
+    runner = DockerRunner(instance_id=f"bench-{run_id}", init_path=INIT_BINARY)
     with server(engine) as srv:
         add("docker run --rm", lambda: baselines.docker_run(run_id))
         add(

@@ -2,33 +2,56 @@
 
 A dangerous call runs only when enough distinct approvers whom the policy
 trusts for this tool have each signed a token for exactly this tool
-definition and these arguments (DESIGN §4). The tokens' `jti`s are spent in
-the same transaction as the audit record, before the container starts
-(``consume``), so a token works once, ever, across restarts.
+definition, these arguments and this caller (docs/approvals.md). Every rule
+that matches the tool applies at once. ``decide`` only checks; the tokens'
+`jti`s are spent by ``spend`` in the same transaction as the audit record,
+once the call holds a sandbox and right before its tool starts, so a token
+works once, ever, across restarts, and an approval is never lost to a call
+that did not run.
+
+An approval request belongs to the client whose call caused it: only that
+client may spend it, and a token bound to a request (`req`) works only with
+that request.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sqlite3
 import time
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
-from registry_server import audit
-from registry_server.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
-from registry_server.models import ToolDefinition
+from registry_server import audit, strict_json
+from registry_server.errors import (
+    AtCapacity,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+)
+from registry_server.models import ToolDefinition, parse_definition
 from registry_server.outcome import ApprovalRequestView
 from registry_server.policy import EffectiveRule, Policy
 from registry_server.registry import Registry
 from registry_server.store import Store
-from registry_server.tokens import TokenRejected, VerifiedApproval, verify
+from registry_server.tokens import (
+    MAX_REQUEST_ID_CHARS,
+    MAX_TOKEN_CHARS,
+    TokenRejected,
+    VerifiedApproval,
+    verify,
+)
 
 STATES = ("PENDING", "APPROVED", "CONSUMED", "EXPIRED")
 MAX_TOKENS_PER_CALL = 16  # approval tokens one call may carry; more is an attack, not a quorum
-MAX_TOKEN_CHARS = 8_192  # characters; an EdDSA token is well under 1 KiB
 MAX_LISTED = 500  # approval requests per ListApprovalRequests answer
 DEFAULT_LISTED = 100
+# Pending requests one client may have open at once: each holds up to 1 MiB of
+# arguments, and a steered agent must not fill the store or the approvers' queue.
+MAX_OPEN_REQUESTS_PER_CALLER = 32
 
 
 class Denied(Exception):
@@ -90,6 +113,7 @@ class Approvals:
                 tool_name=tool_name,
                 tool_digest=tool_digest,
                 args_digest=args_digest,
+                requester=caller,
                 max_ttl_s=rule.max_token_ttl_s,
             )
         except TokenRejected as exc:
@@ -97,9 +121,9 @@ class Approvals:
         if not self.policy.eligible(approval.approver, rule):
             raise Denied(
                 f"approver '{approval.approver}' is not eligible for tool '{tool_name}'"
-                f" ({rule.source} needs groups {', '.join(rule.groups) or 'any'})"
+                f" (it needs {rule.describe()}: {rule.source})"
             )
-        if approval.approver == caller:
+        if self.policy.same_person(approval.approver, caller):
             raise Denied(f"approver '{approval.approver}' cannot approve their own call")
         if self._jti_used(approval.jti):
             raise Replayed(f"token of '{approval.approver}' was already used (replayed jti)")
@@ -130,30 +154,47 @@ class Approvals:
             offered += self._stored_tokens(request_id)
         approvals: dict[str, VerifiedApproval] = {}
         for index, token in enumerate(offered, start=1):
+            inline = index <= len(tokens)
+            which = f"approval token {index}" if inline else "a stored approval"
             try:
                 approval = self.check_token(
                     token, tool_name=tool.name, tool_digest=tool.digest,
                     args_digest=call.arguments_digest, caller=call.caller, rule=rule,
                 )  # fmt: skip
             except Denied as exc:
-                which = f"approval token {index}" if index <= len(tokens) else "a stored approval"
                 raise type(exc)(f"{which} rejected: {exc.reason}") from None
+            if inline and approval.request_id not in (None, request_id):
+                raise Denied(
+                    f"{which} rejected: it is bound to approval request {approval.request_id};"
+                    f" call with approval_request_id={approval.request_id}"
+                )
             approvals.setdefault(approval.approver, approval)  # one approver counts once
-        if len(approvals) >= rule.approvals_required:
+        if self._missing(rule, approvals) == 0:
             return Approved(tuple(approvals.values()), request_id or None, rule)
         if request is None:
             request = self._open_request(call, rule)
-        have = len(approvals)
         return Required(
             request,
-            f"Tool '{tool.name}' is dangerous: it needs {rule.approvals_required} approval(s)"
-            f" from {', '.join(rule.groups) or 'any approver'}; {have} valid so far."
+            f"Tool '{tool.name}' is dangerous: it needs {rule.describe()};"
+            f" {len(approvals)} valid so far."
             f" Ask an approver to approve request {request.id}, then call again with"
             f" approval_request_id={request.id}",
         )
 
-    def consume(self, db: sqlite3.Connection, approved: Approved, execution_id: str) -> None:
-        """Spend the approval inside the caller's transaction (with its audit record)."""
+    def _missing(self, rule: EffectiveRule, approvals: Any) -> int:
+        """Distinct approvers still needed, given approver ids (at least)."""
+        known = [a for a in (self.policy.approver(str(i)) for i in approvals) if a is not None]
+        return rule.missing(known)
+
+    def spend(self, approved: Approved, execution_id: str, audit_record: dict[str, Any]) -> None:
+        """Spend the approval and write the call's audit record, in one
+        transaction: a crash after this can never let the same tokens run the
+        call twice. Raises Denied when another call spent them first."""
+        with self._store.transaction() as db:
+            self._consume(db, approved, execution_id)
+            audit.append(db, "execution", audit_record)
+
+    def _consume(self, db: sqlite3.Connection, approved: Approved, execution_id: str) -> None:
         now = time.time()
         for approval in approved.approvals:
             if db.execute("SELECT 1 FROM used_nonces WHERE jti = ?", (approval.jti,)).fetchone():
@@ -175,6 +216,12 @@ class Approvals:
     # -- requests ----------------------------------------------------------------
 
     def _check_request_matches(self, request: ApprovalRequestView, call: Call) -> None:
+        if request.requested_by != call.caller:
+            # Not named: which client asked is none of this caller's business.
+            raise Denied(
+                f"approval request {request.id} was made by another client;"
+                " only the client whose call caused it may use it"
+            )
         if request.state in ("CONSUMED", "EXPIRED"):
             raise Denied(f"approval request {request.id} is {request.state.lower()}")
         if request.tool_name != call.tool.name:
@@ -199,16 +246,28 @@ class Approvals:
         if rows:
             return self.get(str(rows[0][0]))
         request_id = uuid.uuid4().hex
+        manifest = strict_json.dumps(call.tool.as_manifest())
         with self._store.transaction() as db:
+            (open_now,) = db.execute(
+                "SELECT COUNT(*) FROM approval_requests WHERE requested_by = ?"
+                " AND state = 'PENDING' AND expires_at > ?",
+                (call.caller, now),
+            ).fetchone()
+            if open_now >= MAX_OPEN_REQUESTS_PER_CALLER:
+                raise AtCapacity(
+                    f"client '{call.caller}' already has {open_now} open approval requests"
+                    f" (at most {MAX_OPEN_REQUESTS_PER_CALLER}); wait until some are approved"
+                    " or expire"
+                )
             db.execute(
                 "INSERT INTO approval_requests (id, tool_name, tool_digest, arguments_json,"
                 " arguments_digest, requested_by, approvals_required, state, created_at,"
-                " expires_at)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, 'PENDING', ?, ?)",
+                " expires_at, tool_manifest, tool_owner)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, 'PENDING', ?, ?, ?, ?)",
                 (
                     request_id, call.tool.name, call.tool.digest, call.arguments_json,
                     call.arguments_digest, call.caller, rule.approvals_required, now,
-                    now + self.policy.approval_request_ttl_s,
+                    now + self.policy.approval_request_ttl_s, manifest, call.tool.owner,
                 ),
             )  # fmt: skip
             audit.append(db, "approval", {
@@ -221,6 +280,8 @@ class Approvals:
     def get(self, request_id: str) -> ApprovalRequestView:
         if not request_id:
             raise InvalidArgument("id: must not be empty")
+        if len(request_id) > MAX_REQUEST_ID_CHARS:
+            raise InvalidArgument(f"id: longer than {MAX_REQUEST_ID_CHARS} characters")
         rows = self._store.read(
             f"SELECT {_COLUMNS} FROM approval_requests WHERE id = ?", (request_id,)
         )
@@ -229,9 +290,11 @@ class Approvals:
         return self._view(rows[0])
 
     def list_requests(self, state: str = "", limit: int = 0) -> list[ApprovalRequestView]:
+        """Newest first, without the arguments or the tool's parameters (an
+        answer of 500 requests must not carry 500 MiB): read one with ``get``."""
         state = state.strip().upper()
         if state and state not in STATES:
-            raise InvalidArgument(f"state: unknown state {state!r}; use {', '.join(STATES)}")
+            raise InvalidArgument(f"state: unknown state; use {', '.join(STATES)}")
         limit = min(limit or DEFAULT_LISTED, MAX_LISTED)
         now = time.time()
         where = ""
@@ -243,10 +306,11 @@ class Approvals:
         elif state == "CONSUMED":
             where, params = "WHERE state = 'CONSUMED'", ()
         rows = self._store.read(
-            f"SELECT {_COLUMNS} FROM approval_requests {where} ORDER BY created_at DESC LIMIT ?",
+            f"SELECT {_LISTED_COLUMNS} FROM approval_requests {where}"
+            " ORDER BY created_at DESC LIMIT ?",
             (*params, limit),
         )
-        return [self._view(r) for r in rows]
+        return [self._view(r, listed=True) for r in rows]
 
     def submit(self, request_id: str, token: str, submitted_by: str) -> ApprovalRequestView:
         """Attach one approver's token to a request (verified now, spent later)."""
@@ -266,7 +330,9 @@ class Approvals:
         except Denied as exc:
             raise PermissionDenied(f"approval rejected: {exc.reason}") from None
         if approval.request_id not in (None, request_id):
-            raise PermissionDenied(f"approval rejected: token is for request {approval.request_id}")
+            raise PermissionDenied(
+                f"approval rejected: token is for request {approval.request_id}, not {request_id}"
+            )
         with self._store.transaction() as db:
             db.execute(
                 "INSERT INTO approval_tokens (request_id, approver, jti, token, expires_at)"
@@ -274,10 +340,12 @@ class Approvals:
                 " jti = excluded.jti, token = excluded.token, expires_at = excluded.expires_at",
                 (request_id, approval.approver, approval.jti, token, approval.expires_at),
             )
-            count = db.execute(
-                "SELECT COUNT(*) FROM approval_tokens WHERE request_id = ?", (request_id,)
-            ).fetchone()[0]
-            if count >= request.approvals_required:
+            approvers = [
+                str(a) for (a,) in db.execute(
+                    "SELECT approver FROM approval_tokens WHERE request_id = ?", (request_id,)
+                )
+            ]  # fmt: skip
+            if self._missing(rule, approvers) == 0:
                 db.execute(
                     "UPDATE approval_requests SET state = 'APPROVED'"
                     " WHERE id = ? AND state = 'PENDING'",
@@ -306,34 +374,64 @@ class Approvals:
         )
         return [str(r[0]) for r in rows]
 
-    def _view(self, row: tuple[object, ...]) -> ApprovalRequestView:
-        (rid, tool, tdig, args, adig, by, need, state, created, expires) = row
-        approvers = self._store.read(
-            "SELECT approver FROM approval_tokens WHERE request_id = ? ORDER BY approver", (rid,)
-        )
+    def _view(self, row: tuple[object, ...], *, listed: bool = False) -> ApprovalRequestView:
+        (rid, tool, tdig, args, adig, by, need, state, created, expires, manifest, owner) = row
+        approvers = [
+            str(a[0])
+            for a in self._store.read(
+                "SELECT approver FROM approval_tokens WHERE request_id = ? ORDER BY approver",
+                (rid,),
+            )
+        ]
         state = str(state)
         if state != "CONSUMED" and float(str(expires)) <= time.time():
             state = "EXPIRED"
-        tool_def = self._registry.find(str(tool))
-        ttl = (
+        shown = _snapshot(str(manifest), str(owner), listed=listed)
+        current = self._registry.find(str(tool))
+        rule = (
             self.policy.rule_for(
-                tool_name=tool_def.name, categories=tool_def.categories, level=tool_def.safety_level
-            ).max_token_ttl_s
-            if tool_def is not None
-            else 0
+                tool_name=current.name, categories=current.categories, level=current.safety_level
+            )
+            if current is not None
+            else None
         )
         return ApprovalRequestView(
             audience=self.policy.audience,
-            max_token_ttl_s=ttl,
-            id=str(rid), tool_name=str(tool), tool_digest=str(tdig), arguments_json=str(args),
+            max_token_ttl_s=rule.max_token_ttl_s if rule else 0,
+            id=str(rid), tool_name=str(tool), tool_digest=str(tdig),
+            arguments_json="" if listed else str(args),
             arguments_digest=str(adig), requested_by=str(by), approvals_required=int(str(need)),
-            approved_by=tuple(str(a[0]) for a in approvers), state=state,
+            approved_by=tuple(approvers), state=state,
             created_at=datetime.fromtimestamp(float(str(created)), UTC),
             expires_at=datetime.fromtimestamp(float(str(expires)), UTC),
+            tool=shown,
+            approvals_missing=(
+                self._missing(rule, approvers) if rule is not None
+                else max(0, int(str(need)) - len(approvers))
+            ),
         )  # fmt: skip
+
+
+def _snapshot(manifest: str, owner: str, *, listed: bool) -> ToolDefinition | None:
+    """The definition the request was made for (None for requests older than
+    snapshots). Listings leave its parameters schema out, as they do arguments."""
+    if not manifest:
+        return None
+    try:
+        tool = parse_definition(strict_json.loads(manifest, "tool_manifest"))
+    except InvalidArgument:  # InvalidDefinition included: shown as missing, never guessed
+        return None
+    tool = dataclasses.replace(tool, owner=owner)
+    return dataclasses.replace(tool, parameters_json="") if listed else tool
 
 
 _COLUMNS = (
     "id, tool_name, tool_digest, arguments_json, arguments_digest, requested_by,"
-    " approvals_required, state, created_at, expires_at"
+    " approvals_required, state, created_at, expires_at, tool_manifest, tool_owner"
+)
+# Listings read neither the arguments nor the schema from disk.
+_LISTED_COLUMNS = _COLUMNS.replace("arguments_json", "''").replace(
+    "tool_manifest",
+    "CASE tool_manifest WHEN '' THEN '' ELSE"
+    " json_set(tool_manifest, '$.parameters', json('{\"type\":\"object\"}')) END",
 )

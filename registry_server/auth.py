@@ -6,6 +6,9 @@ verified mTLS client certificate. Unknown or missing credentials get
 UNAUTHENTICATED; a missing role gets PERMISSION_DENIED. Without a policy
 (development mode, loopback only) every caller is the anonymous developer.
 Health and reflection stay open: they reveal nothing a port scan would not.
+Everything fails closed: a method in neither table is refused, and domain code
+asking who calls outside an admitted RPC gets UNAUTHENTICATED, never the
+developer.
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ from typing import Any
 
 import grpc
 
-from registry_server.handlers import rewrap
+from registry_server.errors import Unauthenticated
+from registry_server.handlers import refuse, rewrap
 from registry_server.models import SafetyLevel
-from registry_server.policy import Policy, Role
+from registry_server.policy import UNRESTRICTED, Policy, RegisterGrant, Role
 
 SERVICE = "/toolregistry.v1.ToolRegistry/"
 ANY_CLIENT: frozenset[Role] = frozenset()  # authenticated, no particular role
@@ -36,6 +40,15 @@ METHOD_ROLES: dict[str, frozenset[Role]] = {
     SERVICE + "GetApprovalRequest": frozenset({Role.APPROVE, Role.EXECUTE}),
     SERVICE + "SubmitApproval": frozenset({Role.APPROVE}),
 }
+# Open to anyone who can connect: they reveal nothing a port scan would not.
+OPEN_METHODS = frozenset(
+    {
+        "/grpc.health.v1.Health/Check",
+        "/grpc.health.v1.Health/Watch",
+        "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+        "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+    }
+)
 DEVELOPER_ID = "developer"
 
 
@@ -44,15 +57,24 @@ class Principal:
     id: str
     roles: frozenset[Role]
     max_level: SafetyLevel | None  # for execute; None = any level
+    register: RegisterGrant = UNRESTRICTED  # what it may register (with the role)
+
+    @property
+    def admin(self) -> bool:
+        return Role.ADMIN in self.roles
 
 
-DEVELOPER = Principal(DEVELOPER_ID, frozenset(Role), None)
+DEVELOPER = Principal(DEVELOPER_ID, frozenset(Role), None, UNRESTRICTED)
 _current: contextvars.ContextVar[Principal] = contextvars.ContextVar("toolreg_principal")
 
 
 def current_principal() -> Principal:
-    """The caller of the RPC being served (set by AuthInterceptor)."""
-    return _current.get(DEVELOPER)
+    """The caller of the RPC being served (set by AuthInterceptor). Outside an
+    admitted RPC there is no caller: refuse rather than guess."""
+    principal = _current.get(None)
+    if principal is None:
+        raise Unauthenticated("no authenticated caller for this call")
+    return principal
 
 
 class AuthError(Exception):
@@ -93,16 +115,16 @@ class Authenticator:
                     "no known credential: send 'authorization: Bearer <token>'"
                     " or a client certificate",
                 )
-        return Principal(client.id, client.roles, client.max_safety_level)
+        return Principal(client.id, client.roles, client.max_safety_level, client.register)
 
 
 def _subjects(auth_context: Mapping[str, Any]) -> list[str]:
-    """The verified certificate's subject, as the policy may spell it."""
+    """The verified certificate's whole subject ("CN=agent-1,O=Acme"). Only the
+    whole subject matches a policy entry: a certificate for "CN=agent-1,O=Evil"
+    from the same CA is another client, not agent-1."""
     if auth_context.get("transport_security_type") != [b"ssl"]:
         return []
-    out = [v.decode() for v in auth_context.get("x509_subject", [])]
-    out += [f"CN={v.decode()}" for v in auth_context.get("x509_common_name", [])]
-    return out
+    return [v.decode("utf-8", "replace") for v in auth_context.get("x509_subject", [])]
 
 
 def authorize(principal: Principal, method: str) -> None:
@@ -126,8 +148,11 @@ class AuthInterceptor(grpc.ServerInterceptor):
     ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = continuation(details)
         method = details.method
-        if handler is None or method not in METHOD_ROLES:
+        if handler is None or method in OPEN_METHODS:
             return handler
+        if method not in METHOD_ROLES:
+            # A method someone added without deciding who may call it.
+            return refuse(handler, grpc.StatusCode.PERMISSION_DENIED, "method not open to clients")
         return rewrap(handler, lambda b: self._unary(b, method), lambda b: self._stream(b, method))
 
     def _admit(self, context: grpc.ServicerContext, method: str) -> Principal:

@@ -21,6 +21,7 @@ from registry_server.client import RegistryClient, describe_rpc_error, open_chan
 from registry_server.errors import ToolregError
 from registry_server.models import SafetyLevel
 from registry_server.schemas import SchemaFormat, tool_belt
+from registry_server.terminal import escape
 
 app = typer.Typer(
     name="toolreg",
@@ -252,7 +253,11 @@ def tools_list(
         except grpc.RpcError as err:
             _rpc_failed(err, client.address)
     if as_json:
-        typer.echo(json.dumps([t.as_manifest() | {"digest": t.digest} for t in tools], indent=2))
+        typer.echo(
+            json.dumps(
+                [t.as_manifest() | {"digest": t.digest, "owner": t.owner} for t in tools], indent=2
+            )
+        )
         return
     if not tools:
         typer.echo("no tools")
@@ -261,7 +266,8 @@ def tools_list(
     for t in tools:
         cats = ",".join(t.categories) or "-"
         summary = t.description.splitlines()[0]
-        typer.echo(f"{t.name:<{width}}  {t.safety_level.value:<9}  {cats:<20}  {summary}")
+        line = f"{t.name:<{width}}  {t.safety_level.value:<9}  {cats:<20}  {t.owner:<12}  {summary}"
+        typer.echo(escape(line))
 
 
 @tools_app.command("get")
@@ -272,9 +278,8 @@ def tools_get(ctx: typer.Context, name: str, address: AddressOpt = None) -> None
             tool = client_mod.tool_from_message(client.get(name))
         except grpc.RpcError as err:
             _rpc_failed(err, client.address)
-    typer.echo(
-        json.dumps(tool.as_manifest() | {"digest": tool.digest}, indent=2, ensure_ascii=False)
-    )
+    shown = tool.as_manifest() | {"digest": tool.digest, "owner": tool.owner}
+    typer.echo(escape(json.dumps(shown, indent=2, ensure_ascii=False), keep_newlines=True))
 
 
 @tools_app.command("schemas")
@@ -403,17 +408,47 @@ def reap(
 
 
 def _request_lines(req: Any) -> list[str]:
+    """What an approver reads before signing: every client-supplied text escaped."""
     created = req.created_at.ToDatetime().strftime("%Y-%m-%d %H:%M:%S")
     expires = req.expires_at.ToDatetime().strftime("%Y-%m-%d %H:%M:%S")
     approved = ", ".join(req.approved_by) or "nobody yet"
-    return [
+    lines = [
         f"request   {req.id}",
         f"state     {req.state}",
         f"tool      {req.tool_name} (digest {req.tool_digest})",
         f"asked by  {req.requested_by} at {created} UTC; expires {expires} UTC",
-        f"approvals {len(req.approved_by)} of {req.approvals_required} ({approved})",
+        f"approvals {len(req.approved_by)} of {req.approvals_required} ({approved});"
+        f" {req.approvals_missing} more needed",
+        *_tool_lines(req),
         "arguments (digest " + req.arguments_digest + "):",
         json.dumps(json.loads(req.arguments_json), indent=2, ensure_ascii=False),
+    ]
+    return [escape(line, keep_newlines=True) for line in lines]
+
+
+def _tool_lines(req: Any) -> list[str]:
+    """The definition the request is for, checked against the digest signed."""
+    if not req.HasField("tool"):
+        return ["definition not recorded with this request (made by an older server)"]
+    tool = req.tool
+    try:
+        matches = convert.stored_tool_from_pb(tool).digest == req.tool_digest
+    except ToolregError:
+        matches = False
+    limits = tool.sandbox.limits
+    asked = ", ".join(
+        f"{name} {getattr(limits, name) or 'level default'}"
+        for name in ("memory_mb", "cpu_millis", "pids", "timeout_ms", "output_bytes")
+    )
+    env = ", ".join(f"{k}={v!r}" for k, v in sorted(tool.sandbox.env.items())) or "none"
+    return [
+        f"level     {convert.level_name(tool.safety_level)}",
+        f"owner     {tool.owner}",
+        f"image     {tool.sandbox.image}",
+        f"command   {json.dumps(list(tool.sandbox.command), ensure_ascii=False)}",
+        f"env       {env}",
+        f"limits    {asked}",
+        "definition " + ("matches the digest signed" if matches else "DOES NOT match tool_digest"),
     ]
 
 
@@ -435,7 +470,9 @@ def approvals_list(
         typer.echo("no approval requests")
     for req in found:
         have = f"{len(req.approved_by)}/{req.approvals_required}"
-        typer.echo(f"{req.id}  {req.state:<9} {have:>5}  {req.tool_name}  by {req.requested_by}")
+        image = f"  image {req.tool.sandbox.image}" if req.HasField("tool") else ""
+        line = f"{req.id}  {req.state:<9} {have:>5}  {req.tool_name}  by {req.requested_by}{image}"
+        typer.echo(escape(line))
 
 
 @approvals_app.command("show")

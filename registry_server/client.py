@@ -448,7 +448,7 @@ class RegistryClient:
 
 def tool_from_message(msg: pb.Tool) -> ToolDefinition:
     """The domain form of a Tool the server sent (re-validated)."""
-    return convert.tool_from_pb(msg)
+    return convert.stored_tool_from_pb(msg)
 
 
 __all__ = [

@@ -18,6 +18,12 @@ DEFAULT_MAX_SANDBOXES = 8  # containers running at once, server-wide
 DEFAULT_MAX_QUEUED = 32  # calls waiting for a sandbox slot before RESOURCE_EXHAUSTED
 EXTRA_GRPC_THREADS = 8  # threads for registry RPCs beyond the sandbox slots and queue
 SHUTDOWN_GRACE_S = 10.0  # seconds in-flight RPCs get to finish on SIGTERM
+DEFAULT_SANDBOX_MEMORY_MB = 4096  # MiB: the memory limits of all sandboxes, running or warm
+# Bytes of one request message: 1 MiB of arguments plus approval tokens and
+# framing fit; a bigger message is refused by gRPC before it is parsed.
+MAX_MESSAGE_BYTES = 2 * 1024 * 1024
+# The sandbox init (see sandbox_runner/init): built by `make init` next to its source.
+DEFAULT_INIT_PATH = Path(__file__).resolve().parent.parent / "sandbox_runner" / "init" / "toolreg-init"
 
 
 class ServerConfig(BaseSettings):
@@ -30,10 +36,14 @@ class ServerConfig(BaseSettings):
     policy_file: Path | None = None
     max_sandboxes: int = Field(DEFAULT_MAX_SANDBOXES, ge=1, le=256)
     max_queued: int = Field(DEFAULT_MAX_QUEUED, ge=0, le=4096)
+    # MiB: running and warm sandboxes' memory limits add up to at most this.
+    sandbox_memory_mb: int = Field(DEFAULT_SANDBOX_MEMORY_MB, ge=64, le=1024 * 1024)
+    init_path: Path = DEFAULT_INIT_PATH
     docker_url: str | None = None  # default: DOCKER_HOST or the local socket
     # Dangerous tools run under gVisor (runsc). Without it: refuse them (True)
-    # or run them under runc with a warning at start-up (False).
-    require_gvisor: bool = False
+    # or run them under runc with a warning at start-up (False). Unset: True
+    # with a policy (a real deployment), False in development mode.
+    require_gvisor: bool | None = None
     workspace_dir: Path | None = None  # default: <data_dir>/workspace
     # Dangerous tools that get workspace_dir mounted read-write at /workspace.
     workspace_tools: tuple[str, ...] = ("write_file",)
@@ -41,7 +51,8 @@ class ServerConfig(BaseSettings):
     # says 0) keeps N started single-use containers ready.
     warm_pool_default: int = Field(0, ge=0, le=32)
     max_warm: int = Field(16, ge=0, le=256)  # warm containers across all tools
-    warm_max_age_s: float = Field(300.0, gt=0)  # seconds before an unused one is replaced
+    # seconds before an unused one is replaced (an hour at most)
+    warm_max_age_s: float = Field(300.0, gt=0, le=3600)
     # Prometheus metrics on their own HTTP port (None: off; 0: any free port).
     metrics_host: str = DEFAULT_HOST
     metrics_port: int | None = Field(None, ge=0, le=65535)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from datetime import UTC
 from typing import Any
@@ -11,7 +12,22 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from registry_server import strict_json
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server.errors import InvalidArgument, InvalidDefinition, Violation
-from registry_server.models import SafetyLevel, ToolDefinition, parse_definition
+from registry_server.models import (
+    MAX_CATEGORIES,
+    MAX_CATEGORY_CHARS,
+    MAX_COMMAND_ARG_CHARS,
+    MAX_COMMAND_ARGS,
+    MAX_DESCRIPTION_CHARS,
+    MAX_ENV_KEY_CHARS,
+    MAX_ENV_VALUE_CHARS,
+    MAX_ENV_VARS,
+    MAX_IMAGE_CHARS,
+    MAX_NAME_CHARS,
+    MAX_PARAMETERS_BYTES,
+    SafetyLevel,
+    ToolDefinition,
+    parse_definition,
+)
 from registry_server.outcome import ApprovalRequestView, Outcome, Status
 from registry_server.schemas import SchemaFormat
 
@@ -31,7 +47,12 @@ _STATUS_TO_PB = {s: pb.ExecutionStatus.Value(f"EXECUTION_STATUS_{s.value}") for 
 
 
 def tool_from_pb(msg: pb.Tool) -> ToolDefinition:
-    """Validate a Tool message; every problem is named by its proto field."""
+    """Validate a Tool message; every problem is named by its proto field.
+    Sizes are checked first, before any parsing: a 3 MB name or a huge schema
+    costs nothing but this check."""
+    oversized = _oversized(msg)
+    if oversized:
+        raise InvalidDefinition(oversized)
     problems: list[Violation] = []
     parameters: Any = {}
     try:
@@ -73,6 +94,37 @@ def tool_from_pb(msg: pb.Tool) -> ToolDefinition:
     return tool
 
 
+def _oversized(msg: pb.Tool) -> list[Violation]:
+    sandbox = msg.sandbox
+    checks: list[tuple[str, bool, str]] = [
+        ("name", len(msg.name) > MAX_NAME_CHARS, f"at most {MAX_NAME_CHARS} characters"),
+        ("description", len(msg.description) > MAX_DESCRIPTION_CHARS,
+         f"at most {MAX_DESCRIPTION_CHARS} characters"),
+        ("parameters_json", len(msg.parameters_json.encode()) > MAX_PARAMETERS_BYTES,
+         f"at most {MAX_PARAMETERS_BYTES} bytes"),
+        ("categories", len(msg.categories) > MAX_CATEGORIES, f"at most {MAX_CATEGORIES} entries"),
+        ("categories", any(len(c) > MAX_CATEGORY_CHARS for c in msg.categories),
+         f"each at most {MAX_CATEGORY_CHARS} characters"),
+        ("sandbox.image", len(sandbox.image) > MAX_IMAGE_CHARS,
+         f"at most {MAX_IMAGE_CHARS} characters"),
+        ("sandbox.command", len(sandbox.command) > MAX_COMMAND_ARGS,
+         f"at most {MAX_COMMAND_ARGS} entries"),
+        ("sandbox.command", any(len(a) > MAX_COMMAND_ARG_CHARS for a in sandbox.command),
+         f"each entry at most {MAX_COMMAND_ARG_CHARS} characters"),
+        ("sandbox.env", len(sandbox.env) > MAX_ENV_VARS, f"at most {MAX_ENV_VARS} variables"),
+        ("sandbox.env", any(len(k) > MAX_ENV_KEY_CHARS for k in sandbox.env),
+         f"names at most {MAX_ENV_KEY_CHARS} characters"),
+        ("sandbox.env", any(len(v) > MAX_ENV_VALUE_CHARS for v in sandbox.env.values()),
+         f"values at most {MAX_ENV_VALUE_CHARS} characters"),
+    ]  # fmt: skip
+    return [Violation(field, rule) for field, failed, rule in checks if failed]
+
+
+def stored_tool_from_pb(msg: pb.Tool) -> ToolDefinition:
+    """A Tool the server sent: re-validated, with its owner (output only)."""
+    return dataclasses.replace(tool_from_pb(msg), owner=msg.owner)
+
+
 def _is_parse_echo(v: Violation, already: list[Violation]) -> bool:
     # When parameters_json did not parse, "parameters must be an object" is noise.
     return v.field == "parameters" and any(p.field == "parameters_json" for p in already)
@@ -107,7 +159,14 @@ def tool_to_pb(tool: ToolDefinition) -> pb.Tool:
         ),
         digest=tool.digest,
         warm_pool=tool.warm_pool,
+        owner=tool.owner,
     )
+
+
+def level_name(value: int) -> str:
+    """A wire safety level for people ("dangerous"); an unknown one by number."""
+    level = _LEVEL_FROM_PB.get(int(value))
+    return level.value if level is not None else f"level {value}"
 
 
 def max_level_from_pb(value: int, field: str = "max_safety_level") -> SafetyLevel | None:
@@ -152,7 +211,8 @@ def approval_request_to_pb(req: ApprovalRequestView) -> pb.ApprovalRequest:
         expires_at=_timestamp(req.expires_at),
         audience=req.audience,
         max_token_ttl_s=req.max_token_ttl_s,
-        approvals_missing=max(0, req.approvals_required - len(req.approved_by)),
+        approvals_missing=req.approvals_missing,
+        tool=tool_to_pb(req.tool) if req.tool is not None else None,
     )
 
 
@@ -171,7 +231,20 @@ def approval_request_from_pb(msg: pb.ApprovalRequest) -> ApprovalRequestView:
         expires_at=msg.expires_at.ToDatetime(tzinfo=UTC),
         audience=msg.audience,
         max_token_ttl_s=msg.max_token_ttl_s,
+        tool=_shown_tool(msg),
+        approvals_missing=msg.approvals_missing,
     )
+
+
+def _shown_tool(msg: pb.ApprovalRequest) -> ToolDefinition | None:
+    """The request's definition as a domain object, when it came in full (a
+    listing leaves its parameters out) and still validates."""
+    if not msg.HasField("tool") or not msg.tool.parameters_json:
+        return None
+    try:
+        return stored_tool_from_pb(msg.tool)
+    except InvalidArgument:
+        return None
 
 
 _STATUS_FROM_PB = {int(v): k for k, v in _STATUS_TO_PB.items()}

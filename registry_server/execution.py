@@ -13,6 +13,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import re
+
 from registry_server import audit, strict_json
 from registry_server.admission import Admission, Cancelled
 from registry_server.approvals import Approvals, Approved, Call, Denied, Required
@@ -24,14 +26,23 @@ from registry_server.errors import (
     PermissionDenied,
     ToolregError,
     Unimplemented,
+    Violation,
 )
-from registry_server.models import SafetyLevel, ToolDefinition
+from registry_server.models import NAME_PATTERN, SafetyLevel, ToolDefinition, valid_tool_name
 from registry_server.outcome import ApprovalRequestView, Outcome, Status
 from registry_server.registry import Registry
 from registry_server.store import Store
 from registry_server.warm_pool import WarmPools
 from sandbox_runner import EngineUnavailable as RunnerEngineUnavailable
-from sandbox_runner import Limits, Mount, Runner, SandboxError, SandboxResult, SandboxSpec
+from sandbox_runner import (
+    Limits,
+    Mount,
+    PreparedSandbox,
+    Runner,
+    SandboxError,
+    SandboxResult,
+    SandboxSpec,
+)
 from sandbox_runner.profiles import FALLBACK_RUNTIME, profile_for, runtime_for
 
 log = logging.getLogger(__name__)
@@ -41,6 +52,8 @@ OutputSink = Callable[[str, bytes], None]
 MAX_ERROR_CHARS = 4_096  # characters of stderr repeated in `error` for the model
 WORKSPACE_TARGET = "/workspace"  # where a workspace tool sees its directory
 TOOL_WORKSPACE_ENV = "TOOLREG_WORKSPACE"  # tells the tool where its workspace is
+NOT_A_NAME = f"Tool not found: tool names match {NAME_PATTERN}"
+REQUEST_ID_PATTERN = re.compile(r"^[0-9a-f]{32}$")  # what Approvals issues (uuid4 hex)
 
 
 @dataclass(frozen=True)
@@ -103,11 +116,15 @@ class Executor:
     def warm_spec(self, tool: ToolDefinition) -> SandboxSpec | None:
         """What a warm container of ``tool`` is made from (None: it may not run here)."""
         runtime = self.runtime_for(tool.safety_level)
-        return None if runtime is None else self.sandbox_spec(tool, {}, runtime)
+        return None if runtime is None else self.sandbox_spec(tool, b"{}", runtime)
 
     @property
     def admission(self) -> Admission:
         return self._admission
+
+    @property
+    def require_gvisor(self) -> bool:
+        return self._policy.require_gvisor
 
     def runtime_for(self, level: SafetyLevel) -> str | None:
         """The OCI runtime a level runs under here, or None if it may not run."""
@@ -127,16 +144,16 @@ class Executor:
         on_output: OutputSink | None = None,
         cancel: threading.Event | None = None,
     ) -> Outcome:
+        if not valid_tool_name(call.name):
+            # Refused before look-up: a name that is not a name never becomes a
+            # log line, an audit row or a metric label.
+            return Outcome(Status.TOOL_NOT_FOUND, error=NOT_A_NAME)
+        _check_request_id(call.approval_request_id)
         execution_id = uuid.uuid4().hex
         record = AuditRecord(execution_id, call)
         tool = self._registry.find(call.name)
         if tool is None:
-            outcome = Outcome(
-                Status.TOOL_NOT_FOUND,
-                error=f"Tool '{call.name}' not found",
-                execution_id=execution_id,
-            )
-            return self._finish(record, outcome)
+            return self._refuse(record, Status.TOOL_NOT_FOUND, f"Tool '{call.name}' not found")
         record.tool = tool
         if call.max_level is not None and not tool.safety_level.at_most(call.max_level):
             raise PermissionDenied(
@@ -144,88 +161,98 @@ class Executor:
                 f" '{tool.name}' is {tool.safety_level.value}"
             )
         try:
-            arguments, record.args_digest = parse_arguments(tool, call.arguments_json)
+            arguments = parse_arguments(tool, call.arguments_json)
         except InvalidArgument as exc:
-            return self._finish(
-                record,
-                Outcome(Status.INVALID_ARGUMENTS, error=exc.message, execution_id=execution_id),
-            )
-
-        def refuse(
-            status: Status, error: str, request: ApprovalRequestView | None = None
-        ) -> Outcome:
-            return self._finish(
-                record,
-                Outcome(status, error=error, execution_id=execution_id, approval_request=request),
-            )
-
+            return self._refuse(record, Status.INVALID_ARGUMENTS, exc.message)
+        record.args_digest = arguments.digest
         approved: Approved | None = None
         if tool.safety_level is SafetyLevel.DANGEROUS:
-            if self._approvals is None:
-                return refuse(
-                    Status.APPROVAL_REQUIRED,
-                    f"Tool '{tool.name}' is dangerous and this server has no approvers",
-                )
-            try:
-                decision = self._approvals.decide(
-                    Call(tool, strict_json.dumps(arguments), record.args_digest, call.caller),
-                    call.approval_tokens,
-                    call.approval_request_id,
-                )
-            except Denied as exc:
-                return refuse(Status.APPROVAL_DENIED, f"approval denied: {exc.reason}")
-            except NotFound as exc:
-                return refuse(Status.APPROVAL_DENIED, f"approval denied: {exc.message}")
-            if isinstance(decision, Required):
-                return refuse(Status.APPROVAL_REQUIRED, decision.message, decision.request)
-            approved = decision
-            record.approved = decision
+            gate = self._approval_gate(record, tool, arguments.canonical.decode())
+            if isinstance(gate, Outcome):
+                return gate
+            approved = record.approved = gate
         if self._runner is None:
             raise Unimplemented("this server has no sandbox runner")
         runtime = self.runtime_for(tool.safety_level)
         if runtime is None:
-            return refuse(
+            return self._refuse(
+                record,
                 Status.SANDBOX_ERROR,
                 f"Tool '{tool.name}' needs gVisor (runsc), which this engine lacks",
             )
-        spec = self.sandbox_spec(tool, arguments, runtime)
+        spec = self.sandbox_spec(tool, arguments.canonical, runtime)
         record.runtime, record.limits = runtime, spec.limits
-        if approved is not None and self._approvals is not None and self._store is not None:
-            # Spend the tokens and write the decision in one transaction, before
-            # the container exists: a crash after this point can never let the
-            # same tokens run the call twice.
-            try:
-                with self._store.transaction() as db:
-                    self._approvals.consume(db, approved, execution_id)
-                    audit.append(
-                        db, "execution", record.as_dict(decision="approved", status="STARTING")
-                    )
-            except Denied as exc:
-                return refuse(Status.APPROVAL_DENIED, f"approval denied: {exc.reason}")
+        return self._finish(record, self._run(record, tool, spec, approved, on_output, cancel))
+
+    def _approval_gate(
+        self, record: AuditRecord, tool: ToolDefinition, arguments_json: str
+    ) -> Approved | Outcome:
+        """Whether enough valid approvals exist (checked, not yet spent)."""
+        call = record.call
+        if self._approvals is None:
+            return self._refuse(
+                record,
+                Status.APPROVAL_REQUIRED,
+                f"Tool '{tool.name}' is dangerous and this server has no approvers",
+            )
         try:
-            with self._admission.slot(cancel):
-                warm = self._pools.take(tool, spec) if self._pools is not None else None
-                spec = _within_deadline(spec, call.deadline)
-                if warm is not None:
-                    # The timeout counts from now, not from when the container was made.
-                    record.container_id, record.warm = warm.container_id, True
-                    deadline = time.monotonic() + spec.limits.timeout_ms / 1000
+            decision = self._approvals.decide(
+                Call(tool, arguments_json, record.args_digest, call.caller),
+                call.approval_tokens,
+                call.approval_request_id,
+            )
+        except Denied as exc:
+            return self._refuse(record, Status.APPROVAL_DENIED, f"approval denied: {exc.reason}")
+        except NotFound as exc:
+            return self._refuse(record, Status.APPROVAL_DENIED, f"approval denied: {exc.message}")
+        if isinstance(decision, Required):
+            return self._refuse(
+                record, Status.APPROVAL_REQUIRED, decision.message, decision.request
+            )
+        return decision
+
+    def _run(
+        self,
+        record: AuditRecord,
+        tool: ToolDefinition,
+        spec: SandboxSpec,
+        approved: Approved | None,
+        on_output: OutputSink | None,
+        cancel: threading.Event | None,
+    ) -> Outcome:
+        """Admission, a container (warm or cold), then the approval is spent and
+        the tool started. Refused for capacity, cancelled, or failing in the
+        engine before the tool starts: the approval is kept for a retry."""
+        assert self._runner is not None
+        execution_id = record.execution_id
+        warm = self._pools.take(tool, spec) if self._pools is not None else None
+        try:
+            if warm is not None:
+                record.container_id, record.warm = warm.container_id, True
+                with self._admission.claim(warm.reservation):
                     try:
-                        result = warm.finish(spec.input, deadline, on_output, cancel)
+                        result = self._start(record, warm.prepared, spec, approved, on_output, cancel)
                     finally:
                         assert self._pools is not None
                         self._pools.call_done()
-                else:
-                    result = self._runner.run(
-                        spec, execution_id=execution_id, on_output=on_output, cancel=cancel
-                    )
-                record.container_id = result.container_id
+            else:
+                with self._admission.slot(cancel, spec.limits.memory_mb):
+                    if cancel is not None and cancel.is_set():
+                        raise Cancelled()
+                    prepared = self._runner.prepare(spec, execution_id=execution_id)
+                    record.container_id = prepared.container_id
+                    result = self._start(record, prepared, spec, approved, on_output, cancel)
         except Cancelled:
-            outcome = Outcome(
+            return Outcome(
                 Status.SANDBOX_ERROR,
                 error="call cancelled before it started",
                 execution_id=execution_id,
             )
+        except Denied as exc:
+            return Outcome(
+                Status.APPROVAL_DENIED, error=f"approval denied: {exc.reason}",
+                execution_id=execution_id,
+            )  # fmt: skip
         except RunnerEngineUnavailable as exc:
             self._finish(
                 record, Outcome(Status.SANDBOX_ERROR, error=str(exc), execution_id=execution_id)
@@ -233,17 +260,46 @@ class Executor:
             raise EngineUnavailable(f"no container engine answers: {exc}") from exc
         except SandboxError as exc:
             log.warning("sandbox error for %s (%s): %s", tool.name, execution_id, exc)
-            outcome = Outcome(
+            return Outcome(
                 Status.SANDBOX_ERROR, error=f"sandbox error: {exc}", execution_id=execution_id
             )
-        else:
-            outcome = outcome_of(tool, result, execution_id)
-        return self._finish(record, outcome)
+        return outcome_of(tool, result, execution_id)
 
-    def sandbox_spec(
-        self, tool: ToolDefinition, arguments: dict[str, object], runtime: str
-    ) -> SandboxSpec:
-        """The tool's request merged into its level's ceiling (the tightest wins)."""
+    def _start(
+        self,
+        record: AuditRecord,
+        prepared: PreparedSandbox,
+        spec: SandboxSpec,
+        approved: Approved | None,
+        on_output: OutputSink | None,
+        cancel: threading.Event | None,
+    ) -> SandboxResult:
+        """Spend the approval (with its audit record, in one transaction), then
+        hand the waiting container its call. The tool's command starts only
+        here; a container whose call is refused is removed unused."""
+        try:
+            if cancel is not None and cancel.is_set():
+                raise Cancelled()
+            if approved is not None:
+                assert self._approvals is not None
+                self._approvals.spend(
+                    approved,
+                    record.execution_id,
+                    record.as_dict(decision="approved", status="STARTING"),
+                )
+        except BaseException:
+            prepared.discard()
+            raise
+        # The timeout counts from now, not from when the container was made, and
+        # no container outlives the client's deadline: nobody would read it.
+        spec = _within_deadline(spec, record.call.deadline)
+        deadline = time.monotonic() + spec.limits.timeout_ms / 1000
+        return prepared.finish(spec.input, deadline, on_output, cancel)
+
+    def sandbox_spec(self, tool: ToolDefinition, input_bytes: bytes, runtime: str) -> SandboxSpec:
+        """The tool's request merged into its level's ceiling (the tightest wins).
+        ``input_bytes``: the RFC 8785 canonical arguments, the very bytes an
+        approval's args_digest hashes (1 and 1.0 cannot differ on the way)."""
         asked = tool.sandbox.limits
         requested = Limits(
             memory_mb=asked.memory_mb,
@@ -272,9 +328,22 @@ class Executor:
             env=tuple(sorted(env.items())),
             limits=limits,
             runtime=runtime,
-            input=strict_json.dumps(arguments).encode(),
+            input=input_bytes,
             mounts=mounts,
         )
+
+    def _refuse(
+        self,
+        record: AuditRecord,
+        status: Status,
+        error: str,
+        request: ApprovalRequestView | None = None,
+    ) -> Outcome:
+        """An attempt that ends before any sandbox: recorded like every other."""
+        outcome = Outcome(
+            status, error=error, execution_id=record.execution_id, approval_request=request
+        )
+        return self._finish(record, outcome)
 
     def _finish(self, record: AuditRecord, outcome: Outcome) -> Outcome:
         """Write the attempt's audit record, then hand the outcome back."""
@@ -411,3 +480,10 @@ def _json_or_empty(text: str) -> str:
     except InvalidArgument:
         return ""
     return stripped
+
+
+def _check_request_id(request_id: str) -> None:
+    """A malformed id is a malformed request: refused before it is stored anywhere."""
+    if request_id and not REQUEST_ID_PATTERN.fullmatch(request_id):
+        rule = "not an approval request id (32 lowercase hex digits)"
+        raise InvalidArgument(f"approval_request_id: {rule}", [Violation("approval_request_id", rule)])

@@ -33,3 +33,28 @@ def rewrap(
             response_serializer=handler.response_serializer,
         )
     return handler
+
+
+def refuse(
+    handler: grpc.RpcMethodHandler[Any, Any], code: grpc.StatusCode, message: str
+) -> grpc.RpcMethodHandler[Any, Any]:
+    """A handler of the same shape as ``handler`` that aborts every call."""
+
+    def deny(_request: Any, context: grpc.ServicerContext) -> Any:
+        context.abort(code, message)
+
+    kinds = {
+        "unary_unary": grpc.unary_unary_rpc_method_handler,
+        "unary_stream": grpc.unary_stream_rpc_method_handler,
+        "stream_unary": grpc.stream_unary_rpc_method_handler,
+        "stream_stream": grpc.stream_stream_rpc_method_handler,
+    }
+    for kind, make in kinds.items():
+        if getattr(handler, kind) is not None:
+            built: grpc.RpcMethodHandler[Any, Any] = make(
+                deny,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+            return built
+    raise ValueError("a handler with no behaviour")

@@ -15,6 +15,7 @@ from registry_server.handlers import rewrap
 from registry_server.outcome import Outcome
 
 # Seconds: from a cached listing (~1 ms) to a slow tool under gVisor (~minutes).
+UNREGISTERED = "(unregistered)"  # the tool label of calls to names no tool has
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -62,7 +63,9 @@ class Metrics:
     def observe_execution(self, record: Mapping[str, Any], outcome: Outcome) -> None:
         """An Executor observer: one finished execution attempt."""
         level = str(record.get("level") or "unknown")
-        tool = str(record.get("tool") or "")
+        # Only registered names become labels: a label set is never freed, and
+        # an unknown name is whatever a client typed.
+        tool = str(record.get("tool")) if record.get("tool_digest") else UNREGISTERED
         self.executions.labels(tool, level, outcome.status.value).inc()
         if record.get("runtime"):
             warm = "warm" if record.get("warm") else "cold"

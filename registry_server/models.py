@@ -19,14 +19,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import rfc8785
-from jsonschema import Draft202012Validator
-from jsonschema.exceptions import SchemaError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from registry_server import strict_json
+from registry_server import schema_safety, strict_json
 from registry_server.errors import InvalidDefinition, Violation
 
 NAME_PATTERN = r"^[a-z][a-z0-9_]{0,63}$"
+MAX_NAME_CHARS = 64  # characters of a tool name (what NAME_PATTERN allows)
+MAX_CATEGORY_CHARS = 32  # characters of a category (what CATEGORY_PATTERN allows)
+MAX_IMAGE_CHARS = 512  # characters of an image reference (name, tag and digest)
+MAX_COMMAND_ARG_CHARS = 4_096  # characters of one argv entry
+MAX_ENV_KEY_CHARS = 128  # characters of a variable name (what ENV_KEY_PATTERN allows)
+MAX_ENV_VALUE_CHARS = 4_096  # characters of a variable's value
+OPERATOR_OWNER = "[operator]"  # owner of --tools manifests; no client id can look like it
 CATEGORY_PATTERN = r"^[a-z][a-z0-9_-]{0,31}$"
 ENV_KEY_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"
 MAX_DESCRIPTION_CHARS = 8_192  # characters; longer descriptions waste the model's context
@@ -117,6 +122,9 @@ class ToolDefinition:
     sandbox: ToolSandbox
     warm_pool: int
     digest: str  # sha256 hex of the RFC 8785 canonical JSON of ``as_manifest()``
+    # Who registered it (a client id, or OPERATOR_OWNER): not part of the
+    # definition, so not in ``as_manifest()`` or the digest.
+    owner: str = ""
 
     @property
     def parameters(self) -> dict[str, Any]:
@@ -140,6 +148,11 @@ class ToolDefinition:
             },
             "warm_pool": self.warm_pool,
         }
+
+
+def valid_tool_name(name: str) -> bool:
+    """Whether ``name`` could name a tool (cheap: checked before any look-up)."""
+    return len(name) <= MAX_NAME_CHARS and re.fullmatch(NAME_PATTERN, name) is not None
 
 
 def compute_digest(manifest: Mapping[str, Any]) -> str:
@@ -172,6 +185,8 @@ class SandboxInput(_Strict):
     def _image(cls, value: str) -> str:
         if not value.strip():
             raise ValueError("must not be empty")
+        if len(value) > MAX_IMAGE_CHARS:
+            raise ValueError(f"at most {MAX_IMAGE_CHARS} characters")
         if value != value.strip() or any(c.isspace() for c in value):
             raise ValueError("must not contain whitespace")
         return value
@@ -187,6 +202,8 @@ class SandboxInput(_Strict):
             raise ValueError("the program (first entry) must not be empty")
         if any("\x00" in arg for arg in value):
             raise ValueError("entries must not contain NUL characters")
+        if any(len(arg) > MAX_COMMAND_ARG_CHARS for arg in value):
+            raise ValueError(f"each entry at most {MAX_COMMAND_ARG_CHARS} characters")
         return value
 
     @field_validator("env")
@@ -199,6 +216,8 @@ class SandboxInput(_Strict):
                 raise ValueError(f"variable name {key!r} must match {ENV_KEY_PATTERN}")
             if "\x00" in val:
                 raise ValueError(f"value of {key!r} must not contain NUL characters")
+            if len(val) > MAX_ENV_VALUE_CHARS:
+                raise ValueError(f"value of {key!r} at most {MAX_ENV_VALUE_CHARS} characters")
         return value
 
 
@@ -270,27 +289,28 @@ class ToolManifest(_Strict):
 
 
 def parameter_schema_problems(schema: Mapping[str, Any]) -> list[str]:
-    """Why ``schema`` is not an acceptable parameters schema (empty = fine)."""
+    """Why ``schema`` is not an acceptable parameters schema (empty = fine).
+    The cheap, bounded checks (shape, size) come first, so the schema is
+    known to be small plain JSON before anything evaluates it."""
+    problem = strict_json.structure_problem(schema)
+    if problem:
+        return [problem]
+    if len(strict_json.dumps(schema).encode()) > MAX_PARAMETERS_BYTES:
+        return [f"at most {MAX_PARAMETERS_BYTES} bytes of JSON"]
     if schema.get("type") != "object":
         return ['must be an object schema ("type": "object")']
     declared = schema.get("$schema")
-    if declared is not None and declared.rstrip("#") != JSON_SCHEMA_2020_12:
+    if declared is not None and (
+        not isinstance(declared, str) or declared.rstrip("#") != JSON_SCHEMA_2020_12
+    ):
         return [f'"$schema" must be {JSON_SCHEMA_2020_12} (JSON Schema draft 2020-12)']
-    try:
-        Draft202012Validator.check_schema(schema)
-    except SchemaError as exc:
-        where = "/".join(str(p) for p in exc.absolute_path)
-        return [f"not a valid JSON Schema (draft 2020-12) at '/{where}': {exc.message}"]
+    problems = schema_safety.schema_problems(schema)
+    if problems:
+        return problems
     properties = schema.get("properties", {})
     missing = [n for n in schema.get("required", []) if n not in properties]
     if missing:
         return [f'"required" names {missing} that are not in "properties"']
-    try:
-        size = len(strict_json.dumps(schema).encode())
-    except ValueError:
-        return ["must not contain NaN or Infinity"]
-    if size > MAX_PARAMETERS_BYTES:
-        return [f"at most {MAX_PARAMETERS_BYTES} bytes of JSON"]
     return []
 
 

@@ -6,6 +6,8 @@ import enum
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from registry_server.models import ToolDefinition
+
 
 class Status(enum.Enum):
     OK = "OK"
@@ -34,6 +36,10 @@ class ApprovalRequestView:
     expires_at: datetime
     audience: str = ""
     max_token_ttl_s: int = 0
+    # The definition the request is for, with its owner (what an approver signs);
+    # None for requests made before definitions were kept with them.
+    tool: ToolDefinition | None = None
+    approvals_missing: int = 0  # distinct approvers still needed, at least
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ when there is one, and the field path. The validated file becomes a frozen
 from __future__ import annotations
 
 import enum
+import fnmatch
 import hashlib
 import hmac
 import re
@@ -53,12 +54,19 @@ MAX_AUDIENCE_CHARS = 256  # characters
 MAX_SUBJECT_CHARS = 1_024  # characters of an mTLS certificate subject
 MAX_TMPFS_MB = 65_536  # MiB of /tmp a profile may allow
 MAX_POLICY_BYTES = 1024 * 1024  # bytes; a policy is configuration, not data
+MAX_IMAGE_PATTERNS = 64  # image globs per client
+MAX_IMAGE_PATTERN_CHARS = 256  # characters of one image glob
+# What a client may register when the policy does not say: the images this
+# project builds, at the safe level (a higher level is granted, never assumed).
+DEFAULT_REGISTER_IMAGES = ("toolreg/base", "toolreg/base:*", "toolreg/python", "toolreg/python:*")
+DEFAULT_REGISTER_LEVEL = "safe"
 
 
 class Role(enum.StrEnum):
     REGISTER = "register"
     EXECUTE = "execute"
     APPROVE = "approve"
+    ADMIN = "admin"  # an operator: may replace any tool, and register without the limits
 
 
 class PolicyError(Exception):
@@ -106,13 +114,67 @@ class ApprovalRule:
 
 
 @dataclass(frozen=True)
-class EffectiveRule:
-    """What one tool needs: m approvals from approvers in ``groups`` (empty: any)."""
+class Requirement:
+    """m approvals from approvers in ``groups`` (empty: any approver)."""
 
     approvals_required: int
     groups: tuple[str, ...]
-    max_token_ttl_s: int  # seconds
     source: str  # where it comes from, for messages: "rule 1 (tool write_file)"
+
+    def admits(self, approver_groups: Sequence[str]) -> bool:
+        return not self.groups or bool(set(self.groups) & set(approver_groups))
+
+
+@dataclass(frozen=True)
+class EffectiveRule:
+    """What one tool needs: every matching rule at once (the strictest of all:
+    a rule a registrant opted into through a category can add approvals, never
+    remove those its name or level requires)."""
+
+    requirements: tuple[Requirement, ...]
+    max_token_ttl_s: int  # seconds: the shortest of the matching rules
+
+    @property
+    def approvals_required(self) -> int:
+        """The fewest distinct approvers that can satisfy every requirement."""
+        return max((r.approvals_required for r in self.requirements), default=0)
+
+    @property
+    def source(self) -> str:
+        return "; ".join(r.source for r in self.requirements) or "no rule"
+
+    def describe(self) -> str:
+        """For messages: "2 approval(s) from security (rule 1 ...) and 1 from ops (...)"."""
+        parts = [
+            f"{r.approvals_required} approval(s) from {', '.join(r.groups) or 'any approver'}"
+            for r in self.requirements
+        ]
+        return " and ".join(parts) or "no approval"
+
+    def missing(self, approvers: Sequence[Approver]) -> int:
+        """How many more distinct approvers are needed at least, given these."""
+        return max(
+            (
+                r.approvals_required - sum(1 for a in approvers if r.admits(a.groups))
+                for r in self.requirements
+            ),
+            default=0,
+        )
+
+
+@dataclass(frozen=True)
+class RegisterGrant:
+    """What a client may register: tools up to ``max_level``, from images
+    matching one of ``images`` (shell-style globs on the image reference)."""
+
+    max_level: SafetyLevel = SafetyLevel(DEFAULT_REGISTER_LEVEL)
+    images: tuple[str, ...] = DEFAULT_REGISTER_IMAGES
+
+    def allows_image(self, image: str) -> bool:
+        return any(fnmatch.fnmatchcase(image, pattern) for pattern in self.images)
+
+
+UNRESTRICTED = RegisterGrant(SafetyLevel.DANGEROUS, ("*",))  # operators and admins
 
 
 @dataclass(frozen=True)
@@ -122,6 +184,9 @@ class Client:
     max_safety_level: SafetyLevel = SafetyLevel.SAFE  # the most dangerous level it may execute
     token_sha256: str | None = field(default=None, repr=False)  # lowercase hex
     mtls_subject: str | None = None
+    register: RegisterGrant = field(default_factory=RegisterGrant)
+    # The approver this client is (the same person): never approves its calls.
+    approver: str | None = None
 
     def may(self, role: Role, level: SafetyLevel | None = None) -> bool:
         """Whether this client holds ``role``; for EXECUTE, also at ``level``."""
@@ -149,40 +214,53 @@ class Policy:
         by_id = MappingProxyType({a.id: a for a in self.approvers})
         object.__setattr__(self, "_by_id", by_id)
 
+    def approver(self, approver_id: str) -> Approver | None:
+        return self._by_id.get(approver_id)
+
+    def client(self, client_id: str) -> Client | None:
+        return next((c for c in self.clients if c.id == client_id), None)
+
+    def same_person(self, approver_id: str, client_id: str) -> bool:
+        """An approver never approves a call of their own: same id, or the
+        client the policy links to them (``clients[].approver``)."""
+        if approver_id == client_id:
+            return True
+        client = self.client(client_id)
+        return client is not None and client.approver == approver_id
+
     def approver_keys(self) -> Mapping[str, Ed25519PublicKey]:
         return MappingProxyType({a.id: a.public_key for a in self.approvers})
 
     def rule_for(
         self, *, tool_name: str, categories: Sequence[str], level: SafetyLevel
     ) -> EffectiveRule:
-        """The most specific rule: by tool name, else the first rule (in file
-        order) naming one of the tool's categories, else by level, else the
-        default (1 approval from any approver for dangerous tools, none otherwise).
-        Only dangerous tools are gated by approvals (the executor decides)."""
-        numbered = list(enumerate(self.rules, start=1))
-        tests: tuple[Callable[[RuleMatch], bool], ...] = (
-            lambda m: m.tool is not None and m.tool == tool_name,
-            lambda m: m.category is not None and m.category in categories,
-            lambda m: m.level is not None and m.level is level,
+        """Every rule that matches the tool (by name, by any of its categories,
+        by level) applies at once; with none, a dangerous tool needs one
+        approval from any approver. Only dangerous tools are gated by
+        approvals (the executor decides)."""
+        if level is not SafetyLevel.DANGEROUS:
+            return EffectiveRule((), DEFAULT_TOKEN_TTL_S)
+        matches: Callable[[RuleMatch], bool] = lambda m: (  # noqa: E731
+            (m.tool is not None and m.tool == tool_name)
+            or (m.category is not None and m.category in categories)
+            or (m.level is not None and m.level is level)
         )
-        for test in tests:
-            for number, rule in numbered:
-                if test(rule.match):
-                    return EffectiveRule(
-                        approvals_required=rule.approvals_required,
-                        groups=rule.groups,
-                        max_token_ttl_s=rule.max_token_ttl_s,
-                        source=f"rule {number} ({rule.match.describe()})",
-                    )
-        if level is SafetyLevel.DANGEROUS:
-            return EffectiveRule(1, (), DEFAULT_TOKEN_TTL_S, "default for dangerous tools")
-        return EffectiveRule(0, (), DEFAULT_TOKEN_TTL_S, f"default for {level.value} tools")
+        matched = [(n, r) for n, r in enumerate(self.rules, start=1) if matches(r.match)]
+        if not matched:
+            default = Requirement(1, (), "default for dangerous tools")
+            return EffectiveRule((default,), DEFAULT_TOKEN_TTL_S)
+        return EffectiveRule(
+            tuple(
+                Requirement(r.approvals_required, r.groups, f"rule {n} ({r.match.describe()})")
+                for n, r in matched
+            ),
+            min(r.max_token_ttl_s for _, r in matched),
+        )
 
     def eligible(self, approver_id: str, rule: EffectiveRule) -> bool:
+        """Whether this approver counts towards at least one requirement."""
         approver = self._by_id.get(approver_id)
-        if approver is None:
-            return False
-        return not rule.groups or bool(set(rule.groups) & set(approver.groups))
+        return approver is not None and any(r.admits(approver.groups) for r in rule.requirements)
 
     def client_by_token(self, token: str) -> Client | None:
         """The client whose token_sha256 is sha256(token). Every client is
@@ -366,12 +444,39 @@ class _ProfilesIn(_Strict):
     dangerous: _CeilingIn | None = None
 
 
+class _RegisterIn(_Strict):
+    """What a client with the register role may register."""
+
+    max_safety_level: str = DEFAULT_REGISTER_LEVEL
+    images: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_REGISTER_IMAGES), max_length=MAX_IMAGE_PATTERNS
+    )
+
+    @field_validator("max_safety_level")
+    @classmethod
+    def _level(cls, value: str) -> str:
+        return SafetyLevel.parse(value).value
+
+    @field_validator("images")
+    @classmethod
+    def _images(cls, value: list[str]) -> list[str]:
+        for pattern in value:
+            if not pattern or len(pattern) > MAX_IMAGE_PATTERN_CHARS:
+                raise ValueError(f"image patterns must be 1-{MAX_IMAGE_PATTERN_CHARS} characters")
+            if any(c.isspace() for c in pattern):
+                raise ValueError(f"image pattern {pattern!r} must not contain whitespace")
+        return value
+
+
 class _ClientIn(_Strict):
     id: str
     token_sha256: str | None = None
     mtls_subject: str | None = None
     roles: list[str] = Field(default_factory=list)
     max_safety_level: str = SafetyLevel.SAFE.value
+    # "register" in the file (the attribute name would shadow BaseModel's own)
+    grant: _RegisterIn | None = Field(None, alias="register")
+    approver: str | None = None  # the approver id of the same person
 
     @field_validator("id")
     @classmethod
@@ -590,6 +695,10 @@ def _cross_check(policy: _PolicyIn) -> Iterator[tuple[Loc, str]]:
                     (f"duplicate {what}: same as clients[{seen[(name, value)]}]"),
                 )
             seen.setdefault((name, value), i)
+        if client.approver is not None and client.approver not in first_id:
+            yield (("clients", i, "approver"), f"unknown approver {client.approver!r}")
+        if client.grant is not None and "register" not in client.roles:
+            yield (("clients", i, "register"), "given without the register role")
 
 
 def _freeze(policy: _PolicyIn, source: str) -> Policy:
@@ -626,11 +735,20 @@ def _freeze(policy: _PolicyIn, source: str) -> Policy:
                 max_safety_level=SafetyLevel(c.max_safety_level),
                 token_sha256=c.token_sha256,
                 mtls_subject=c.mtls_subject,
+                register=_grant(c),
+                approver=c.approver,
             )
             for c in policy.clients
         ),
         source=source,
     )
+
+
+def _grant(client: _ClientIn) -> RegisterGrant:
+    if "admin" in client.roles and client.grant is None:
+        return UNRESTRICTED  # an operator's own client: trusted like the policy file
+    given = client.grant or _RegisterIn()
+    return RegisterGrant(SafetyLevel(given.max_safety_level), tuple(given.images))
 
 
 # ------------------------------------------------------------------- messages

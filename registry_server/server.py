@@ -24,15 +24,15 @@ from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
 from registry_server.admission import Admission
 from registry_server.approvals import Approvals
 from registry_server.auth import Authenticator, AuthInterceptor
-from registry_server.config import ServerConfig
-from registry_server.errors import ConfigError
+from registry_server.config import MAX_MESSAGE_BYTES, ServerConfig
+from registry_server.errors import ConfigError, EngineUnavailable, InvalidDefinition, Violation
 from registry_server.execution import Executor, SandboxPolicy
 from registry_server.health_monitor import HealthMonitor
 from registry_server.manifests import load_manifests
 from registry_server.metrics import Metrics, MetricsInterceptor
-from registry_server.models import SafetyLevel
+from registry_server.models import SafetyLevel, ToolDefinition
 from registry_server.policy import Policy, PolicyError, development_policy, load_policy
-from registry_server.registry import RegisterOutcome, Registry
+from registry_server.registry import OPERATOR, ImageCheck, RegisterOutcome, Registry
 from registry_server.servicer import ToolRegistryServicer
 from registry_server.store import Store
 from registry_server.warm_pool import WarmPools
@@ -73,34 +73,34 @@ class App:
 def build_app(config: ServerConfig) -> App:
     _check_exposure(config)
     policy, dev_mode = _load_policy(config)
-    store = Store(config.data_dir)
-    try:
-        _check_audit_chain(config, store)
-        registry = Registry(store)
-        if config.tools_dir is not None:
-            for tool in load_manifests(config.tools_dir):
-                outcome = registry.register(tool, replace=True, actor="server:--tools")
-                if outcome is not RegisterOutcome.UNCHANGED:
-                    log.info("tool %s %s from %s", tool.name, outcome.value, config.tools_dir)
-    except BaseException:
-        store.close()
-        raise
+    require_gvisor = config.require_gvisor if config.require_gvisor is not None else not dev_mode
     runner = DockerRunner(
         instance_id=f"toolreg-{uuid.uuid4().hex[:12]}",
         base_url=config.docker_url,
         # one engine connection per running sandbox, plus reaping and pings
         max_pool_size=config.max_sandboxes + 4,
         remove_in_background=True,  # answer first; the container goes right after
+        init_path=_init_path(config),
     )
-    _start_sandboxes(config, runner)
+    store = Store(config.data_dir)
+    try:
+        _check_audit_chain(config, store)
+        registry = Registry(store, image_check=_image_check(runner))
+        if config.tools_dir is not None:
+            _register_operator_tools(registry, config.tools_dir)
+    except BaseException:
+        store.close()
+        runner.close()
+        raise
+    _start_sandboxes(config, runner, require_gvisor)
     approvals = Approvals(store, policy, registry)
     executor = Executor(
         registry,
         runner,
-        admission=Admission(config.max_sandboxes, config.max_queued),
+        admission=Admission(config.max_sandboxes, config.max_queued, config.sandbox_memory_mb),
         policy=SandboxPolicy(
             ceilings={level: _ceiling(policy, level) for level in SafetyLevel},
-            require_gvisor=config.require_gvisor,
+            require_gvisor=require_gvisor,
             workspace_dir=_prepare_workspace(config.workspace),
             workspace_tools=frozenset(config.workspace_tools),
         ),
@@ -115,6 +115,7 @@ def build_app(config: ServerConfig) -> App:
         pools = WarmPools(
             runner,
             executor.warm_spec,
+            executor.admission,
             default_size=config.warm_pool_default,
             max_total=config.max_warm,
             max_age_s=config.warm_max_age_s,
@@ -127,6 +128,47 @@ def build_app(config: ServerConfig) -> App:
         app.closers.insert(0, pools.close)  # before the runner's engine connection goes
     app.metrics.watch(executor.admission, app.pools.stats if app.pools else None)
     return app
+
+
+def _init_path(config: ServerConfig) -> Path:
+    if not config.init_path.is_file():
+        raise ConfigError(
+            f"the sandbox init {config.init_path} is missing: build it with `make init`"
+            " (or set TOOLREG_INIT_PATH)"
+        )
+    return config.init_path
+
+
+def _image_check(runner: DockerRunner) -> ImageCheck:
+    """Refuse images that declare a VOLUME: Docker gives each such path an
+    anonymous volume, writable and unbounded despite the read-only root."""
+
+    def check(tool: ToolDefinition) -> None:
+        try:
+            volumes = runner.image_volumes(tool.sandbox.image)
+        except SandboxError as exc:
+            raise EngineUnavailable(f"cannot check image '{tool.sandbox.image}': {exc}") from exc
+        if volumes:
+            rule = (
+                f"image declares VOLUME {', '.join(volumes)}: an anonymous volume is writable"
+                " and unbounded in a sandbox; use an image without VOLUME"
+            )
+            raise InvalidDefinition([Violation("sandbox.image", rule)])
+
+    return check
+
+
+def _register_operator_tools(registry: Registry, tools_dir: Path) -> None:
+    """--tools: the operator's own manifests, replacing whatever holds the name."""
+    for tool in load_manifests(tools_dir):
+        try:
+            outcome = registry.register(tool, replace=True, by=OPERATOR)
+        except EngineUnavailable as exc:
+            # The operator's images; every container start checks them again.
+            log.warning("%s; registering %s unchecked", exc.message, tool.name)
+            outcome = registry.register(tool, replace=True, by=OPERATOR, check_image=False)
+        if outcome is not RegisterOutcome.UNCHANGED:
+            log.info("tool %s %s from %s", tool.name, outcome.value, tools_dir)
 
 
 def _check_exposure(config: ServerConfig) -> None:
@@ -189,7 +231,7 @@ def _ceiling(policy: Policy, level: SafetyLevel) -> Limits:
     return profile_for(level.value).replace(**override)
 
 
-def _start_sandboxes(config: ServerConfig, runner: DockerRunner) -> None:
+def _start_sandboxes(config: ServerConfig, runner: DockerRunner, require_gvisor: bool) -> None:
     """Reap leftovers and say what isolation dangerous tools will get."""
     try:
         if config.reap_on_start:
@@ -203,7 +245,7 @@ def _start_sandboxes(config: ServerConfig, runner: DockerRunner) -> None:
         return
     if "runsc" in runtimes:
         log.info("dangerous tools run under gVisor (runsc)")
-    elif config.require_gvisor:
+    elif require_gvisor:
         log.warning("gVisor (runsc) is not installed: dangerous tools will be refused")
     else:
         log.warning(
@@ -232,7 +274,10 @@ def create_server(config: ServerConfig, app: App | None = None) -> tuple[grpc.Se
             MetricsInterceptor(app.metrics),  # first: it counts refused calls too
             AuthInterceptor(Authenticator(None if app.dev_mode else app.approvals.policy)),
         ],
-        options=[("grpc.so_reuseport", 0)],
+        options=[
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ],
     )
     pb_grpc.add_ToolRegistryServicer_to_server(
         ToolRegistryServicer(app.registry, app.executor, app.approvals), server

@@ -17,7 +17,8 @@ from registry_server.auth import current_principal
 from registry_server.errors import InvalidArgument, Unimplemented, Violation
 from registry_server.execution import CallRequest, Executor
 from registry_server.grpc_errors import maps_errors
-from registry_server.registry import Registry
+from registry_server.models import NAME_PATTERN, valid_tool_name
+from registry_server.registry import Registrant, Registry
 from registry_server.views import RegistryViews
 
 
@@ -82,6 +83,15 @@ def _required(value: str, field: str) -> str:
     return value
 
 
+def _tool_name(value: str) -> str:
+    """A name is checked before any look-up (and never echoed back when bad)."""
+    _required(value, "name")
+    if not valid_tool_name(value):
+        rule = f"not a tool name (must match {NAME_PATTERN})"
+        raise InvalidArgument(f"name: {rule}", [Violation("name", rule)])
+    return value
+
+
 class ToolRegistryServicer(pb_grpc.ToolRegistryServicer):
     def __init__(self, registry: Registry, executor: Executor, approvals: Approvals | None) -> None:
         self._registry = registry
@@ -113,13 +123,15 @@ class ToolRegistryServicer(pb_grpc.ToolRegistryServicer):
     ) -> pb.Tool:
         if not request.HasField("tool"):
             raise InvalidArgument("tool: is required", [Violation("tool", "is required")])
+        caller = current_principal()
         tool = convert.tool_from_pb(request.tool)
-        self._registry.register(tool, replace=request.replace, actor=current_principal().id)
+        registrant = Registrant(caller.id, admin=caller.admin, grant=caller.register)
+        self._registry.register(tool, replace=request.replace, by=registrant)
         return convert.tool_to_pb(self._registry.get(tool.name))
 
     @maps_errors
     def GetTool(self, request: pb.GetToolRequest, context: grpc.ServicerContext) -> pb.Tool:
-        return convert.tool_to_pb(self._registry.get(_required(request.name, "name")))
+        return convert.tool_to_pb(self._registry.get(_tool_name(request.name)))
 
     @maps_errors
     def ListTools(

@@ -88,6 +88,15 @@ _MIGRATIONS: list[str] = [
         execution_id  TEXT NOT NULL
     );
     """,
+    # 4: ownership of tools (older tools were the operator's: only an admin
+    # may replace them); the definition an approval request is for, as shown
+    # to approvers
+    """
+    ALTER TABLE tools ADD COLUMN owner TEXT NOT NULL DEFAULT '[operator]';
+    ALTER TABLE approval_requests ADD COLUMN tool_manifest TEXT NOT NULL DEFAULT '';
+    ALTER TABLE approval_requests ADD COLUMN tool_owner TEXT NOT NULL DEFAULT '';
+    CREATE INDEX approval_requests_requester ON approval_requests (requested_by, state);
+    """,
 ]
 
 
@@ -152,18 +161,21 @@ class Store:
 
     # -- tools ---------------------------------------------------------------
 
-    def load_tools(self) -> list[tuple[str, str]]:
-        rows = self.read("SELECT name, manifest FROM tools ORDER BY name")
-        return [(str(name), str(manifest)) for name, manifest in rows]
+    def load_tools(self) -> list[tuple[str, str, str]]:
+        """(name, manifest JSON, owner) of every stored tool."""
+        rows = self.read("SELECT name, manifest, owner FROM tools ORDER BY name")
+        return [(str(name), str(manifest), str(owner)) for name, manifest, owner in rows]
 
     def put_tool(
         self,
         name: str,
         manifest_json: str,
         digest: str,
+        owner: str,
         audit_record: dict[str, object] | None = None,
     ) -> None:
-        """Store a definition, and its audit record in the same transaction."""
+        """Store a definition and its owner, and its audit record in the same
+        transaction."""
         from registry_server import audit
 
         now = time.time()
@@ -171,11 +183,12 @@ class Store:
             if audit_record is not None:
                 audit.append(db, "registration", audit_record)
             db.execute(
-                "INSERT INTO tools (name, manifest, digest, created_at, updated_at)"
-                " VALUES (?, ?, ?, ?, ?)"
+                "INSERT INTO tools (name, manifest, digest, owner, created_at, updated_at)"
+                " VALUES (?, ?, ?, ?, ?, ?)"
                 " ON CONFLICT(name) DO UPDATE SET manifest = excluded.manifest,"
-                " digest = excluded.digest, updated_at = excluded.updated_at",
-                (name, manifest_json, digest, now, now),
+                " digest = excluded.digest, owner = excluded.owner,"
+                " updated_at = excluded.updated_at",
+                (name, manifest_json, digest, owner, now, now),
             )
 
     def close(self) -> None:

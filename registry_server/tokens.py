@@ -1,8 +1,9 @@
 """Approval tokens: Ed25519-signed JWTs that approve one call (DESIGN §4).
 
 An approver signs, with a private key that never reaches the server, a token
-naming exactly one tool definition (``sub`` + ``tool_digest``) and one argument
-object (``args_digest``). The server holds only public keys and accepts a token
+naming exactly one tool definition (``sub`` + ``tool_digest``), one argument
+object (``args_digest``) and the client whose call it approves (``requester``),
+so one agent can never spend an approval given to another. The server holds only public keys and accepts a token
 only when every rule below holds; each failure has its own short reason, since
 the reason goes back to an LLM agent and to the operator.
 
@@ -46,7 +47,9 @@ ED25519_KEY_BYTES = 32  # bytes of a raw Ed25519 public key
 MAX_SHOWN_CHARS = 64  # characters of a token-supplied value quoted in a reason
 
 # Claims every token must carry (PyJWT checks presence; this module checks types).
-REQUIRED_CLAIMS = ("iss", "aud", "sub", "tool_digest", "args_digest", "iat", "exp", "jti")
+REQUIRED_CLAIMS = (
+    "iss", "aud", "sub", "tool_digest", "args_digest", "requester", "iat", "exp", "jti",
+)  # fmt: skip
 # Header fields a token may carry. Anything else (crit, b64, jku, x5u, ...)
 # asks for processing we do not do, so it is refused rather than ignored.
 ALLOWED_HEADER_FIELDS = frozenset({"alg", "typ", "kid"})
@@ -70,6 +73,7 @@ class VerifiedApproval:
     issued_at: int  # seconds since the epoch
     expires_at: int  # seconds since the epoch
     request_id: str | None  # the approval request it was signed for, if any
+    requester: str = ""  # the client whose call it approves
 
 
 # ---------------------------------------------------------------------- keys
@@ -161,14 +165,19 @@ def mint(
     tool_name: str,
     tool_digest: str,
     args_digest: str,
+    requester: str,
     ttl_s: int,
     request_id: str | None = None,
     now: float | None = None,
 ) -> str:
-    """A signed approval token for exactly this tool definition and these arguments."""
+    """A signed approval token for exactly this tool definition, these arguments
+    and this requesting client."""
     if ttl_s < 1:
         raise ValueError(f"ttl_s must be at least 1 second, got {ttl_s}")
-    for name, value in (("issuer", issuer), ("audience", audience), ("tool_name", tool_name)):
+    for name, value in (
+        ("issuer", issuer), ("audience", audience), ("tool_name", tool_name),
+        ("requester", requester),
+    ):  # fmt: skip
         if not value:
             raise ValueError(f"{name} must not be empty")
     issued_at = int(time.time() if now is None else now)
@@ -178,6 +187,7 @@ def mint(
         "sub": tool_name,
         "tool_digest": tool_digest,
         "args_digest": args_digest,
+        "requester": requester,
         "iat": issued_at,
         "exp": issued_at + ttl_s,
         "jti": secrets.token_urlsafe(JTI_BYTES),
@@ -201,6 +211,8 @@ class Approvable(Protocol):
     @property
     def arguments_digest(self) -> str: ...
     @property
+    def requested_by(self) -> str: ...
+    @property
     def max_token_ttl_s(self) -> int: ...
 
 
@@ -221,6 +233,7 @@ def mint_for(
         tool_name=request.tool_name,
         tool_digest=request.tool_digest,
         args_digest=request.arguments_digest,
+        requester=request.requested_by,
         ttl_s=ttl_s or request.max_token_ttl_s or DEFAULT_TTL_S,
         request_id=request.id if bind_request else None,
     )
@@ -247,6 +260,7 @@ def verify(
     tool_name: str,
     tool_digest: str,
     args_digest: str,
+    requester: str,
     max_ttl_s: int,
     now: float | None = None,
     leeway_s: int = 30,
@@ -282,6 +296,10 @@ def verify(
         raise TokenRejected("tool definition changed since approval (tool_digest)")
     if not _same(claims["args_digest"], args_digest):
         raise TokenRejected("arguments do not match (args_digest)")
+    if not _same(claims["requester"], requester):
+        raise TokenRejected(
+            f"token approves a call by {_shown(claims['requester'])}, not by {requester!r}"
+        )
 
     issued_at = _int_claim(claims, "iat")
     expires_at = _int_claim(claims, "exp")
@@ -328,6 +346,7 @@ def verify(
         issued_at=issued_at,
         expires_at=expires_at,
         request_id=request_id or None,
+        requester=requester,
     )
 
 

@@ -5,7 +5,7 @@ The Docker backend lives in `sandbox_runner.docker_backend` (the only module imp
 """
 
 from .profiles import CAUTIOUS_LIMITS, DANGEROUS_LIMITS, SAFE_LIMITS, profile_for, runtime_for
-from .runner import OutputSink, Runner
+from .runner import OutputSink, PreparedSandbox, Runner
 from .spec import EngineUnavailable, Limits, Mount, SandboxError, SandboxResult, SandboxSpec
 
 __all__ = [
@@ -16,6 +16,7 @@ __all__ = [
     "Limits",
     "Mount",
     "OutputSink",
+    "PreparedSandbox",
     "Runner",
     "SandboxError",
     "SandboxResult",

@@ -1,9 +1,16 @@
 """The Docker Engine backend: the only module that imports `docker`.
 
-One execution costs five engine round trips: create, attach, start, inspect, remove.
+One execution costs five engine round trips: create, attach, start, inspect, remove (and
+an image inspect per image at most every IMAGE_FACTS_TTL_S, for the checks before create).
 Input and output travel over the single attach connection (hijacked HTTP), read and
 written with poll() so the wall-clock deadline, the caller's cancel event and the output
 caps are enforced by this thread while the tool runs, without helper threads.
+
+With an init (``DockerRunner(init_path=...)``, built by ``make init`` from
+init/toolreg_init.c), every container's process is that init, bind-mounted read-only at
+INIT_TARGET; it holds the tool until ``Prepared.finish`` sends GO_BYTE ahead of the call's
+input, so a container started ahead of its call (warm pools) runs nothing of the tool
+before the call is admitted and approved.
 """
 
 from __future__ import annotations
@@ -12,13 +19,17 @@ import contextlib
 import dataclasses
 import logging
 import math
+import os
+import posixpath
 import queue
 import re
 import select
 import socket
+import stat
 import threading
 import time
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any, Final
 
 import docker
@@ -39,7 +50,15 @@ from .ownership import (
 from .runner import OutputSink
 from .spec import EngineUnavailable, SandboxError, SandboxResult, SandboxSpec
 
-__all__ = ["DockerRunner", "Prepared"]
+__all__ = [
+    "GO_BYTE",
+    "INIT_BINARY",
+    "INIT_NOT_RELEASED_EXIT",
+    "INIT_PROTOCOL",
+    "INIT_TARGET",
+    "DockerRunner",
+    "Prepared",
+]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +70,19 @@ API_TIMEOUT_S: Final = 60  # seconds: HTTP timeout of one engine call (not the t
 UNPRIVILEGED_USER: Final = "65534:65534"  # nobody:nogroup
 # Runtimes known to reject a pids limit (gVisor enforces its own, and errors on ours).
 NO_PIDS_LIMIT_RUNTIMES: Final = frozenset({"runsc"})
+
+# The init (init/toolreg_init.c). Docker creates the mountpoint in the container's own
+# layer, so this works on a read-only root, in a FROM scratch image, under runc and runsc.
+INIT_BINARY: Final = Path(__file__).resolve().parent / "init" / "toolreg-init"  # make init
+INIT_TARGET: Final = "/.toolreg/init"  # in-container path of the init (read-only bind)
+INIT_PROTOCOL: Final = 1  # version of the init's stdin protocol, below
+GO_BYTE: Final = b"G"  # protocol v1: the first stdin byte; it lets the init exec the tool
+INIT_NOT_RELEASED_EXIT: Final = 125  # exit code: the init got EOF/another byte, ran nothing
+_INIT_DIR: Final = posixpath.dirname(INIT_TARGET)  # reserved: no spec mount may touch it
+# The image config is read before each create (VOLUME refusal, ENTRYPOINT); one
+# inspect_image costs ~1.3 ms on a local engine (median of 200; 20.10, unix socket).
+IMAGE_FACTS_TTL_S: Final = 5.0  # seconds an image's inspected config is reused
+IMAGE_FACTS_MAX: Final = 256  # images remembered at most
 
 # Docker's container name rule, minus the prefix we add.
 _NAME_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -71,6 +103,10 @@ def _is_connection_error(exc: BaseException) -> bool:
     )
 
 
+def _image_missing(image: str) -> str:
+    return f"image {image!r} not found locally; build the sandbox images (make images)"
+
+
 @contextlib.contextmanager
 def _engine_call(what: str, *, image: str | None = None) -> Iterator[None]:
     """Map engine/transport exceptions of one call to SandboxError / EngineUnavailable."""
@@ -80,9 +116,7 @@ def _engine_call(what: str, *, image: str | None = None) -> Iterator[None]:
         raise
     except docker.errors.ImageNotFound as e:
         raise SandboxError(
-            f"image {image!r} not found locally; build the sandbox images (make images)"
-            if image
-            else f"{what} failed: {e.explanation or e}"
+            _image_missing(image) if image else f"{what} failed: {e.explanation or e}"
         ) from e
     except docker.errors.APIError as e:
         raise SandboxError(f"{what} failed: {e.explanation or e}") from e
@@ -115,6 +149,77 @@ def _raw_socket(attached: Any) -> socket.socket:
     return sock
 
 
+def _checked_init_path(path: str | Path) -> Path:
+    """The init as an absolute host path, or ValueError naming what is wrong with it."""
+    try:
+        st = os.stat(path)  # follows symlinks, as the bind mount does
+    except OSError as e:
+        raise ValueError(
+            f"init_path {str(path)!r} is not usable: {e.strerror}; build it with `make init`"
+        ) from e
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"init_path {str(path)!r} is not a regular file")
+    # The container runs it as uid 65534, through the host file's own mode bits.
+    if not st.st_mode & stat.S_IXOTH:
+        raise ValueError(
+            f"init_path {str(path)!r} is not executable by others (mode "
+            f"{stat.S_IMODE(st.st_mode):04o}); the sandbox user needs o+x"
+        )
+    return Path(path).resolve()
+
+
+def _overlaps_init(target: str) -> bool:
+    """True when a mount at `target` would cover the init or lie in its directory."""
+    norm = "/" + posixpath.normpath(target).lstrip("/")  # "//x" is "/x" to Docker
+    return norm == _INIT_DIR or norm.startswith(_INIT_DIR + "/") or _INIT_DIR.startswith(norm + "/")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _ImageFacts:
+    """What prepare() needs from a local image's config."""
+
+    volumes: tuple[str, ...]  # VOLUME paths it declares, sorted
+    entrypoint: tuple[str, ...]  # its ENTRYPOINT, () when it has none
+
+
+def _image_facts(info: Mapping[str, Any]) -> _ImageFacts:
+    config = info.get("Config") or {}
+    return _ImageFacts(
+        volumes=tuple(sorted(config.get("Volumes") or {})),
+        entrypoint=tuple(config.get("Entrypoint") or ()),
+    )
+
+
+class _ImageFactsCache:
+    """Image reference -> facts for IMAGE_FACTS_TTL_S, at most IMAGE_FACTS_MAX entries.
+
+    Keyed by reference, so a retag shows up at the latest when the entry expires; an
+    image found missing is never remembered (it may be built a moment later)."""
+
+    def __init__(self, ttl_s: float = IMAGE_FACTS_TTL_S, max_entries: int = IMAGE_FACTS_MAX):
+        self._ttl_s = ttl_s
+        self._max = max_entries
+        self._entries: dict[str, tuple[float, _ImageFacts]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, image: str) -> _ImageFacts | None:
+        with self._lock:
+            entry = self._entries.get(image)
+            if entry is None or entry[0] <= time.monotonic():
+                return None
+            return entry[1]
+
+    def put(self, image: str, facts: _ImageFacts) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._entries.pop(image, None)  # re-inserted last: dict order is age order
+            if len(self._entries) >= self._max:
+                self._entries = {k: v for k, v in self._entries.items() if v[0] > now}
+            while len(self._entries) >= self._max:
+                del self._entries[next(iter(self._entries))]  # the oldest
+            self._entries[image] = (now + self._ttl_s, facts)
+
+
 def _pids_exhausted_locally(container_id: str) -> bool | None:
     """True/False from the container's pids cgroup, None when it is not visible here."""
     for pattern in _PIDS_EVENTS_PATHS:
@@ -140,6 +245,7 @@ class _Pump:
         container_id: str,
         sock: socket.socket,
         spec: SandboxSpec,
+        stdin: bytes,
         deadline: float,
         cancel: threading.Event | None,
         on_output: OutputSink | None,
@@ -149,6 +255,7 @@ class _Pump:
         self.container_id = container_id
         self.sock = sock
         self.spec = spec
+        self.stdin = stdin  # the whole stream: the init's go byte (if any), then the input
         self.deadline = deadline
         self.cancel = cancel
         self.on_output = on_output
@@ -213,7 +320,7 @@ class _Pump:
         sock = self.sock
         sock.setblocking(False)
         fd = sock.fileno()
-        pending = memoryview(self.spec.input)
+        pending = memoryview(self.stdin)
         writing = True
         if not pending:
             self._close_stdin()
@@ -302,12 +409,16 @@ def _close_attached(attached: Any) -> None:
 
 
 class Prepared:
-    """A started container whose tool waits on stdin: used for exactly one call
-    (``finish``), or thrown away (``discard``). Never both, never twice."""
+    """A started container waiting on stdin: used for exactly one call (``finish``), or
+    thrown away (``discard``). Never both, never twice.
+
+    With an init, what waits is the init: the tool has not run and runs only once
+    ``finish`` sends the go byte. Without one, the tool itself is running, blocked
+    reading stdin (or not: nothing stops a command that does not read it)."""
 
     def __init__(
         self, runner: DockerRunner, api: Any, container_id: str, attached: Any,
-        sock: socket.socket, spec: SandboxSpec,
+        sock: socket.socket, spec: SandboxSpec, release: bytes,
     ) -> None:  # fmt: skip
         self._runner = runner
         self._api = api
@@ -315,6 +426,7 @@ class Prepared:
         self._attached = attached
         self._sock = sock
         self.spec = spec
+        self._release = release  # sent ahead of the input: GO_BYTE with an init, else b""
         self.created = time.monotonic()
         self._used = False
         self._lock = threading.Lock()
@@ -345,9 +457,10 @@ class Prepared:
         *,
         started: float | None = None,
     ) -> SandboxResult:
-        """Hand the call its input and see it through; the container is removed
-        whatever happens. The deadline defaults to the spec's timeout from now:
-        a warm container's wait before the call does not count."""
+        """Release the tool (the init's go byte), hand it the call's input on the same
+        stdin stream and see it through; the container is removed whatever happens.
+        The deadline defaults to the spec's timeout from now: a warm container's wait
+        before the call does not count."""
         self._claim()
         started = time.monotonic() if started is None else started
         if deadline is None:
@@ -355,7 +468,8 @@ class Prepared:
         spec = dataclasses.replace(self.spec, input=input_bytes)
         try:
             pump = _Pump(
-                self._api, self.container_id, self._sock, spec, deadline, cancel, on_output,
+                self._api, self.container_id, self._sock, spec, self._release + input_bytes,
+                deadline, cancel, on_output,
                 check_pids=spec.runtime not in NO_PIDS_LIMIT_RUNTIMES,
             )  # fmt: skip
             try:
@@ -381,7 +495,10 @@ class Prepared:
             self._runner._remove_soon(self._api, self.container_id)
 
     def discard(self) -> None:
-        """Remove it unused (pool drained, too old, tool replaced)."""
+        """Remove it unused (pool drained, too old, tool replaced). With an init the
+        tool never runs: closing the attach stream gives the init EOF before any go
+        byte, so it exits INIT_NOT_RELEASED_EXIT without exec (if the forced removal
+        does not kill it first)."""
         with self._lock:
             if self._used:
                 return
@@ -403,7 +520,14 @@ class DockerRunner:
         extra_labels: Mapping[str, str] | None = None,
         api_timeout_s: int = API_TIMEOUT_S,
         remove_in_background: bool = False,
+        init_path: str | Path | None = None,
     ) -> None:
+        """``init_path``: the built init (INIT_BINARY after ``make init``), a path on the
+        engine's host, mounted read-only at INIT_TARGET in every container so that no
+        tool runs before ``Prepared.finish``. ValueError when it is not a regular file
+        executable by others. Leave it None only in a runner that never starts a tool
+        ahead of its call (e.g. one that only reaps): without it, ``prepare`` starts the
+        tool's command right away."""
         if not instance_id:
             raise ValueError("instance_id must be non-empty")
         if not re.match(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", name_prefix):
@@ -414,6 +538,7 @@ class DockerRunner:
         clash = RESERVED_LABELS.intersection(labels)
         if clash:
             raise ValueError(f"extra_labels may not set reserved labels: {sorted(clash)}")
+        self.init_path: Path | None = None if init_path is None else _checked_init_path(init_path)
         self.instance_id = instance_id
         self.name_prefix = name_prefix
         self.extra_labels: Mapping[str, str] = labels
@@ -431,6 +556,7 @@ class DockerRunner:
         # retry_removals() once it answers, so an engine restart leaves nothing behind.
         self._unremoved: set[str] = set()
         self._unremoved_lock = threading.Lock()
+        self._image_facts = _ImageFactsCache()
         if remove_in_background:
             self._removals = queue.Queue()
             self._remover = threading.Thread(target=self._remove_loop, name="remover", daemon=True)
@@ -515,17 +641,81 @@ class DockerRunner:
             privileged=False,
             # We read output over attach; a log driver would copy every byte to disk too.
             log_config=docker.types.LogConfig(type="none"),
-            mounts=[
-                docker.types.Mount(
-                    target=m.target, source=m.source, type="bind", read_only=m.read_only
-                )
-                for m in spec.mounts
-            ]
-            or None,
+            mounts=self._mounts(spec) or None,
             runtime=spec.runtime,
             auto_remove=False,  # we read the state first, then remove
         )
         return host_config
+
+    def _mounts(self, spec: SandboxSpec) -> list[docker.types.Mount]:
+        mounts = [
+            docker.types.Mount(target=m.target, source=m.source, type="bind", read_only=m.read_only)
+            for m in spec.mounts
+        ]
+        if self.init_path is not None:
+            mounts.append(
+                docker.types.Mount(
+                    target=INIT_TARGET, source=str(self.init_path), type="bind", read_only=True
+                )
+            )
+        return mounts
+
+    # -- images --------------------------------------------------------------------------
+
+    def _inspect_image(self, image: str) -> _ImageFacts | None:
+        """Fresh facts from the engine (and into the cache); None when not present locally."""
+        api: Any = self._client().api  # the SDK's low-level client is untyped
+        with _engine_call("image inspect"):
+            try:
+                info = api.inspect_image(image)
+            except docker.errors.ImageNotFound:
+                return None
+        facts = _image_facts(info)
+        self._image_facts.put(image, facts)
+        return facts
+
+    def image_volumes(self, image: str) -> tuple[str, ...] | None:
+        """The VOLUME paths the local image declares (sorted), None when it is not
+        present locally. Asks the engine every time (prepare() reuses the answer for
+        IMAGE_FACTS_TTL_S)."""
+        facts = self._inspect_image(image)
+        return None if facts is None else facts.volumes
+
+    def _facts_for_create(self, image: str) -> _ImageFacts:
+        facts = self._image_facts.get(image) or self._inspect_image(image)
+        if facts is None:
+            raise SandboxError(_image_missing(image))
+        if facts.volumes:
+            # Docker would back each one with an anonymous volume: writable and unbounded
+            # despite the read-only root and the tmpfs cap.
+            raise SandboxError(
+                f"image {image!r} declares VOLUME {', '.join(facts.volumes)}: refused, an "
+                "anonymous volume would give the tool writable, unbounded storage; "
+                "rebuild the image without VOLUME"
+            )
+        return facts
+
+    def _check_holdable(self, spec: SandboxSpec) -> None:
+        """ValueError for a spec the init cannot hold; before any engine call."""
+        if self.init_path is None:
+            return
+        if not spec.command:
+            # The image's default command would need its config; the registry always
+            # names one, so an empty command is refused rather than looked up.
+            raise ValueError("a runner with an init needs a non-empty SandboxSpec.command")
+        clash = [m.target for m in spec.mounts if _overlaps_init(m.target)]
+        if clash:
+            raise ValueError(f"mount targets {clash} overlap the init's directory {_INIT_DIR}")
+
+    def _process(self, spec: SandboxSpec, facts: _ImageFacts) -> dict[str, Any]:
+        """The create arguments naming the container's process."""
+        if self.init_path is None:
+            return {"command": list(spec.command) or None}
+        # The init comes first whatever the image says: Docker runs Entrypoint + Cmd, so
+        # the image's ENTRYPOINT (kept, as without an init) becomes the init's program.
+        return {"entrypoint": [INIT_TARGET, *facts.entrypoint], "command": list(spec.command)}
+
+    # -- one execution -------------------------------------------------------------------
 
     def run(
         self,
@@ -549,13 +739,20 @@ class DockerRunner:
         return prepared.finish(spec.input, deadline, on_output, cancel, started=started)
 
     def prepare(self, spec: SandboxSpec, *, execution_id: str, lifetime_s: float = 0) -> Prepared:
-        """Create, attach and start a container for one call, and leave its tool
-        blocked reading stdin. ``spec.input`` is ignored: the call brings its own.
-        ``lifetime_s``: how long it may wait for its call (for the reaper's
-        deadline label), on top of the call's own timeout."""
+        """Create, attach and start a container for one call. With an init, the init
+        waits on stdin and nothing of the tool runs before ``finish``; without one, the
+        tool's command is started now. ``spec.input`` is ignored: the call brings its
+        own. ``lifetime_s``: how long it may wait for its call (for the reaper's
+        deadline label), on top of the call's own timeout.
+
+        ValueError for a spec this runner cannot hold (with an init: an empty command,
+        a mount over the init); SandboxError for an image that is missing or declares
+        a VOLUME, and for engine failures."""
         if not _NAME_PART.match(execution_id):
             raise ValueError(f"execution_id {execution_id!r} is not usable in a container name")
+        self._check_holdable(spec)
         api = self._client().api
+        process = self._process(spec, self._facts_for_create(spec.image))
         name = f"{self.name_prefix}{execution_id}"
         expires = time.time() + lifetime_s + spec.limits.timeout_ms / 1000
         labels = {
@@ -568,7 +765,7 @@ class DockerRunner:
             with _engine_call("container create", image=spec.image):
                 created = api.create_container(
                     image=spec.image,
-                    command=list(spec.command) or None,
+                    **process,
                     user=UNPRIVILEGED_USER,
                     stdin_open=True,  # with detach=False this also sets StdinOnce
                     tty=False,
@@ -601,7 +798,8 @@ class DockerRunner:
         except BaseException:
             self._remove(api, container_id)
             raise
-        return Prepared(self, api, container_id, attached, sock, spec)
+        release = GO_BYTE if self.init_path is not None else b""
+        return Prepared(self, api, container_id, attached, sock, spec, release)
 
     def _final_state(self, api: Any, container_id: str, pump: _Pump) -> tuple[int | None, bool]:
         with _engine_call("container inspect"):

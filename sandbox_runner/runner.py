@@ -8,13 +8,44 @@ from typing import Protocol, runtime_checkable
 
 from .spec import SandboxResult, SandboxSpec
 
-__all__ = ["OutputSink", "Runner"]
+__all__ = ["OutputSink", "PreparedSandbox", "Runner"]
 
 # ("stdout" | "stderr", chunk), called on the runner's thread as output arrives. Chunks are
 # already within the caps: the concatenation of a stream's chunks equals that stream in
 # the final SandboxResult. An exception raised by the sink stops the execution (the
 # container is still removed) and propagates out of run().
 OutputSink = Callable[[str, bytes], None]
+
+
+class PreparedSandbox(Protocol):
+    """A started container holding its tool until ``finish`` hands it a call (the
+    tool's command does not run before): used once, or thrown away unused."""
+
+    @property
+    def container_id(self) -> str: ...
+
+    @property
+    def created(self) -> float:
+        """time.monotonic() when it was made."""
+        ...
+
+    def alive(self) -> bool:
+        """True while it still waits for its call."""
+        ...
+
+    def finish(
+        self,
+        input_bytes: bytes,
+        deadline: float | None = None,
+        on_output: OutputSink | None = None,
+        cancel: threading.Event | None = None,
+    ) -> SandboxResult:
+        """Release the tool with this input and see it through; removed after."""
+        ...
+
+    def discard(self) -> None:
+        """Remove it unused; its tool never runs."""
+        ...
 
 
 @runtime_checkable
@@ -34,12 +65,26 @@ class Runner(Protocol):
         """
         ...
 
+    def prepare(
+        self, spec: SandboxSpec, *, execution_id: str, lifetime_s: float = 0
+    ) -> PreparedSandbox:
+        """Create and start a container for one call, its tool held until
+        ``finish``; ``lifetime_s``: how long it may wait for that call."""
+        ...
+
     def ping(self) -> bool:
         """True when the engine answers."""
         ...
 
     def runtimes(self) -> frozenset[str]:
         """OCI runtimes the engine offers (e.g. {'runc', 'runsc'})."""
+        ...
+
+    def image_volumes(self, image: str) -> tuple[str, ...] | None:
+        """The VOLUME paths the local image declares (sorted; () for none), or None when
+        the image is not present locally. An image with volumes is refused at create:
+        each would be an anonymous, writable and unbounded volume. Raises SandboxError
+        (EngineUnavailable) when the engine fails."""
         ...
 
     def retry_removals(self) -> int:

@@ -38,12 +38,17 @@ class CertificateAuthority:
     def pem(self) -> bytes:
         return self.cert.public_bytes(serialization.Encoding.PEM)
 
-    def issue(self, common_name: str, *, server: bool = False) -> Issued:
+    def issue(
+        self, common_name: str, *, server: bool = False, organization: str | None = None
+    ) -> Issued:
         key = ec.generate_private_key(ec.SECP256R1())
         now = dt.datetime.now(dt.UTC)
+        names = [x509.NameAttribute(NameOID.COMMON_NAME, common_name)]
+        if organization is not None:
+            names.append(x509.NameAttribute(NameOID.ORGANIZATION_NAME, organization))
         builder = (
             x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
+            .subject_name(x509.Name(names))
             .issuer_name(self.cert.subject)
             .public_key(key.public_key())
             .serial_number(x509.random_serial_number())

@@ -17,7 +17,7 @@ import docker.errors
 import pytest
 
 from sandbox_runner import SAFE_LIMITS, Limits, Mount, SandboxSpec
-from sandbox_runner.docker_backend import DockerRunner
+from sandbox_runner.docker_backend import INIT_BINARY, DockerRunner
 
 RUN_LABEL = "io.toolreg.test-run"
 # The sandbox image the suite runs against; TOOLREG_TEST_IMAGE overrides it (any image
@@ -64,11 +64,22 @@ def _remove(client: docker.DockerClient, ids: list[str]) -> None:
 
 
 @pytest.fixture(scope="session")
-def runner(run_id: str, docker_client: docker.DockerClient) -> Iterator[DockerRunner]:
+def init_path() -> str:
+    """The built sandbox init: the suite runs the real configuration, init included."""
+    if not INIT_BINARY.is_file():
+        pytest.fail(f"the sandbox init {INIT_BINARY} is not built: run `make init`")
+    return str(INIT_BINARY)
+
+
+@pytest.fixture(scope="session")
+def runner(
+    run_id: str, docker_client: docker.DockerClient, init_path: str
+) -> Iterator[DockerRunner]:
     r = DockerRunner(
         instance_id=f"test-{run_id}",
         extra_labels={RUN_LABEL: run_id},
         max_pool_size=32,
+        init_path=init_path,
     )
     yield r
     r.close()

@@ -10,7 +10,7 @@ import docker
 import pytest
 
 from sandbox_runner import SandboxSpec
-from sandbox_runner.docker_backend import DockerRunner
+from sandbox_runner.docker_backend import INIT_TARGET, DockerRunner
 
 pytestmark = pytest.mark.docker
 
@@ -114,7 +114,19 @@ def test_engine_side_host_config(
     assert hc["CapDrop"] == ["ALL"] and not hc["CapAdd"]
     assert hc["SecurityOpt"] == ["no-new-privileges"]
     assert hc["Privileged"] is False
-    assert not hc.get("Devices") and not hc.get("Binds") and not hc.get("Mounts")
+    assert not hc.get("Devices") and not hc.get("Binds")
+    # The one host mount is the init, read-only; it is the process and the tool its argv.
+    assert runner.init_path is not None
+    assert hc["Mounts"] == [
+        {
+            "Type": "bind",
+            "Source": str(runner.init_path),
+            "Target": INIT_TARGET,
+            "ReadOnly": True,
+        }
+    ]
+    assert cfg["Entrypoint"] == [INIT_TARGET]
+    assert cfg["Cmd"] == ["sh", "-c", "echo up; sleep 0.5"]
     assert hc["Memory"] == hc["MemorySwap"] == 100 * 1024 * 1024
     assert hc["NanoCpus"] == 250_000_000
     assert hc["PidsLimit"] == 20

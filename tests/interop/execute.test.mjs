@@ -112,7 +112,8 @@ describe("approvals (dangerous write_file)", () => {
   test("the call is answered with an approval request", async () => {
     assert.ok(request?.id, "approval_request.id must be set");
     assert.equal(request.tool_name, "write_file");
-    assert.equal(request.arguments_json, args);
+    // the canonical bytes: what the approvers sign and the tool receives
+    assert.equal(request.arguments_json, canonical);
     assert.equal(request.state, "PENDING");
     assert.equal(request.requested_by, "agent");
     assert.ok(request.approvals_required >= 1);
@@ -124,7 +125,9 @@ describe("approvals (dangerous write_file)", () => {
   test("GetApprovalRequest returns it to the approver and to the caller", async () => {
     const seen = await approver.GetApprovalRequest({ id: request.id });
     assert.equal(seen.id, request.id);
-    assert.equal(seen.arguments_json, args);
+    assert.equal(seen.arguments_json, canonical);
+    assert.equal(seen.tool.sandbox.image, "toolreg/python");
+    assert.equal(seen.tool.owner, "[operator]");
     assert.equal(seen.state, "PENDING");
     const polled = await agent.GetApprovalRequest({ id: request.id });
     assert.equal(polled.id, request.id);

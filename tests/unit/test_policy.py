@@ -13,6 +13,7 @@ from registry_server.policy import (
     DEFAULT_TOKEN_TTL_S,
     Client,
     EffectiveRule,
+    Requirement,
     Policy,
     PolicyError,
     Role,
@@ -113,7 +114,11 @@ def test_example_policy_loads() -> None:
     assert policy.client_by_token("agent-token-123") is not None
     assert policy.client_by_token("approver-token-456") is not None
     rule = policy.rule_for(tool_name="write_file", categories=["files"], level=DANGEROUS)
-    assert (rule.approvals_required, rule.groups) == (2, ("security",))
+    assert rule.approvals_required == 2
+    assert rule.describe() == (
+        "2 approval(s) from security and 1 approval(s) from ops"
+        " and 1 approval(s) from any approver"
+    )
     assert policy.ceiling(DANGEROUS) is not None
 
 
@@ -213,8 +218,8 @@ def test_id_with_a_trailing_newline_is_refused(tmp_path: Path) -> None:
 
 
 def test_unknown_role_and_level(tmp_path: Path) -> None:
-    text = replace_line(28, "    roles: [execute, admin]")
-    assert "line 28: clients[0].roles: unknown role 'admin'" in error(tmp_path, text)
+    text = replace_line(28, "    roles: [execute, root]")
+    assert "line 28: clients[0].roles: unknown role 'root'" in error(tmp_path, text)
     text = replace_line(29, "    max_safety_level: extreme")
     assert "line 29: clients[0].max_safety_level: unknown safety level" in error(tmp_path, text)
 
@@ -272,22 +277,30 @@ def test_not_a_mapping(tmp_path: Path, text: str, reason: str) -> None:
 # ---------------------------------------------------------------- lookups
 
 
-def test_rule_for_tool_beats_category_beats_level(policy: Policy) -> None:
+def test_every_matching_rule_applies_at_once(policy: Policy) -> None:
+    """The strictest of all: a category a registrant chose can add approvals,
+    never remove what the tool's name or level requires."""
+
     def rule(name: str, categories: list[str], level: SafetyLevel = DANGEROUS) -> EffectiveRule:
         return policy.rule_for(tool_name=name, categories=categories, level=level)
 
-    by_tool = rule("write_file", ["files", "net"])
-    assert (by_tool.approvals_required, by_tool.groups, by_tool.max_token_ttl_s) == (
-        2,
-        ("security",),
-        900,
-    )
-    assert by_tool.source == "rule 1 (tool write_file)"
+    by_tool = rule("write_file", ["files"])
+    assert [r.source for r in by_tool.requirements] == [
+        "rule 1 (tool write_file)", "rule 2 (category files)", "rule 4 (level dangerous)",
+    ]  # fmt: skip
+    assert by_tool.max_token_ttl_s == 600  # the shortest of them
+    alice, bob, carol = (policy.approver(a) for a in ("alice", "bob", "carol"))
+    assert alice and bob and carol
+    assert by_tool.missing([alice]) == 1  # 2 from security
+    assert by_tool.missing([alice, bob]) == 0  # alice is in ops too
+    assert by_tool.missing([bob, carol]) == 1  # 2 from security still
+    # a category with a looser rule than the level's: the level's still holds
     by_category = rule("delete_file", ["files"])
-    assert (by_category.approvals_required, by_category.groups) == (1, ("ops",))
-    assert by_category.max_token_ttl_s == DEFAULT_TOKEN_TTL_S
-    # several categories match: the first rule in file order wins
-    assert rule("fetch", ["net", "files"]).source == "rule 2 (category files)"
+    assert by_category.approvals_required == 2
+    assert by_category.missing([carol]) == 1
+    assert by_category.missing([carol, bob]) == 0
+    # a stricter category rule adds to the level's
+    assert rule("fetch", ["net"]).approvals_required == 3
     by_level = rule("launch", ["misc"])
     assert (by_level.approvals_required, by_level.max_token_ttl_s) == (2, 600)
     assert by_level.source == "rule 4 (level dangerous)"
@@ -296,7 +309,9 @@ def test_rule_for_tool_beats_category_beats_level(policy: Policy) -> None:
 def test_rule_for_defaults(tmp_path: Path) -> None:
     policy = load_policy(write(tmp_path, "audience: x\n"))
     dangerous = policy.rule_for(tool_name="t", categories=[], level=DANGEROUS)
-    assert dangerous == EffectiveRule(1, (), DEFAULT_TOKEN_TTL_S, "default for dangerous tools")
+    assert dangerous == EffectiveRule(
+        (Requirement(1, (), "default for dangerous tools"),), DEFAULT_TOKEN_TTL_S
+    )
     for level in (SAFE, CAUTIOUS):
         assert policy.rule_for(tool_name="t", categories=[], level=level).approvals_required == 0
 
@@ -304,8 +319,11 @@ def test_rule_for_defaults(tmp_path: Path) -> None:
 def test_eligible(policy: Policy) -> None:
     security = policy.rule_for(tool_name="write_file", categories=[], level=DANGEROUS)
     assert policy.eligible("alice", security) and policy.eligible("bob", security)
-    assert not policy.eligible("carol", security)
+    # carol is not in security, but counts towards the level rule's "any two"
+    assert policy.eligible("carol", security)
     assert not policy.eligible("mallory", security)
+    carol = policy.approver("carol")
+    assert carol is not None and security.missing([carol]) == 2
     anyone = policy.rule_for(tool_name="x", categories=[], level=DANGEROUS)
     assert all(policy.eligible(a, anyone) for a in ("alice", "bob", "carol"))
     assert not policy.eligible("mallory", anyone)
@@ -369,3 +387,32 @@ def test_development_policy() -> None:
         development_policy(audience="a", approvers={"dev": "junk"})
     with pytest.raises(PolicyError, match="same key"):
         development_policy(audience="a", approvers={"a": KEY_A, "b": KEY_A})
+
+
+def test_register_grants_and_links(tmp_path: Path) -> None:
+    text = BASE + (
+        "  - id: team\n"
+        f'    token_sha256: "{sha("team-secret")}"\n'
+        "    roles: [register]\n"
+        '    register: {max_safety_level: dangerous, images: ["registry.local/*"]}\n'
+        "    approver: carol\n"
+        "  - id: ops\n"
+        f'    token_sha256: "{sha("ops-secret")}"\n'
+        "    roles: [admin]\n"
+    )
+    policy = load_policy(write(tmp_path, text))
+    agent, team, ops = (policy.client(c) for c in ("agent", "team", "ops"))
+    assert agent and team and ops
+    assert agent.register.max_level is SAFE and agent.register.allows_image("toolreg/base")
+    assert not agent.register.allows_image("alpine")
+    assert team.register.max_level is DANGEROUS and team.register.allows_image("registry.local/x")
+    assert ops.register.max_level is DANGEROUS and ops.register.allows_image("anything")
+    assert policy.same_person("carol", "team") and policy.same_person("alice", "alice")
+    assert not policy.same_person("bob", "team")
+
+
+def test_links_and_grants_are_checked(tmp_path: Path) -> None:
+    unknown = BASE + "    approver: mallory\n"
+    assert "clients[1].approver: unknown approver 'mallory'" in error(tmp_path, unknown)
+    no_role = BASE + "    register: {max_safety_level: safe}\n"
+    assert "clients[1].register: given without the register role" in error(tmp_path, no_role)

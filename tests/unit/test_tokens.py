@@ -47,6 +47,7 @@ def digest(arguments: dict[str, Any]) -> str:
 
 
 ARGS_DIGEST = digest(ARGS)
+REQUESTER = "agent-1"  # the client whose call the approval is for
 
 ALICE_PEM, _ = generate_keypair()
 ALICE = load_private_key(ALICE_PEM)
@@ -74,6 +75,7 @@ def good(**overrides: Any) -> str:
         "tool_name": TOOL,
         "tool_digest": TOOL_DIGEST,
         "args_digest": ARGS_DIGEST,
+        "requester": REQUESTER,
         "ttl_s": 300,
         "now": NOW,
     }
@@ -89,6 +91,7 @@ def claims(**overrides: Any) -> dict[str, Any]:
         "sub": TOOL,
         "tool_digest": TOOL_DIGEST,
         "args_digest": ARGS_DIGEST,
+        "requester": REQUESTER,
         "iat": NOW,
         "exp": NOW + 300,
         "jti": "A" * 22,
@@ -167,6 +170,12 @@ CASES = [
         None,
     ),
     Case(
+        "approval for another client's call",
+        lambda: good(requester="agent-2"),
+        "token approves a call by 'agent-2', not by 'agent-1'",
+    ),
+    Case("no requester claim", lambda: craft(claims(requester=None)), "missing claim 'requester'"),
+    Case(
         "key not in the policy",
         lambda: good(key=MALLORY, issuer="mallory"),
         "unknown approver 'mallory'",
@@ -242,6 +251,7 @@ def test_verify(case: Case) -> None:
             tool_name=TOOL,
             tool_digest=TOOL_DIGEST,
             args_digest=ARGS_DIGEST,
+            requester=REQUESTER,
             max_ttl_s=MAX_TTL_S,
             now=NOW,
         )
@@ -265,7 +275,7 @@ def test_verified_approval_carries_the_claims() -> None:
     token = good(request_id="req-42", ttl_s=600)
     approval = verify(
         token, keys=KEYS, audience=AUDIENCE, tool_name=TOOL, tool_digest=TOOL_DIGEST,
-        args_digest=ARGS_DIGEST, max_ttl_s=MAX_TTL_S, now=NOW,
+        args_digest=ARGS_DIGEST, requester=REQUESTER, max_ttl_s=MAX_TTL_S, now=NOW,
     )  # fmt: skip
     assert approval.approver == "alice"
     assert approval.issued_at == NOW and approval.expires_at == NOW + 600
@@ -279,7 +289,9 @@ def test_minted_header_and_claims() -> None:
     head, payload, _ = token.split(".")
     assert json.loads(unb64url(head)) == {"alg": "EdDSA", "typ": TOKEN_TYPE}
     body = json.loads(unb64url(payload))
-    assert set(body) == {"iss", "aud", "sub", "tool_digest", "args_digest", "iat", "exp", "jti"}
+    assert set(body) == {
+        "iss", "aud", "sub", "tool_digest", "args_digest", "requester", "iat", "exp", "jti",
+    }  # fmt: skip
     assert body["exp"] - body["iat"] == 300
 
 
@@ -301,6 +313,7 @@ class Request:  # what an approver's client reads from GetApprovalRequest
     tool_name: str = TOOL
     tool_digest: str = TOOL_DIGEST
     arguments_digest: str = ARGS_DIGEST
+    requested_by: str = REQUESTER
     max_token_ttl_s: int = 0
 
 
@@ -320,7 +333,8 @@ def test_mint_for_signs_what_the_request_names(
     body = json.loads(unb64url(token.split(".")[1]))
     approval = verify(
         token, keys=KEYS, audience=AUDIENCE, tool_name=TOOL, tool_digest=TOOL_DIGEST,
-        args_digest=ARGS_DIGEST, max_ttl_s=MAX_TTL_S, now=body["iat"],
+        args_digest=ARGS_DIGEST, requester=REQUESTER, max_ttl_s=MAX_TTL_S,
+        now=body["iat"],
     )  # fmt: skip
     assert approval.expires_at - approval.issued_at == lifetime
     assert approval.request_id == request_id
@@ -348,11 +362,12 @@ def test_generate_keypair_round_trip() -> None:
     assert len(base64.b64decode(public_text)) == 32
     token = mint(
         private_key, issuer="carol", audience=AUDIENCE, tool_name=TOOL,
-        tool_digest=TOOL_DIGEST, args_digest=ARGS_DIGEST, ttl_s=60, now=NOW,
+        tool_digest=TOOL_DIGEST, args_digest=ARGS_DIGEST, requester=REQUESTER, ttl_s=60, now=NOW,
     )  # fmt: skip
     approval = verify(
         token, keys={"carol": public_key}, audience=AUDIENCE, tool_name=TOOL,
-        tool_digest=TOOL_DIGEST, args_digest=ARGS_DIGEST, max_ttl_s=60, now=NOW,
+        tool_digest=TOOL_DIGEST, args_digest=ARGS_DIGEST, requester=REQUESTER, max_ttl_s=60,
+        now=NOW,
     )  # fmt: skip
     assert approval.approver == "carol"
 
@@ -434,5 +449,5 @@ def test_any_one_character_changed_is_rejected_never_crashes() -> None:
         with pytest.raises(TokenRejected):
             verify(
                 mutated, keys=KEYS, audience=AUDIENCE, tool_name=TOOL, tool_digest=TOOL_DIGEST,
-                args_digest=ARGS_DIGEST, max_ttl_s=MAX_TTL_S, now=NOW,
+                args_digest=ARGS_DIGEST, requester=REQUESTER, max_ttl_s=MAX_TTL_S, now=NOW,
             )  # fmt: skip

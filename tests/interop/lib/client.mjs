@@ -147,6 +147,7 @@ export function mintApproval(privateKeyPem, issuer, request, ttlS = 300) {
     sub: request.tool_name,
     tool_digest: request.tool_digest,
     args_digest: request.arguments_digest,
+    requester: request.requested_by,
     iat: now,
     exp: now + ttlS,
     jti: b64url(randomBytes(16)),

@@ -149,6 +149,7 @@ class Tool(_message.Message):
     SANDBOX_FIELD_NUMBER: _builtins.int
     DIGEST_FIELD_NUMBER: _builtins.int
     WARM_POOL_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """^[a-z][a-z0-9_]{0,63}$ (snake_case)"""
     description: _builtins.str
@@ -164,6 +165,11 @@ class Tool(_message.Message):
     warm_pool: _builtins.int
     """Number of pre-started single-use containers to keep for this tool
     (0 = none).
+    """
+    owner: _builtins.str
+    """Output only: the client that registered the tool, or "[operator]" for
+    tools the operator registered (--tools at start). Only the owner, or a
+    client with the admin role, may replace it.
     """
     @_builtins.property
     def categories(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -182,10 +188,11 @@ class Tool(_message.Message):
         sandbox: Global___SandboxSpec | None = ...,
         digest: _builtins.str = ...,
         warm_pool: _builtins.int = ...,
+        owner: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sandbox", b"sandbox"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["categories", b"categories", "description", b"description", "digest", b"digest", "name", b"name", "parameters_json", b"parameters_json", "safety_level", b"safety_level", "sandbox", b"sandbox", "warm_pool", b"warm_pool"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["categories", b"categories", "description", b"description", "digest", b"digest", "name", b"name", "owner", b"owner", "parameters_json", b"parameters_json", "safety_level", b"safety_level", "sandbox", b"sandbox", "warm_pool", b"warm_pool"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -424,10 +431,15 @@ class ExecuteToolRequest(_message.Message):
     arguments_json: _builtins.str
     """A JSON object; empty means {}."""
     approval_request_id: _builtins.str
-    """An approval request whose submitted tokens approve this call."""
+    """An approval request whose submitted tokens approve this call. Only the
+    client that caused the request may spend it.
+    """
     @_builtins.property
     def approval_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Signed approval tokens (JWT, EdDSA) for a dangerous tool."""
+        """Signed approval tokens (JWT, EdDSA) for a dangerous tool. A token names
+        the client it approves (`requester`) and, if bound to a request (`req`),
+        works only together with that approval_request_id.
+        """
 
     def __init__(
         self,
@@ -547,6 +559,7 @@ class ApprovalRequest(_message.Message):
     AUDIENCE_FIELD_NUMBER: _builtins.int
     MAX_TOKEN_TTL_S_FIELD_NUMBER: _builtins.int
     APPROVALS_MISSING_FIELD_NUMBER: _builtins.int
+    TOOL_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     tool_name: _builtins.str
     tool_digest: _builtins.str
@@ -569,6 +582,13 @@ class ApprovalRequest(_message.Message):
     def created_at(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
     def expires_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def tool(self) -> Global___Tool:
+        """The definition this request is for (its digest is `tool_digest`), with
+        its owner: what an approver signs. In ListApprovalRequests answers
+        `parameters_json` is left out, as `arguments_json` is.
+        """
+
     def __init__(
         self,
         *,
@@ -586,10 +606,11 @@ class ApprovalRequest(_message.Message):
         audience: _builtins.str = ...,
         max_token_ttl_s: _builtins.int = ...,
         approvals_missing: _builtins.int = ...,
+        tool: Global___Tool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "expires_at", b"expires_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "expires_at", b"expires_at", "tool", b"tool"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["approvals_missing", b"approvals_missing", "approvals_required", b"approvals_required", "approved_by", b"approved_by", "arguments_digest", b"arguments_digest", "arguments_json", b"arguments_json", "audience", b"audience", "created_at", b"created_at", "expires_at", b"expires_at", "id", b"id", "max_token_ttl_s", b"max_token_ttl_s", "requested_by", b"requested_by", "state", b"state", "tool_digest", b"tool_digest", "tool_name", b"tool_name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["approvals_missing", b"approvals_missing", "approvals_required", b"approvals_required", "approved_by", b"approved_by", "arguments_digest", b"arguments_digest", "arguments_json", b"arguments_json", "audience", b"audience", "created_at", b"created_at", "expires_at", b"expires_at", "id", b"id", "max_token_ttl_s", b"max_token_ttl_s", "requested_by", b"requested_by", "state", b"state", "tool", b"tool", "tool_digest", b"tool_digest", "tool_name", b"tool_name"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

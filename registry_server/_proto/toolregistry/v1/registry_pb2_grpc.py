@@ -88,13 +88,17 @@ class ToolRegistryServicer:
 
     def RegisterTool(self, request, context):
         """RegisterTool validates and stores a tool definition and returns it with
-        its `digest` set.
+        its `digest` and `owner` set. The caller becomes the tool's owner.
         Registering the same name with an identical definition is idempotent (OK).
         Errors:
         - INVALID_ARGUMENT: the definition breaks a rule (BadRequest details name
-        each field and rule); nothing is stored.
+        each field and rule), or its image declares a VOLUME; nothing is stored.
         - ALREADY_EXISTS: a different definition holds the name and `replace` is
         false.
+        - PERMISSION_DENIED: the policy does not let this client register a tool
+        at this safety level or from this image, or the name belongs to another
+        client (only the owner or an admin may replace a tool).
+        - UNAVAILABLE: the container engine does not answer (the image is checked).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -103,7 +107,7 @@ class ToolRegistryServicer:
     def GetTool(self, request, context):
         """GetTool returns one tool by name.
         Errors:
-        - INVALID_ARGUMENT: `name` is empty.
+        - INVALID_ARGUMENT: `name` is empty or not a valid tool name.
         - NOT_FOUND: no tool has that name.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -136,10 +140,15 @@ class ToolRegistryServicer:
         level and returns its outcome. Call outcomes (unknown tool, invalid
         arguments, approval required or denied, tool error, timeout, resource
         exhausted, sandbox error) are ToolResults with `success=false`, not
-        errors. The client's deadline and cancellation stop the container.
+        errors. A name that is not a valid tool name is TOOL_NOT_FOUND and is
+        neither logged nor audited. The client's deadline and cancellation stop
+        the container. An approval is spent only once the call holds a sandbox
+        slot and its container is ready: a call refused for capacity, cancelled
+        or failing in the engine before the tool starts keeps its approval.
         Errors:
         - RESOURCE_EXHAUSTED: the server is at its concurrent-sandbox capacity
-        and its wait queue is full; retry later.
+        and its wait queue is full, or this client already has the maximum of
+        open approval requests; retry later.
         - UNAVAILABLE: no container engine answers.
         - UNIMPLEMENTED: this server cannot execute tools.
         """
@@ -158,7 +167,9 @@ class ToolRegistryServicer:
 
     def ListApprovalRequests(self, request, context):
         """ListApprovalRequests lists approval requests for dangerous calls, newest
-        first, optionally only those in `state`.
+        first, optionally only those in `state`. Listed requests carry their
+        digests but not their full arguments (`arguments_json` is empty); read
+        one with GetApprovalRequest.
         Errors:
         - INVALID_ARGUMENT: an unknown state.
         """

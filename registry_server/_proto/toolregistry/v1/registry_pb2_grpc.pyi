@@ -49,18 +49,22 @@ class ToolRegistryStub:
     def __new__(cls, channel: _aio.Channel) -> ToolRegistryAsyncStub: ...
     RegisterTool: _grpc.UnaryUnaryMultiCallable[_registry_pb2.RegisterToolRequest, _registry_pb2.Tool]
     """RegisterTool validates and stores a tool definition and returns it with
-    its `digest` set.
+    its `digest` and `owner` set. The caller becomes the tool's owner.
     Registering the same name with an identical definition is idempotent (OK).
     Errors:
     - INVALID_ARGUMENT: the definition breaks a rule (BadRequest details name
-      each field and rule); nothing is stored.
+      each field and rule), or its image declares a VOLUME; nothing is stored.
     - ALREADY_EXISTS: a different definition holds the name and `replace` is
       false.
+    - PERMISSION_DENIED: the policy does not let this client register a tool
+      at this safety level or from this image, or the name belongs to another
+      client (only the owner or an admin may replace a tool).
+    - UNAVAILABLE: the container engine does not answer (the image is checked).
     """
     GetTool: _grpc.UnaryUnaryMultiCallable[_registry_pb2.GetToolRequest, _registry_pb2.Tool]
     """GetTool returns one tool by name.
     Errors:
-    - INVALID_ARGUMENT: `name` is empty.
+    - INVALID_ARGUMENT: `name` is empty or not a valid tool name.
     - NOT_FOUND: no tool has that name.
     """
     ListTools: _grpc.UnaryUnaryMultiCallable[_registry_pb2.ListToolsRequest, _registry_pb2.ListToolsResponse]
@@ -81,10 +85,15 @@ class ToolRegistryStub:
     level and returns its outcome. Call outcomes (unknown tool, invalid
     arguments, approval required or denied, tool error, timeout, resource
     exhausted, sandbox error) are ToolResults with `success=false`, not
-    errors. The client's deadline and cancellation stop the container.
+    errors. A name that is not a valid tool name is TOOL_NOT_FOUND and is
+    neither logged nor audited. The client's deadline and cancellation stop
+    the container. An approval is spent only once the call holds a sandbox
+    slot and its container is ready: a call refused for capacity, cancelled
+    or failing in the engine before the tool starts keeps its approval.
     Errors:
     - RESOURCE_EXHAUSTED: the server is at its concurrent-sandbox capacity
-      and its wait queue is full; retry later.
+      and its wait queue is full, or this client already has the maximum of
+      open approval requests; retry later.
     - UNAVAILABLE: no container engine answers.
     - UNIMPLEMENTED: this server cannot execute tools.
     """
@@ -95,7 +104,9 @@ class ToolRegistryStub:
     """
     ListApprovalRequests: _grpc.UnaryUnaryMultiCallable[_registry_pb2.ListApprovalRequestsRequest, _registry_pb2.ListApprovalRequestsResponse]
     """ListApprovalRequests lists approval requests for dangerous calls, newest
-    first, optionally only those in `state`.
+    first, optionally only those in `state`. Listed requests carry their
+    digests but not their full arguments (`arguments_json` is empty); read
+    one with GetApprovalRequest.
     Errors:
     - INVALID_ARGUMENT: an unknown state.
     """
@@ -123,18 +134,22 @@ class ToolRegistryAsyncStub(ToolRegistryStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     RegisterTool: _aio.UnaryUnaryMultiCallable[_registry_pb2.RegisterToolRequest, _registry_pb2.Tool]  # type: ignore[assignment]
     """RegisterTool validates and stores a tool definition and returns it with
-    its `digest` set.
+    its `digest` and `owner` set. The caller becomes the tool's owner.
     Registering the same name with an identical definition is idempotent (OK).
     Errors:
     - INVALID_ARGUMENT: the definition breaks a rule (BadRequest details name
-      each field and rule); nothing is stored.
+      each field and rule), or its image declares a VOLUME; nothing is stored.
     - ALREADY_EXISTS: a different definition holds the name and `replace` is
       false.
+    - PERMISSION_DENIED: the policy does not let this client register a tool
+      at this safety level or from this image, or the name belongs to another
+      client (only the owner or an admin may replace a tool).
+    - UNAVAILABLE: the container engine does not answer (the image is checked).
     """
     GetTool: _aio.UnaryUnaryMultiCallable[_registry_pb2.GetToolRequest, _registry_pb2.Tool]  # type: ignore[assignment]
     """GetTool returns one tool by name.
     Errors:
-    - INVALID_ARGUMENT: `name` is empty.
+    - INVALID_ARGUMENT: `name` is empty or not a valid tool name.
     - NOT_FOUND: no tool has that name.
     """
     ListTools: _aio.UnaryUnaryMultiCallable[_registry_pb2.ListToolsRequest, _registry_pb2.ListToolsResponse]  # type: ignore[assignment]
@@ -155,10 +170,15 @@ class ToolRegistryAsyncStub(ToolRegistryStub):
     level and returns its outcome. Call outcomes (unknown tool, invalid
     arguments, approval required or denied, tool error, timeout, resource
     exhausted, sandbox error) are ToolResults with `success=false`, not
-    errors. The client's deadline and cancellation stop the container.
+    errors. A name that is not a valid tool name is TOOL_NOT_FOUND and is
+    neither logged nor audited. The client's deadline and cancellation stop
+    the container. An approval is spent only once the call holds a sandbox
+    slot and its container is ready: a call refused for capacity, cancelled
+    or failing in the engine before the tool starts keeps its approval.
     Errors:
     - RESOURCE_EXHAUSTED: the server is at its concurrent-sandbox capacity
-      and its wait queue is full; retry later.
+      and its wait queue is full, or this client already has the maximum of
+      open approval requests; retry later.
     - UNAVAILABLE: no container engine answers.
     - UNIMPLEMENTED: this server cannot execute tools.
     """
@@ -169,7 +189,9 @@ class ToolRegistryAsyncStub(ToolRegistryStub):
     """
     ListApprovalRequests: _aio.UnaryUnaryMultiCallable[_registry_pb2.ListApprovalRequestsRequest, _registry_pb2.ListApprovalRequestsResponse]  # type: ignore[assignment]
     """ListApprovalRequests lists approval requests for dangerous calls, newest
-    first, optionally only those in `state`.
+    first, optionally only those in `state`. Listed requests carry their
+    digests but not their full arguments (`arguments_json` is empty); read
+    one with GetApprovalRequest.
     Errors:
     - INVALID_ARGUMENT: an unknown state.
     """
@@ -200,13 +222,17 @@ class ToolRegistryServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_registry_pb2.Tool, _abc.Awaitable[_registry_pb2.Tool]]:
         """RegisterTool validates and stores a tool definition and returns it with
-        its `digest` set.
+        its `digest` and `owner` set. The caller becomes the tool's owner.
         Registering the same name with an identical definition is idempotent (OK).
         Errors:
         - INVALID_ARGUMENT: the definition breaks a rule (BadRequest details name
-          each field and rule); nothing is stored.
+          each field and rule), or its image declares a VOLUME; nothing is stored.
         - ALREADY_EXISTS: a different definition holds the name and `replace` is
           false.
+        - PERMISSION_DENIED: the policy does not let this client register a tool
+          at this safety level or from this image, or the name belongs to another
+          client (only the owner or an admin may replace a tool).
+        - UNAVAILABLE: the container engine does not answer (the image is checked).
         """
 
     @_abc_1.abstractmethod
@@ -217,7 +243,7 @@ class ToolRegistryServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_registry_pb2.Tool, _abc.Awaitable[_registry_pb2.Tool]]:
         """GetTool returns one tool by name.
         Errors:
-        - INVALID_ARGUMENT: `name` is empty.
+        - INVALID_ARGUMENT: `name` is empty or not a valid tool name.
         - NOT_FOUND: no tool has that name.
         """
 
@@ -256,10 +282,15 @@ class ToolRegistryServicer(metaclass=_abc_1.ABCMeta):
         level and returns its outcome. Call outcomes (unknown tool, invalid
         arguments, approval required or denied, tool error, timeout, resource
         exhausted, sandbox error) are ToolResults with `success=false`, not
-        errors. The client's deadline and cancellation stop the container.
+        errors. A name that is not a valid tool name is TOOL_NOT_FOUND and is
+        neither logged nor audited. The client's deadline and cancellation stop
+        the container. An approval is spent only once the call holds a sandbox
+        slot and its container is ready: a call refused for capacity, cancelled
+        or failing in the engine before the tool starts keeps its approval.
         Errors:
         - RESOURCE_EXHAUSTED: the server is at its concurrent-sandbox capacity
-          and its wait queue is full; retry later.
+          and its wait queue is full, or this client already has the maximum of
+          open approval requests; retry later.
         - UNAVAILABLE: no container engine answers.
         - UNIMPLEMENTED: this server cannot execute tools.
         """
@@ -282,7 +313,9 @@ class ToolRegistryServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_registry_pb2.ListApprovalRequestsResponse, _abc.Awaitable[_registry_pb2.ListApprovalRequestsResponse]]:
         """ListApprovalRequests lists approval requests for dangerous calls, newest
-        first, optionally only those in `state`.
+        first, optionally only those in `state`. Listed requests carry their
+        digests but not their full arguments (`arguments_json` is empty); read
+        one with GetApprovalRequest.
         Errors:
         - INVALID_ARGUMENT: an unknown state.
         """

@@ -1,0 +1,357 @@
+"""The sandbox init: nothing of a tool runs before its call is released, and images that
+would slip out of the sandbox (VOLUME) are refused."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import io
+import json
+import re
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import docker
+import docker.errors
+import docker.types
+import pytest
+
+from sandbox_runner import Mount, SandboxError, SandboxSpec
+from sandbox_runner.docker_backend import (
+    GO_BYTE,
+    INIT_NOT_RELEASED_EXIT,
+    INIT_TARGET,
+    DockerRunner,
+    _ImageFacts,
+    _ImageFactsCache,
+)
+
+pytestmark = pytest.mark.docker
+
+RUN_LABEL = "io.toolreg.test-run"  # conftest's: every container and image we make has it
+
+Eid = Callable[[], str]
+SpecFactory = Callable[..., SandboxSpec]
+
+RUNTIMES = ["runc", "runsc"]  # this engine has both: no skipping (see test_runner_runsc.py)
+HOLD_S = 2.0  # seconds a prepared container is left alone before we look for side effects
+# Runs at once when started, whether or not it reads stdin; `cat` then echoes the input.
+MARK_THEN_CAT = "touch /w/ran; cat"
+
+
+@pytest.fixture
+def shared_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "w"
+    d.mkdir()
+    d.chmod(0o777)  # the tool runs as uid 65534
+    return d
+
+
+def marking_spec(make_spec: SpecFactory, shared: Path, runtime: str) -> SandboxSpec:
+    return make_spec(
+        MARK_THEN_CAT, runtime=runtime, mounts=(Mount(str(shared), "/w", read_only=False),)
+    )
+
+
+def with_command(spec: SandboxSpec, *command: str) -> SandboxSpec:
+    return dataclasses.replace(spec, command=command)
+
+
+# -- held until finish ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_prepared_container_runs_nothing_until_finish(
+    runner: DockerRunner, make_spec: SpecFactory, eid: Eid, shared_dir: Path, runtime: str
+) -> None:
+    prepared = runner.prepare(
+        marking_spec(make_spec, shared_dir, runtime), execution_id=eid(), lifetime_s=30
+    )
+    try:
+        time.sleep(HOLD_S)
+        assert prepared.alive()
+        assert not (shared_dir / "ran").exists(), "the tool ran before its call"
+        res = prepared.finish(b"{}")
+    finally:
+        prepared.discard()  # no-op after finish
+    assert (res.exit_code, res.stdout, res.stderr) == (0, b"{}", b"")
+    assert (shared_dir / "ran").exists()
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_discarded_container_never_runs_the_tool(
+    runner: DockerRunner, make_spec: SpecFactory, eid: Eid, shared_dir: Path, runtime: str
+) -> None:
+    prepared = runner.prepare(
+        marking_spec(make_spec, shared_dir, runtime), execution_id=eid(), lifetime_s=30
+    )
+    time.sleep(HOLD_S / 2)
+    prepared.discard()  # closes stdin (EOF to the init) and removes the container
+    time.sleep(HOLD_S / 2)
+    assert not (shared_dir / "ran").exists(), "discard ran the tool"
+
+
+def test_without_init_prepare_starts_the_tool_at_once(
+    run_id: str, make_spec: SpecFactory, eid: Eid, shared_dir: Path
+) -> None:
+    # The hazard the init closes, shown with a runner that has none (as a reaper has).
+    bare = DockerRunner(instance_id=f"bare-{run_id}", extra_labels={RUN_LABEL: run_id})
+    try:
+        prepared = bare.prepare(marking_spec(make_spec, shared_dir, "runc"), execution_id=eid())
+        try:
+            deadline = time.monotonic() + HOLD_S * 5
+            while not (shared_dir / "ran").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert (shared_dir / "ran").exists()
+        finally:
+            prepared.discard()
+    finally:
+        bare.close()
+
+
+def test_cold_run_holds_too(
+    runner: DockerRunner, make_spec: SpecFactory, eid: Eid, shared_dir: Path
+) -> None:
+    # run() is prepare + finish: the same go byte, then the input, on one stream.
+    spec = dataclasses.replace(marking_spec(make_spec, shared_dir, "runc"), input=b"")
+    res = runner.run(spec, execution_id=eid())
+    assert (res.exit_code, res.stdout) == (0, b"")
+    assert (shared_dir / "ran").exists()
+
+
+# -- the init's own outcomes, in a container -------------------------------------------------
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_missing_program_is_127_with_a_message(
+    runner: DockerRunner, make_spec: SpecFactory, eid: Eid, runtime: str
+) -> None:
+    spec = with_command(make_spec("", runtime=runtime), "no-such-program", "--flag")
+    res = runner.run(spec, execution_id=eid())
+    assert res.exit_code == 127
+    assert res.stderr == b"toolreg-init: cannot run no-such-program: No such file or directory\n"
+    assert res.stdout == b""
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_program_that_is_not_executable_is_126(
+    runner: DockerRunner, make_spec: SpecFactory, eid: Eid, runtime: str
+) -> None:
+    res = runner.run(
+        with_command(make_spec("", runtime=runtime), "/etc/passwd"), execution_id=eid()
+    )
+    assert res.exit_code == 126
+    assert res.stderr == b"toolreg-init: cannot run /etc/passwd: Permission denied\n"
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_init_given_eof_exits_125_and_runs_nothing(
+    docker_client: docker.DockerClient,
+    runner: DockerRunner,
+    image: str,
+    run_id: str,
+    eid: Eid,
+    shared_dir: Path,
+    runtime: str,
+) -> None:
+    # Built by hand: stdin not open is /dev/null, i.e. EOF before any go byte.
+    api = docker_client.api
+    assert runner.init_path is not None
+    host_config = api.create_host_config(
+        network_mode="none",
+        read_only=True,
+        cap_drop=["ALL"],
+        security_opt=["no-new-privileges"],
+        runtime=runtime,
+        mounts=[
+            docker.types.Mount(INIT_TARGET, str(runner.init_path), type="bind", read_only=True),
+            docker.types.Mount("/w", str(shared_dir), type="bind", read_only=False),
+        ],
+    )
+    created = api.create_container(
+        image,
+        entrypoint=[INIT_TARGET],
+        command=["sh", "-c", "touch /w/ran"],
+        user="65534:65534",
+        stdin_open=False,
+        labels={RUN_LABEL: run_id},
+        name=f"toolreg-{eid()}",
+        host_config=host_config,
+    )
+    try:
+        api.start(created["Id"])
+        status = api.wait(created["Id"], timeout=30)["StatusCode"]
+        logs = api.logs(created["Id"])
+    finally:
+        api.remove_container(created["Id"], force=True)
+    assert status == INIT_NOT_RELEASED_EXIT
+    assert logs == b""  # EOF is the normal discard: silent
+    assert not (shared_dir / "ran").exists()
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_init_is_read_only_inside(
+    runner: DockerRunner, make_spec: SpecFactory, eid: Eid, runtime: str
+) -> None:
+    assert runner.init_path is not None
+    before = hashlib.sha256(runner.init_path.read_bytes()).hexdigest()
+    spec = make_spec(
+        f"grep ' {INIT_TARGET} ' /proc/mounts; echo x > {INIT_TARGET} || echo refused",
+        runtime=runtime,
+    )
+    res = runner.run(spec, execution_id=eid())
+    mount_line, refused = res.stdout.decode().splitlines()
+    assert "ro" in mount_line.split()[3].split(",")
+    assert refused == "refused"
+    assert hashlib.sha256(runner.init_path.read_bytes()).hexdigest() == before
+
+
+# -- the protocol, on the host (the same static binary) --------------------------------------
+
+
+def run_init(init_path: str, stdin: bytes, *argv: str) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run([init_path, *argv], input=stdin, capture_output=True, timeout=10)
+
+
+def test_go_byte_hands_the_rest_of_stdin_to_the_program(init_path: str) -> None:
+    done = run_init(init_path, GO_BYTE + b'{"a": 1}', "cat")
+    assert (done.returncode, done.stdout, done.stderr) == (0, b'{"a": 1}', b"")
+
+
+@pytest.mark.parametrize("stdin", [b"", b"X{}", b"g{}"], ids=["eof", "other", "lowercase"])
+def test_anything_but_the_go_byte_runs_nothing(
+    init_path: str, tmp_path: Path, stdin: bytes
+) -> None:
+    marker = tmp_path / "ran"
+    done = run_init(init_path, stdin, "sh", "-c", f"touch {marker}")
+    assert done.returncode == INIT_NOT_RELEASED_EXIT
+    assert not marker.exists()
+    if stdin:
+        assert b"expected the go byte" in done.stderr
+
+
+def test_no_program_runs_nothing(init_path: str) -> None:
+    done = run_init(init_path, GO_BYTE)
+    assert done.returncode == INIT_NOT_RELEASED_EXIT
+    assert b"usage" in done.stderr
+
+
+# -- construction and specs the init cannot hold ----------------------------------------------
+
+
+def test_init_path_is_checked_at_construction(tmp_path: Path) -> None:
+    plain = tmp_path / "plain"
+    plain.write_bytes(b"\x7fELF")
+    plain.chmod(0o744)  # owner only: uid 65534 could not run it
+    for bad in (tmp_path / "missing", tmp_path, plain):
+        with pytest.raises(ValueError, match=re.escape(str(bad))):
+            DockerRunner(instance_id="x", init_path=bad)
+
+
+def test_an_init_needs_a_command(runner: DockerRunner, make_spec: SpecFactory, eid: Eid) -> None:
+    with pytest.raises(ValueError, match=r"non-empty SandboxSpec\.command"):
+        runner.prepare(with_command(make_spec("")), execution_id=eid())
+
+
+@pytest.mark.parametrize("target", ["/.toolreg", "/.toolreg/init", "/.toolreg/x", "//.toolreg"])
+def test_no_mount_may_cover_the_init(
+    runner: DockerRunner, make_spec: SpecFactory, eid: Eid, tmp_path: Path, target: str
+) -> None:
+    spec = make_spec("true", mounts=(Mount(str(tmp_path), target),))
+    with pytest.raises(ValueError, match="overlap the init"):
+        runner.run(spec, execution_id=eid())
+
+
+# -- images: VOLUME refused, ENTRYPOINT kept behind the init ----------------------------------
+
+
+def build_image(client: docker.DockerClient, tag: str, dockerfile: str, run_id: str) -> None:
+    """The classic builder, no network; raises with the builder's own message."""
+    stream = client.api.build(
+        fileobj=io.BytesIO(dockerfile.encode()),
+        tag=tag,
+        network_mode="none",
+        rm=True,
+        forcerm=True,
+        labels={RUN_LABEL: run_id},
+        decode=True,
+    )
+    for chunk in stream:
+        if "error" in chunk:
+            raise RuntimeError(f"docker build of {tag} failed: {chunk['error']}")
+
+
+@pytest.fixture(scope="module")
+def derived_images(
+    docker_client: docker.DockerClient, image: str, run_id: str
+) -> Iterator[dict[str, str]]:
+    tags = {
+        "volume": f"toolreg-test/volume-{run_id}:latest",
+        "entrypoint": f"toolreg-test/entrypoint-{run_id}:latest",
+    }
+    entrypoint = json.dumps(["/bin/sh", "-c", 'touch /w/entry; exec "$0" "$@"'])
+    try:
+        build_image(docker_client, tags["volume"], f"FROM {image}\nVOLUME /data\n", run_id)
+        build_image(
+            docker_client, tags["entrypoint"], f"FROM {image}\nENTRYPOINT {entrypoint}\n", run_id
+        )
+        yield tags
+    finally:
+        for tag in tags.values():
+            with contextlib.suppress(docker.errors.ImageNotFound):
+                docker_client.images.remove(tag, force=True)
+
+
+def test_image_volumes(
+    runner: DockerRunner, image: str, derived_images: dict[str, str], run_id: str
+) -> None:
+    assert runner.image_volumes(image) == ()
+    assert runner.image_volumes(derived_images["volume"]) == ("/data",)
+    assert runner.image_volumes(f"toolreg-test/never-built-{run_id}:latest") is None
+
+
+def test_image_with_a_volume_is_refused(
+    runner: DockerRunner, make_spec: SpecFactory, eid: Eid, derived_images: dict[str, str]
+) -> None:
+    spec = dataclasses.replace(make_spec("true"), image=derived_images["volume"])
+    pattern = re.escape(f"image '{derived_images['volume']}' declares VOLUME /data")
+    with pytest.raises(SandboxError, match=pattern):
+        runner.prepare(spec, execution_id=eid())
+    with pytest.raises(SandboxError, match=pattern):
+        runner.run(spec, execution_id=eid())
+
+
+def test_image_entrypoint_runs_only_after_the_go_byte(
+    runner: DockerRunner,
+    make_spec: SpecFactory,
+    eid: Eid,
+    shared_dir: Path,
+    derived_images: dict[str, str],
+) -> None:
+    spec = dataclasses.replace(
+        marking_spec(make_spec, shared_dir, "runc"), image=derived_images["entrypoint"]
+    )
+    prepared = runner.prepare(spec, execution_id=eid(), lifetime_s=30)
+    try:
+        time.sleep(HOLD_S)
+        assert not (shared_dir / "entry").exists(), "the image's ENTRYPOINT ran early"
+        res = prepared.finish(b"in")
+    finally:
+        prepared.discard()
+    # Entrypoint + Cmd, as Docker runs them without an init.
+    assert (res.exit_code, res.stdout) == (0, b"in")
+    assert (shared_dir / "entry").exists() and (shared_dir / "ran").exists()
+
+
+def test_image_facts_cache_expires_and_stays_bounded() -> None:
+    facts = _ImageFacts(volumes=(), entrypoint=())
+    cache = _ImageFactsCache(ttl_s=0.2, max_entries=2)
+    cache.put("a", facts)
+    cache.put("b", facts)
+    cache.put("c", facts)  # full: the oldest ("a") goes
+    assert (cache.get("a"), cache.get("b"), cache.get("c")) == (None, facts, facts)
+    time.sleep(0.25)
+    assert cache.get("b") is None
