@@ -104,7 +104,7 @@ class Approvals:
         self, token: str, *, tool_name: str, tool_digest: str, args_digest: str, caller: str,
         rule: EffectiveRule,
     ) -> VerifiedApproval:  # fmt: skip
-        """Every rule of DESIGN §4 except spending the jti; raises Denied."""
+        """Every token rule (docs/approvals.md) except spending the jti; raises Denied."""
         try:
             approval = verify(
                 token,

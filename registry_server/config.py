@@ -23,7 +23,9 @@ DEFAULT_SANDBOX_MEMORY_MB = 4096  # MiB: the memory limits of all sandboxes, run
 # framing fit; a bigger message is refused by gRPC before it is parsed.
 MAX_MESSAGE_BYTES = 2 * 1024 * 1024
 # The sandbox init (see sandbox_runner/init): built by `make init` next to its source.
-DEFAULT_INIT_PATH = Path(__file__).resolve().parent.parent / "sandbox_runner" / "init" / "toolreg-init"
+DEFAULT_INIT_PATH = (
+    Path(__file__).resolve().parent.parent / "sandbox_runner" / "init" / "toolreg-init"
+)
 
 
 class ServerConfig(BaseSettings):

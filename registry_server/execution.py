@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import re
 
 from registry_server import audit, strict_json
 from registry_server.admission import Admission, Cancelled
@@ -231,7 +230,9 @@ class Executor:
                 record.container_id, record.warm = warm.container_id, True
                 with self._admission.claim(warm.reservation):
                     try:
-                        result = self._start(record, warm.prepared, spec, approved, on_output, cancel)
+                        result = self._start(
+                            record, warm.prepared, spec, approved, on_output, cancel
+                        )
                     finally:
                         assert self._pools is not None
                         self._pools.call_done()
@@ -486,4 +487,5 @@ def _check_request_id(request_id: str) -> None:
     """A malformed id is a malformed request: refused before it is stored anywhere."""
     if request_id and not REQUEST_ID_PATTERN.fullmatch(request_id):
         rule = "not an approval request id (32 lowercase hex digits)"
-        raise InvalidArgument(f"approval_request_id: {rule}", [Violation("approval_request_id", rule)])
+        field = "approval_request_id"
+        raise InvalidArgument(f"{field}: {rule}", [Violation(field, rule)])

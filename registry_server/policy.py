@@ -1,4 +1,4 @@
-"""The policy file (DESIGN §5): who may approve what, which clients may do what,
+"""The policy file (docs/deploying.md): who may approve what, which clients may do what,
 and the sandbox ceilings of each safety level.
 
 The YAML is validated in two passes: pydantic input models (strict, frozen,
@@ -167,7 +167,7 @@ class RegisterGrant:
     """What a client may register: tools up to ``max_level``, from images
     matching one of ``images`` (shell-style globs on the image reference)."""
 
-    max_level: SafetyLevel = SafetyLevel(DEFAULT_REGISTER_LEVEL)
+    max_level: SafetyLevel = SafetyLevel.SAFE  # DEFAULT_REGISTER_LEVEL
     images: tuple[str, ...] = DEFAULT_REGISTER_IMAGES
 
     def allows_image(self, image: str) -> bool:

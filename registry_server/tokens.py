@@ -1,11 +1,12 @@
-"""Approval tokens: Ed25519-signed JWTs that approve one call (DESIGN §4).
+"""Approval tokens: Ed25519-signed JWTs that approve one call (docs/approvals.md).
 
 An approver signs, with a private key that never reaches the server, a token
 naming exactly one tool definition (``sub`` + ``tool_digest``), one argument
-object (``args_digest``) and the client whose call it approves (``requester``),
-so one agent can never spend an approval given to another. The server holds only public keys and accepts a token
-only when every rule below holds; each failure has its own short reason, since
-the reason goes back to an LLM agent and to the operator.
+object (``args_digest``) and the client whose call it approves
+(``requester``), so one agent can never spend an approval given to another.
+The server holds only public keys and accepts a token only when every rule
+below holds; each failure has its own short reason, since the reason goes
+back to an LLM agent and to the operator.
 
 The algorithm is pinned to EdDSA: the header is checked here before PyJWT sees
 the token, and PyJWT is told ``algorithms=["EdDSA"]`` as well, so a token can
@@ -265,7 +266,8 @@ def verify(
     now: float | None = None,
     leeway_s: int = 30,
 ) -> VerifiedApproval:
-    """Check every rule of DESIGN §4 that needs no store; raise TokenRejected otherwise.
+    """Check every token rule (docs/approvals.md) that needs no store, or raise
+    TokenRejected.
 
     Eligibility, the caller-is-not-the-approver rule, m-of-n and jti reuse are
     the caller's business (they need the policy rule and the store)."""

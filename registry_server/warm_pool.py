@@ -116,7 +116,7 @@ class WarmPools:
         size = self.size_for(tool)
         spec = self._spec_for(tool) if size > 0 else None
         if spec is not None and spec.mounts:
-            log.info("%s is not pooled: its sandbox gets host mounts, only after approval", tool.name)
+            log.info("%s is not pooled: host mounts go only to approved calls", tool.name)
             spec = None
         with self._cond:
             old = self._pools.pop(tool.name, None)

@@ -1,4 +1,4 @@
-"""Default limits per safety level (DESIGN §3). Configuration/policy may tighten them;
+"""Default limits per safety level (README: The sandbox). Configuration/policy may tighten them;
 a tool's own request is merged with `profile.tightest(request)` and never loosens them.
 """
 

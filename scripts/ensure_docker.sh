@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Make sure a Docker engine answers on this machine (DESIGN.md section 3).
+# Make sure a Docker engine answers on this machine (README: Two commands).
 #
 #   * engine already answers      -> report it (and whether runsc is registered), change nothing
 #   * not Debian, or not root     -> say what to install, exit 1

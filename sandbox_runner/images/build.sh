@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build the local sandbox images (DESIGN.md section 3). Nothing is ever pulled.
+# Build the local sandbox images (README: The sandbox). Nothing is ever pulled.
 #
 #   toolreg/base:latest         scratch + Debian's busybox-static + examples/tools/*.sh
 #   toolreg/python-root:latest  debootstrap'ed Debian (minbase + python3), built only when missing

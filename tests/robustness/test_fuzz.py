@@ -351,7 +351,9 @@ def test_random_tokens_are_refused(fuzz_server: Server, tokens: list[str]) -> No
     how=st.integers(0, 7),
     pos=st.integers(0, 10_000),
     extra=st.text(max_size=12),
-    n=st.integers(0, 10**6),
+    # few distinct calls: each is one pending request of this caller, and a
+    # caller may hold at most 32 (every example still gets a fresh token)
+    n=st.integers(0, 15),
 )
 def test_mutated_tokens_are_refused(
     fuzz_server: Server, how: int, pos: int, extra: str, n: int

@@ -65,8 +65,9 @@ class Deployment:
             "tool_name": request.tool_name,
             "tool_digest": request.tool_digest,
             "args_digest": request.arguments_digest,
+            "requester": request.requested_by,
             "ttl_s": 300,
-            "request_id": request.id,
+            "request_id": None,  # unbound: usable inline; test_trust_boundaries binds
         }
         fields.update(claims)
         return mint(load_private_key(self.keys[approver]), **fields)
@@ -97,7 +98,8 @@ def write_policy(
                 "roles": ["execute"],
                 "max_safety_level": "dangerous",
             },
-            {"id": "admin", "token_sha256": sha(TOKENS["admin"]), "roles": ["register"]},
+            # the operator's client: may replace the operator's tools
+            {"id": "admin", "token_sha256": sha(TOKENS["admin"]), "roles": ["register", "admin"]},
             {
                 "id": "alice",
                 "token_sha256": sha(TOKENS["alice"]),

@@ -55,7 +55,11 @@ def test_metrics_over_http(metered: Running) -> None:
     assert m['toolreg_grpc_calls_total{code="OK",method="ExecuteTool"}'] == 2
     assert m['toolreg_grpc_calls_total{code="INVALID_ARGUMENT",method="RegisterTool"}'] == 1
     assert m['toolreg_executions_total{level="safe",status="OK",tool="echo"}'] == 1
-    assert m['toolreg_executions_total{level="unknown",status="TOOL_NOT_FOUND",tool="ghost"}'] == 1
+    # only registered names become labels
+    assert (
+        m['toolreg_executions_total{level="unknown",status="TOOL_NOT_FOUND",tool="(unregistered)"}']
+        == 1
+    )
     assert m['toolreg_sandbox_seconds_count{level="safe",warm="cold"}'] == 1
     assert m['toolreg_grpc_call_seconds_count{method="ExecuteTool"}'] == 2
     assert m["toolreg_live_sandboxes"] == 0 and m["toolreg_queued_calls"] == 0

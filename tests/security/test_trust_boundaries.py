@@ -177,7 +177,9 @@ def start(tmp: Path, monkeypatch: pytest.MonkeyPatch, **env: str) -> Deployment:
     port = 0
     deadline = time.monotonic() + 10
     while not port and time.monotonic() < deadline:
-        found = [m for line in server.log if (m := re.search(r"metrics on http://[^:]+:(\d+)", line))]
+        found = [
+            m for line in server.log if (m := re.search(r"metrics on http://[^:]+:(\d+)", line))
+        ]
         port = int(found[0].group(1)) if found else 0
         time.sleep(0.05)
     return Deployment(server, data, keys, port)
@@ -264,8 +266,8 @@ def test_attack1_warm_container_runs_only_the_init(
     assert wait_for(lambda: warm_of(engine, "pooled_sleeper")), "no warm container appeared"
     (cid,) = warm_of(engine, "pooled_sleeper")[:1]
     processes = engine.api.top(cid)["Processes"]
-    commands = " ".join(p[-1] for p in processes)
-    assert "sleep" not in commands and "toolreg" in commands, processes
+    # one process, the init, holding the tool's command as its arguments
+    assert len(processes) == 1 and processes[0][-1].startswith("/.toolreg/init "), processes
     # the call starts the command (with the call's timeout, not the pool's)
     result = deployment.call("agent1", "pooled_sleeper")
     assert result.status == pb.EXECUTION_STATUS_TIMEOUT, result
@@ -369,10 +371,13 @@ def test_attack3_backtracking_pattern_cannot_stall_the_server(deployment: Deploy
 
 
 def test_rule_patterns_a_linear_engine_cannot_compile_are_refused(deployment: Deployment) -> None:
-    schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": "(a)\\1"}}}
+    tool = tool_pb("backref")
+    tool.parameters_json = json.dumps(
+        {"type": "object", "properties": {"s": {"type": "string", "pattern": "(a)\\1"}}}
+    )
     detail = fails_with(
         grpc.StatusCode.INVALID_ARGUMENT,
-        lambda: deployment.register("team_b", name="backref", parameters=schema),
+        lambda: deployment.stub("team_b").RegisterTool(pb.RegisterToolRequest(tool=tool)),
     )
     assert "parameters_json" in detail and "/properties/s/pattern" in detail
 
@@ -447,7 +452,7 @@ def test_rule_every_schema_error_is_invalid_argument(
         grpc.StatusCode.INVALID_ARGUMENT,
         lambda: deployment.stub("admin").RegisterTool(pb.RegisterToolRequest(tool=tool)),
     )
-    assert "parameters_json" in detail and words in detail.lower() or words in detail, detail
+    assert ("parameters_json" in detail and words in detail.lower()) or words in detail, detail
 
 
 # --------------------------------------------------------------------------------------
@@ -485,10 +490,15 @@ def test_attack5_printed_tokens_work_only_for_their_requester(deployment: Deploy
     # an unbound token still names its requester
     unbound = [
         mint(
-            load_private_key(deployment.keys[a]), issuer=a, audience=req.audience,
-            tool_name=req.tool_name, tool_digest=req.tool_digest,
-            args_digest=req.arguments_digest, requester="agent1", ttl_s=60,
-        )  # fmt: skip
+            load_private_key(deployment.keys[a]),
+            issuer=a,
+            audience=req.audience,
+            tool_name=req.tool_name,
+            tool_digest=req.tool_digest,
+            args_digest=req.arguments_digest,
+            requester="agent1",
+            ttl_s=60,
+        )
         for a in ("alice", "bob")
     ]
     stolen = deployment.call("agent2", "write_file", args, approval_tokens=unbound)
@@ -559,7 +569,7 @@ def test_rule_approvers_see_the_definition_and_escaped_text(deployment: Deployme
     req = deployment.call("agent1", "write_file", json.dumps(args)).approval_request
     full = deployment.stub("alice").GetApprovalRequest(pb.GetApprovalRequestRequest(id=req.id))
     assert full.tool.sandbox.image == "toolreg/python"
-    assert list(full.tool.sandbox.command)[0] == "python3"
+    assert next(iter(full.tool.sandbox.command)) == "python3"
     assert full.tool.owner == "[operator]"
     assert full.tool.safety_level == pb.SAFETY_LEVEL_DANGEROUS
     assert json.loads(full.arguments_json) == args

@@ -13,9 +13,9 @@ from registry_server.policy import (
     DEFAULT_TOKEN_TTL_S,
     Client,
     EffectiveRule,
-    Requirement,
     Policy,
     PolicyError,
+    Requirement,
     Role,
     development_policy,
     load_policy,
@@ -116,8 +116,7 @@ def test_example_policy_loads() -> None:
     rule = policy.rule_for(tool_name="write_file", categories=["files"], level=DANGEROUS)
     assert rule.approvals_required == 2
     assert rule.describe() == (
-        "2 approval(s) from security and 1 approval(s) from ops"
-        " and 1 approval(s) from any approver"
+        "2 approval(s) from security and 1 approval(s) from ops and 1 approval(s) from any approver"
     )
     assert policy.ceiling(DANGEROUS) is not None
 

@@ -12,17 +12,19 @@ import grpc
 import pytest
 
 from registry_server.admission import Admission, Cancelled
-from registry_server.auth import METHOD_ROLES, OPEN_METHODS, AuthInterceptor, Authenticator
+from registry_server.auth import METHOD_ROLES, OPEN_METHODS, Authenticator, AuthInterceptor
 from registry_server.errors import AtCapacity, PermissionDenied, Unauthenticated
 from registry_server.models import OPERATOR_OWNER, ToolDefinition, parse_definition
 from registry_server.policy import UNRESTRICTED, RegisterGrant
-from registry_server.registry import OPERATOR, Registrant, RegisterOutcome, Registry
+from registry_server.registry import OPERATOR, RegisterOutcome, Registrant, Registry
 from registry_server.terminal import escape
 
 pytestmark = pytest.mark.unit
 
 
-def tool(name: str = "t", level: str = "safe", image: str = "toolreg/base", **more: Any) -> ToolDefinition:
+def tool(
+    name: str = "t", level: str = "safe", image: str = "toolreg/base", **more: Any
+) -> ToolDefinition:
     return parse_definition(
         {
             "name": name,
@@ -124,12 +126,13 @@ def test_memory_budget() -> None:
     admission = Admission(max_running=8, max_waiting=0, memory_budget_mb=300)
     with admission.slot(memory_mb=200):
         assert admission.reserve(200) is None
-        with pytest.raises(AtCapacity):
-            with admission.slot(memory_mb=200):
-                pass
-    with pytest.raises(AtCapacity, match="larger than this server's whole"):
-        with admission.slot(memory_mb=301):
+        with pytest.raises(AtCapacity), admission.slot(memory_mb=200):
             pass
+    with (
+        pytest.raises(AtCapacity, match="larger than this server's whole"),
+        admission.slot(memory_mb=301),
+    ):
+        pass
 
 
 def test_a_waiting_call_gets_room_from_a_warm_container() -> None:
