@@ -426,15 +426,20 @@ def _request_lines(req: Any) -> list[str]:
     return [escape(line, keep_newlines=True) for line in lines]
 
 
+def _definition_matches(req: Any) -> bool:
+    """Whether the definition shown hashes to the digest a token would sign."""
+    try:
+        return bool(convert.stored_tool_from_pb(req.tool).digest == req.tool_digest)
+    except ToolregError:
+        return False
+
+
 def _tool_lines(req: Any) -> list[str]:
     """The definition the request is for, checked against the digest signed."""
     if not req.HasField("tool"):
         return ["definition not recorded with this request (made by an older server)"]
     tool = req.tool
-    try:
-        matches = convert.stored_tool_from_pb(tool).digest == req.tool_digest
-    except ToolregError:
-        matches = False
+    matches = _definition_matches(req)
     limits = tool.sandbox.limits
     asked = ", ".join(
         f"{name} {getattr(limits, name) or 'level default'}"
@@ -519,6 +524,9 @@ def approvals_approve(
             req = client.approval_request(request_id)
             if req.state in ("CONSUMED", "EXPIRED"):
                 fail(f"request {request_id} is {req.state.lower()}; nothing to approve")
+            if req.HasField("tool") and not _definition_matches(req):
+                fail(f"request {request_id}: the definition shown does not match tool_digest;"
+                     " refusing to sign")  # fmt: skip
             token = mint_for(
                 private_key, issuer=issuer, request=req, ttl_s=ttl or req.max_token_ttl_s or 900,
                 bind_request=True,

@@ -13,6 +13,7 @@ import pytest
 
 from registry_server import convert
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
+from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
 from registry_server.models import parse_definition
 from registry_server.tokens import generate_keypair, load_private_key, mint_for
 from tests.integration.conftest import Running, StartServer, start_server  # noqa: F401
@@ -136,6 +137,28 @@ def execute(running: Running, name: str, args: str = "{}", timeout: float = 60) 
             timeout=timeout,
         )
     return result
+
+
+def approvers_of(public_keys: dict[str, str]) -> list[dict[str, Any]]:
+    """The policy entries of the test approvers: alice and bob in security, carol in ops."""
+    groups = {"alice": "security", "bob": "security", "carol": "ops"}
+    return [{"id": a, "public_key": public_keys[a], "groups": [g]} for a, g in groups.items()]
+
+
+def list_over_mtls(port: int, ca_pem: bytes, cert: Any) -> grpc.StatusCode | None:
+    """The status of one ListTools as the holder of ``cert`` (tests.certs.Issued)."""
+    from registry_server.client import open_channel
+
+    channel = open_channel(
+        f"localhost:{port}", tls_ca=ca_pem, tls_cert=cert.cert_pem, tls_key=cert.key_pem
+    )
+    try:
+        pb_grpc.ToolRegistryStub(channel).ListTools(pb.ListToolsRequest(), timeout=10)
+        return grpc.StatusCode.OK
+    except grpc.RpcError as exc:
+        return rpc_code(exc)
+    finally:
+        channel.close()
 
 
 def rpc_code(exc: BaseException) -> grpc.StatusCode | None:

@@ -27,7 +27,7 @@ from registry_server.models import parse_definition
 from registry_server.tokens import generate_keypair, load_private_key, mint
 from tests.certs import CertificateAuthority
 from tests.integration.conftest import Running, StartServer
-from tests.security.conftest import rpc_code, wait_until_gone
+from tests.security.conftest import approvers_of, list_over_mtls, rpc_code, wait_until_gone
 
 pytestmark = pytest.mark.docker
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,11 +78,7 @@ def write_policy(
 ) -> None:  # type: ignore[assignment]
     policy = {
         "audience": AUDIENCE,
-        "approvers": [
-            {"id": "alice", "public_key": keys["alice"], "groups": ["security"]},
-            {"id": "bob", "public_key": keys["bob"], "groups": ["security"]},
-            {"id": "carol", "public_key": keys["carol"], "groups": ["ops"]},
-        ],
+        "approvers": approvers_of(keys),
         "approval_rules": [
             {
                 "match": {"tool": "write_file"},
@@ -519,16 +515,7 @@ def test_mtls_clients_by_certificate(start_server: StartServer, tmp_path: Path) 
     )
 
     def list_with(cert: Any) -> grpc.StatusCode | None:
-        channel = open_channel(
-            f"localhost:{running.port}", tls_ca=ca.pem, tls_cert=cert.cert_pem, tls_key=cert.key_pem
-        )
-        try:
-            pb_grpc.ToolRegistryStub(channel).ListTools(pb.ListToolsRequest(), timeout=10)
-            return grpc.StatusCode.OK
-        except grpc.RpcError as exc:
-            return rpc_code(exc)
-        finally:
-            channel.close()
+        return list_over_mtls(running.port, ca.pem, cert)
 
     assert list_with(good) == grpc.StatusCode.OK
     assert (

@@ -40,7 +40,7 @@ from registry_server.client import open_channel
 from registry_server.launcher import ServerProcess, spawn_server
 from registry_server.models import parse_definition
 from registry_server.tokens import generate_keypair, load_private_key, mint, mint_for
-from tests.security.conftest import labelled, rpc_code
+from tests.security.conftest import approvers_of, labelled, list_over_mtls, rpc_code
 
 pytestmark = pytest.mark.docker
 ROOT = Path(__file__).resolve().parents[2]
@@ -139,11 +139,7 @@ def tool_pb(
 def write_policy(path: Path, public_keys: dict[str, str]) -> None:
     policy = {
         "audience": AUDIENCE,
-        "approvers": [
-            {"id": "alice", "public_key": public_keys["alice"], "groups": ["security"]},
-            {"id": "bob", "public_key": public_keys["bob"], "groups": ["security"]},
-            {"id": "carol", "public_key": public_keys["carol"], "groups": ["ops"]},
-        ],
+        "approvers": approvers_of(public_keys),
         "approval_rules": [
             {"match": {"tool": "write_file"}, "approvals_required": 2, "groups": ["security"]},
             # a registrant can put a tool in "fast"; it must not loosen the level's rule
@@ -646,17 +642,7 @@ def test_rule_mtls_matches_the_whole_subject(tmp_path: Path, start_server: Any) 
     )  # fmt: skip
 
     def list_with(cert: Any) -> grpc.StatusCode | None:
-        channel = open_channel(
-            f"localhost:{running.port}", tls_ca=ca.pem, tls_cert=cert.cert_pem,
-            tls_key=cert.key_pem,
-        )  # fmt: skip
-        try:
-            pb_grpc.ToolRegistryStub(channel).ListTools(pb.ListToolsRequest(), timeout=10)
-            return grpc.StatusCode.OK
-        except grpc.RpcError as exc:
-            return rpc_code(exc)
-        finally:
-            channel.close()
+        return list_over_mtls(running.port, ca.pem, cert)
 
     assert list_with(ca.issue("agent-tls")) == grpc.StatusCode.OK
     forged = ca.issue("agent-tls", organization="Evil")
