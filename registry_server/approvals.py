@@ -277,6 +277,15 @@ class Approvals:
             })  # fmt: skip
         return self.get(request_id)
 
+    def get_for(self, request_id: str, reader: str, *, approver: bool) -> ApprovalRequestView:
+        """A request as ``reader`` may see it: approvers see every request; any
+        other client only its own (another's arguments are none of its business,
+        and NOT_FOUND does not even confirm the id)."""
+        request = self.get(request_id)
+        if not approver and request.requested_by != reader:
+            raise NotFound(f"approval request '{request_id}' not found")
+        return request
+
     def get(self, request_id: str) -> ApprovalRequestView:
         if not request_id:
             raise InvalidArgument("id: must not be empty")

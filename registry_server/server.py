@@ -99,7 +99,7 @@ def build_app(config: ServerConfig) -> App:
         runner,
         admission=Admission(config.max_sandboxes, config.max_queued, config.sandbox_memory_mb),
         policy=SandboxPolicy(
-            ceilings={level: _ceiling(policy, level) for level in SafetyLevel},
+            ceilings=_ceilings(config, policy),
             require_gvisor=require_gvisor,
             workspace_dir=_prepare_workspace(config.workspace),
             workspace_tools=frozenset(config.workspace_tools),
@@ -229,6 +229,19 @@ def _ceiling(policy: Policy, level: SafetyLevel) -> Limits:
     """The built-in profile of a level, with the policy's fields replacing its own."""
     override = policy.ceiling(level) or {}
     return profile_for(level.value).replace(**override)
+
+
+def _ceilings(config: ServerConfig, policy: Policy) -> dict[SafetyLevel, Limits]:
+    """Every level's ceiling; one that no call could ever fit in the sandbox
+    memory budget is a configuration mistake, refused at start."""
+    ceilings = {level: _ceiling(policy, level) for level in SafetyLevel}
+    for level, limits in ceilings.items():
+        if limits.memory_mb > config.sandbox_memory_mb:
+            raise ConfigError(
+                f"{level.value} sandboxes may use {limits.memory_mb} MiB, more than the whole"
+                f" sandbox memory budget TOOLREG_SANDBOX_MEMORY_MB={config.sandbox_memory_mb}"
+            )
+    return ceilings
 
 
 def _start_sandboxes(config: ServerConfig, runner: DockerRunner, require_gvisor: bool) -> None:

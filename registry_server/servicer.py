@@ -18,6 +18,7 @@ from registry_server.errors import InvalidArgument, Unimplemented, Violation
 from registry_server.execution import CallRequest, Executor
 from registry_server.grpc_errors import maps_errors
 from registry_server.models import NAME_PATTERN, valid_tool_name
+from registry_server.policy import Role
 from registry_server.registry import Registrant, Registry
 from registry_server.views import RegistryViews
 
@@ -189,7 +190,10 @@ class ToolRegistryServicer(pb_grpc.ToolRegistryServicer):
     def GetApprovalRequest(
         self, request: pb.GetApprovalRequestRequest, context: grpc.ServicerContext
     ) -> pb.ApprovalRequest:
-        found = self._approval_service().get(_required(request.id, "id"))
+        caller = current_principal()
+        found = self._approval_service().get_for(
+            _required(request.id, "id"), caller.id, approver=Role.APPROVE in caller.roles
+        )
         return convert.approval_request_to_pb(found)
 
     @maps_errors

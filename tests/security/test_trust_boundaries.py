@@ -469,6 +469,17 @@ def test_attack5_approvals_belong_to_their_requester(deployment: Deployment) -> 
     stolen = deployment.call("agent2", "write_file", args, approval_request_id=request_id)
     assert stolen.status == pb.EXECUTION_STATUS_APPROVAL_DENIED
     assert "another client" in stolen.error
+    # nor may agent2 read agent1's request (its arguments); approvers may
+    fails_with(
+        grpc.StatusCode.NOT_FOUND,
+        lambda: deployment.stub("agent2").GetApprovalRequest(
+            pb.GetApprovalRequestRequest(id=request_id)
+        ),
+    )
+    own_view = deployment.stub("agent1").GetApprovalRequest(
+        pb.GetApprovalRequestRequest(id=request_id)
+    )
+    assert own_view.state == "APPROVED"
     own = deployment.call("agent1", "write_file", args, approval_request_id=request_id)
     assert own.success, own.error
 

@@ -241,3 +241,15 @@ def test_escape(text: str, shown: str) -> None:
 def test_escape_keeps_newlines_when_asked() -> None:
     assert escape("a\nb") == "a\\u000ab"
     assert escape("a\nb\r", keep_newlines=True) == "a\nb\\u000d"
+
+
+def test_a_ceiling_larger_than_the_memory_budget_stops_the_server(tmp_path: Any) -> None:
+    from registry_server.config import ServerConfig
+    from registry_server.errors import ConfigError
+    from registry_server.policy import development_policy
+    from registry_server.server import _ceilings
+
+    policy = development_policy(audience="x", approvers={})
+    with pytest.raises(ConfigError, match="TOOLREG_SANDBOX_MEMORY_MB=200"):
+        _ceilings(ServerConfig(data_dir=tmp_path, sandbox_memory_mb=200), policy)
+    assert _ceilings(ServerConfig(data_dir=tmp_path), policy)
