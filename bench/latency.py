@@ -30,7 +30,8 @@ from bench.common import (
     summary,
 )
 from sandbox_runner import SAFE_LIMITS, SandboxSpec
-from sandbox_runner.docker_backend import INIT_BINARY, DockerRunner
+from sandbox_runner.docker_backend import DockerRunner
+from sandbox_runner.spec import INIT_BINARY
 
 WARM_POOL = 4  # warm_pool registered for the warm rows
 LLM_POOL = 4  # llm-sandbox pool size, the same

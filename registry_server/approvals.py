@@ -20,6 +20,7 @@ import dataclasses
 import sqlite3
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -181,9 +182,9 @@ class Approvals:
             f" approval_request_id={request.id}",
         )
 
-    def _missing(self, rule: EffectiveRule, approvals: Any) -> int:
-        """Distinct approvers still needed, given approver ids (at least)."""
-        known = [a for a in (self.policy.approver(str(i)) for i in approvals) if a is not None]
+    def _missing(self, rule: EffectiveRule, approver_ids: Iterable[str]) -> int:
+        """Distinct approvers still needed (at least), given these approvers' ids."""
+        known = [a for a in map(self.policy.approver, approver_ids) if a is not None]
         return rule.missing(known)
 
     def spend(self, approved: Approved, execution_id: str, audit_record: dict[str, Any]) -> None:

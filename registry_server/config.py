@@ -11,6 +11,8 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from sandbox_runner.spec import INIT_BINARY
+
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 50051
 DEFAULT_DATA_DIR = Path.home() / ".local" / "state" / "toolreg"
@@ -22,10 +24,6 @@ DEFAULT_SANDBOX_MEMORY_MB = 4096  # MiB: the memory limits of all sandboxes, run
 # Bytes of one request message: 1 MiB of arguments plus approval tokens and
 # framing fit; a bigger message is refused by gRPC before it is parsed.
 MAX_MESSAGE_BYTES = 2 * 1024 * 1024
-# The sandbox init (see sandbox_runner/init): built by `make init` next to its source.
-DEFAULT_INIT_PATH = (
-    Path(__file__).resolve().parent.parent / "sandbox_runner" / "init" / "toolreg-init"
-)
 
 
 class ServerConfig(BaseSettings):
@@ -40,7 +38,7 @@ class ServerConfig(BaseSettings):
     max_queued: int = Field(DEFAULT_MAX_QUEUED, ge=0, le=4096)
     # MiB: running and warm sandboxes' memory limits add up to at most this.
     sandbox_memory_mb: int = Field(DEFAULT_SANDBOX_MEMORY_MB, ge=64, le=1024 * 1024)
-    init_path: Path = DEFAULT_INIT_PATH
+    init_path: Path = INIT_BINARY  # the sandbox init, as `make init` builds it
     docker_url: str | None = None  # default: DOCKER_HOST or the local socket
     # Dangerous tools run under gVisor (runsc). Without it: refuse them (True)
     # or run them under runc with a warning at start-up (False). Unset: True

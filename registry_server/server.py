@@ -74,14 +74,17 @@ def build_app(config: ServerConfig) -> App:
     _check_exposure(config)
     policy, dev_mode = _load_policy(config)
     require_gvisor = config.require_gvisor if config.require_gvisor is not None else not dev_mode
-    runner = DockerRunner(
-        instance_id=f"toolreg-{uuid.uuid4().hex[:12]}",
-        base_url=config.docker_url,
-        # one engine connection per running sandbox, plus reaping and pings
-        max_pool_size=config.max_sandboxes + 4,
-        remove_in_background=True,  # answer first; the container goes right after
-        init_path=_init_path(config),
-    )
+    try:
+        runner = DockerRunner(
+            instance_id=f"toolreg-{uuid.uuid4().hex[:12]}",
+            base_url=config.docker_url,
+            # one engine connection per running sandbox, plus reaping and pings
+            max_pool_size=config.max_sandboxes + 4,
+            remove_in_background=True,  # answer first; the container goes right after
+            init_path=config.init_path,
+        )
+    except ValueError as exc:  # the sandbox init is missing or unusable
+        raise ConfigError(f"{exc} (or set TOOLREG_INIT_PATH)") from None
     store = Store(config.data_dir)
     try:
         _check_audit_chain(config, store)
@@ -128,15 +131,6 @@ def build_app(config: ServerConfig) -> App:
         app.closers.insert(0, pools.close)  # before the runner's engine connection goes
     app.metrics.watch(executor.admission, app.pools.stats if app.pools else None)
     return app
-
-
-def _init_path(config: ServerConfig) -> Path:
-    if not config.init_path.is_file():
-        raise ConfigError(
-            f"the sandbox init {config.init_path} is missing: build it with `make init`"
-            " (or set TOOLREG_INIT_PATH)"
-        )
-    return config.init_path
 
 
 def _image_check(runner: DockerRunner) -> ImageCheck:

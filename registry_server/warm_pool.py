@@ -62,7 +62,8 @@ class _Pool:
     spec: SandboxSpec  # what every container of this pool was made from (input empty)
     size: int
     ready: collections.deque[WarmSandbox] = field(default_factory=collections.deque)
-    failing_until: float = 0.0  # monotonic time before which refills are not tried
+    refill_after: float = 0.0  # monotonic time before which refills are not tried
+    engine_failing: bool = False  # the last refill failed in the engine (not for room)
 
 
 @dataclass
@@ -153,7 +154,7 @@ class WarmPools:
                 stale.append(candidate)
             if found is None:
                 self._stats.misses += 1
-                if time.monotonic() < pool.failing_until:
+                if pool.engine_failing:
                     log.info("warm pool of %s cannot refill; running cold", tool.name)
             else:
                 self._stats.hits += 1
@@ -171,7 +172,7 @@ class WarmPools:
             oldest = min(pools, key=lambda p: p.ready[0].prepared.created)
             victim = oldest.ready.popleft()
             # Not refilled until the sandbox budget has room with no call waiting.
-            oldest.failing_until = time.monotonic() + NO_ROOM_RETRY_S
+            oldest.refill_after = time.monotonic() + NO_ROOM_RETRY_S
         self._discard_all([victim])
         return True
 
@@ -216,9 +217,7 @@ class WarmPools:
         total = sum(len(p.ready) for p in self._pools.values())
         if total >= self._max_total:
             return None
-        needy = [
-            p for p in self._pools.values() if len(p.ready) < p.size and now >= p.failing_until
-        ]
+        needy = [p for p in self._pools.values() if len(p.ready) < p.size and now >= p.refill_after]
         return min(needy, key=lambda p: len(p.ready) / p.size, default=None)
 
     def _work(self) -> None:
@@ -247,7 +246,7 @@ class WarmPools:
         reservation = self._admission.reserve(pool.spec.limits.memory_mb)
         if reservation is None:
             with self._cond:  # calls come first; try again shortly
-                pool.failing_until = time.monotonic() + NO_ROOM_RETRY_S
+                pool.refill_after = time.monotonic() + NO_ROOM_RETRY_S
             return
         try:
             prepared = self._runner.prepare(
@@ -260,13 +259,14 @@ class WarmPools:
             )
             with self._cond:
                 self._stats.refill_failures += 1
-                pool.failing_until = time.monotonic() + REFILL_BACKOFF_S
+                pool.refill_after = time.monotonic() + REFILL_BACKOFF_S
+                pool.engine_failing = True
             return
         warm = WarmSandbox(prepared, reservation)
         with self._cond:
             current = self._pools.get(pool.tool.name)
             if current is pool and not self._closed:
                 pool.ready.append(warm)
-                pool.failing_until = 0.0
+                pool.refill_after, pool.engine_failing = 0.0, False
                 return
         self._discard_all([warm])  # the tool was replaced or the server is closing meanwhile

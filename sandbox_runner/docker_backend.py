@@ -48,7 +48,7 @@ from .ownership import (
     orphan_reason,
 )
 from .runner import OutputSink
-from .spec import EngineUnavailable, SandboxError, SandboxResult, SandboxSpec
+from .spec import INIT_BINARY, EngineUnavailable, SandboxError, SandboxResult, SandboxSpec
 
 __all__ = [
     "GO_BYTE",
@@ -73,7 +73,6 @@ NO_PIDS_LIMIT_RUNTIMES: Final = frozenset({"runsc"})
 
 # The init (init/toolreg_init.c). Docker creates the mountpoint in the container's own
 # layer, so this works on a read-only root, in a FROM scratch image, under runc and runsc.
-INIT_BINARY: Final = Path(__file__).resolve().parent / "init" / "toolreg-init"  # make init
 INIT_TARGET: Final = "/.toolreg/init"  # in-container path of the init (read-only bind)
 INIT_PROTOCOL: Final = 1  # version of the init's stdin protocol, below
 GO_BYTE: Final = b"G"  # protocol v1: the first stdin byte; it lets the init exec the tool

@@ -10,8 +10,11 @@ import dataclasses
 import posixpath
 import re
 from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Final
 
 __all__ = [
+    "INIT_BINARY",
     "EngineUnavailable",
     "Limits",
     "Mount",
@@ -19,6 +22,10 @@ __all__ = [
     "SandboxResult",
     "SandboxSpec",
 ]
+
+# Where `make init` builds the sandbox init (init/toolreg_init.c); runners mount it into
+# every container. Here, not in docker_backend, so configuration can name it cheaply.
+INIT_BINARY: Final = Path(__file__).resolve().parent / "init" / "toolreg-init"
 
 # Docker's own rule for environment variable names is looser; this is the POSIX portable
 # set, which keeps `KEY=VALUE` unambiguous for every shell a tool might use.

@@ -17,7 +17,8 @@ import docker.errors
 import pytest
 
 from sandbox_runner import SAFE_LIMITS, Limits, Mount, SandboxSpec
-from sandbox_runner.docker_backend import INIT_BINARY, DockerRunner
+from sandbox_runner.docker_backend import DockerRunner
+from sandbox_runner.spec import INIT_BINARY
 
 RUN_LABEL = "io.toolreg.test-run"
 # The sandbox image the suite runs against; TOOLREG_TEST_IMAGE overrides it (any image

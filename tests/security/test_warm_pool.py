@@ -116,6 +116,8 @@ def test_400_calls_never_share_a_container(pooled: Running, engine: docker.Docke
     register(pooled, shell_tool("pooled_echo", "cat", 4))
     wait_warm(pooled, "pooled_echo", 4)
     for i in range(200):
+        # Paced by the refill (a race on two cores otherwise): every one warm.
+        wait_warm(pooled, "pooled_echo", 1)
         result = execute(pooled, "pooled_echo", json.dumps({"i": i}))
         assert result.success and json.loads(result.content) == {"i": i}
     errors: list[BaseException] = []
@@ -138,7 +140,7 @@ def test_400_calls_never_share_a_container(pooled: Running, engine: docker.Docke
     assert len(calls) == 400
     ids = [r["container_id"] for r in calls]
     assert len(set(ids)) == 400 and all(ids)  # one container per call, never reused
-    assert sum(r["warm"] for r in calls) > 100  # most sequential calls were warm
+    assert all(r["warm"] for r in calls[:200])  # every sequential call was warm
     # Between calls only the pool's own containers exist: none of a finished call.
     live = set(containers_of(engine, pooled))
     assert live.isdisjoint(ids)
