@@ -20,12 +20,13 @@ from typing import Any
 import docker
 import grpc
 
-from registry_server import convert
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
-from registry_server.launcher import ServerProcess, spawn_server
-from registry_server.models import parse_definition
-from registry_server.tokens import generate_keypair, load_private_key, mint_for
+from registry_server.client.launcher import ServerProcess, spawn_server
+from registry_server.domain.models import parse_definition
+from registry_server.signing.keys import generate_keypair, load_private_key
+from registry_server.signing.tokens import mint_for
+from registry_server.wire import convert
 from sandbox_runner.ownership import LABEL_OWNER_PID
 
 IMAGE = "toolreg/base"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from registry_server.models import ToolDefinition, parse_definition
+from registry_server.domain.models import ToolDefinition, parse_definition
 
 
 def manifest(**overrides: Any) -> dict[str, Any]:

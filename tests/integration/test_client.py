@@ -16,7 +16,8 @@ import grpc
 import pytest
 
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
-from registry_server.client import (
+from registry_server.client.launcher import ServerProcess, spawn_server
+from registry_server.client.registry_client import (
     ApprovalRequestView,
     ApprovalWaitError,
     CallResult,
@@ -25,10 +26,10 @@ from registry_server.client import (
     StreamEvent,
     describe_rpc_error,
 )
-from registry_server.launcher import ServerProcess, spawn_server
-from registry_server.models import SafetyLevel, ToolDefinition
-from registry_server.schemas import SchemaFormat
-from registry_server.tokens import generate_keypair, load_private_key, mint_for
+from registry_server.domain.models import SafetyLevel, ToolDefinition
+from registry_server.domain.schemas import SchemaFormat
+from registry_server.signing.keys import generate_keypair, load_private_key
+from registry_server.signing.tokens import mint_for
 from tests.factories import tool
 
 pytestmark = pytest.mark.docker

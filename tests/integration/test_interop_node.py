@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from registry_server.launcher import spawn_server
-from registry_server.tokens import generate_keypair
+from registry_server.client.launcher import spawn_server
+from registry_server.signing.keys import generate_keypair
 
 pytestmark = pytest.mark.docker
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""The MCP bridge as MCP hosts run it: `python -m registry_server.mcp_bridge`
+"""The MCP bridge as MCP hosts run it: `python -m registry_server.client.mcp_bridge`
 over stdio, driven by the official SDK's own client, in front of a real
 `toolreg serve` process that runs the calls in real containers."""
 
@@ -17,7 +17,7 @@ import pytest
 from mcp import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
 
-from registry_server.launcher import ServerProcess, spawn_server
+from registry_server.client.launcher import ServerProcess, spawn_server
 
 pytestmark = [pytest.mark.integration, pytest.mark.docker]
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,7 +41,7 @@ def with_session(address: str, body: Callable[[ClientSession], Awaitable[T]], *e
     """Start the bridge over stdio, initialize a session, run `body` in it."""
     params = StdioServerParameters(
         command=sys.executable,
-        args=["-m", "registry_server.mcp_bridge", "--address", address, *extra],
+        args=["-m", "registry_server.client.mcp_bridge", "--address", address, *extra],
         cwd=str(ROOT),
     )
 

@@ -11,8 +11,8 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from registry_server import convert
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
+from registry_server.wire import convert
 from tests.factories import tool
 from tests.integration.conftest import Running, StartServer
 
@@ -222,7 +222,7 @@ def test_concurrent_registration_from_many_threads(server: Running) -> None:
 def test_failed_store_write_changes_nothing(start_server: StartServer, tmp_path: Path) -> None:
     import sqlite3
 
-    from registry_server.store import Store
+    from registry_server.store.sqlite import Store
 
     data = tmp_path / "locked"
     r = start_server(data_dir=data)

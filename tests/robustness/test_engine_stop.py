@@ -25,9 +25,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from registry_server import convert
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
-from registry_server.models import parse_definition
+from registry_server.domain.models import parse_definition
+from registry_server.wire import convert
 from tests.integration.conftest import Running, StartServer, start_server  # noqa: F401
 from tests.security.conftest import containers_of, engine, wait_until_gone  # noqa: F401
 

@@ -16,13 +16,13 @@ from grpc_status import rpc_status
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from registry_server import convert
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
-from registry_server.config import ServerConfig
-from registry_server.models import parse_definition
-from registry_server.server import App, create_server
-from registry_server.tokens import generate_keypair
+from registry_server.api.config import ServerConfig
+from registry_server.api.server import App, create_server
+from registry_server.domain.models import parse_definition
+from registry_server.signing.keys import generate_keypair
+from registry_server.wire import convert
 from tests.security.conftest import sign_request
 
 pytestmark = pytest.mark.integration

@@ -15,11 +15,11 @@ import docker
 import grpc
 import pytest
 
-from registry_server import convert
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
-from registry_server.launcher import spawn_server
-from registry_server.models import parse_definition
+from registry_server.client.launcher import spawn_server
+from registry_server.domain.models import parse_definition
+from registry_server.wire import convert
 from tests.security.conftest import engine, labelled  # noqa: F401
 
 pytestmark = [pytest.mark.docker, pytest.mark.load]

@@ -12,9 +12,9 @@ import docker
 import grpc
 import pytest
 
-from registry_server import convert
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
-from registry_server.models import parse_definition
+from registry_server.domain.models import parse_definition
+from registry_server.wire import convert
 from tests.integration.conftest import StartServer, start_server  # noqa: F401
 from tests.security.conftest import engine, wait_until_gone  # noqa: F401
 

@@ -11,11 +11,12 @@ import docker
 import grpc
 import pytest
 
-from registry_server import convert
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
-from registry_server.models import parse_definition
-from registry_server.tokens import generate_keypair, load_private_key, mint_for
+from registry_server.domain.models import parse_definition
+from registry_server.signing.keys import generate_keypair, load_private_key
+from registry_server.signing.tokens import mint_for
+from registry_server.wire import convert
 from tests.integration.conftest import Running, StartServer, start_server  # noqa: F401
 
 pytestmark = pytest.mark.docker
@@ -147,7 +148,7 @@ def approvers_of(public_keys: dict[str, str]) -> list[dict[str, Any]]:
 
 def list_over_mtls(port: int, ca_pem: bytes, cert: Any) -> grpc.StatusCode | None:
     """The status of one ListTools as the holder of ``cert`` (tests.certs.Issued)."""
-    from registry_server.client import open_channel
+    from registry_server.client.registry_client import open_channel
 
     channel = open_channel(
         f"localhost:{port}", tls_ca=ca_pem, tls_cert=cert.cert_pem, tls_key=cert.key_pem

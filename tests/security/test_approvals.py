@@ -19,12 +19,13 @@ import grpc
 import pytest
 import yaml
 
-from registry_server import convert
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
-from registry_server.client import open_channel
-from registry_server.models import parse_definition
-from registry_server.tokens import generate_keypair, load_private_key, mint
+from registry_server.client.registry_client import open_channel
+from registry_server.domain.models import parse_definition
+from registry_server.signing.keys import generate_keypair, load_private_key
+from registry_server.signing.tokens import mint
+from registry_server.wire import convert
 from tests.certs import CertificateAuthority
 from tests.integration.conftest import Running, StartServer
 from tests.security.conftest import approvers_of, list_over_mtls, rpc_code, wait_until_gone
@@ -350,7 +351,7 @@ def _audit_rows(d: Deployment) -> list[tuple[Any, ...]]:
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "registry_server.cli", *args],
+        [sys.executable, "-m", "registry_server.client.cli", *args],
         capture_output=True,
         text=True,
         timeout=60,
@@ -450,7 +451,7 @@ def test_cli_approves_with_a_key_that_never_leaves_it(
             [
                 sys.executable,
                 "-m",
-                "registry_server.cli",
+                "registry_server.client.cli",
                 "--token",
                 TOKENS[who],
                 "approvals",
@@ -470,7 +471,7 @@ def test_cli_approves_with_a_key_that_never_leaves_it(
         [
             sys.executable,
             "-m",
-            "registry_server.cli",
+            "registry_server.client.cli",
             "--token",
             TOKENS["alice"],
             "approvals",

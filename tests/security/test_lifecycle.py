@@ -14,11 +14,11 @@ import docker
 import grpc
 import pytest
 
-from registry_server import convert
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
-from registry_server.launcher import spawn_server
-from registry_server.models import parse_definition
+from registry_server.client.launcher import spawn_server
+from registry_server.domain.models import parse_definition
+from registry_server.wire import convert
 from tests.integration.conftest import Running, StartServer
 from tests.security.conftest import Register, execute, labelled, rpc_code, wait_until_gone
 
@@ -176,7 +176,7 @@ def test_two_servers_never_remove_each_others_live_containers(
             assert _owned_by(engine, first.pid), "first server's call never started"
             second, _ = _spawn_server(tmp_path / "b")  # reaps at start
             reaper = subprocess.run(
-                [sys.executable, "-m", "registry_server.cli", "reap"],
+                [sys.executable, "-m", "registry_server.client.cli", "reap"],
                 capture_output=True,
                 text=True,
                 cwd=ROOT,

@@ -11,7 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
-from registry_server.launcher import spawn_server
+from registry_server.client.launcher import spawn_server
 from tests.integration.conftest import Running, StartServer
 from tests.security.conftest import execute
 
@@ -35,8 +35,8 @@ def metered(start_server: StartServer, tmp_path: Path) -> Running:
 
 
 def test_metrics_over_http(metered: Running) -> None:
-    from registry_server import convert
-    from registry_server.models import parse_definition
+    from registry_server.domain.models import parse_definition
+    from registry_server.wire import convert
 
     tool = parse_definition(
         {

@@ -33,13 +33,14 @@ import grpc
 import pytest
 import yaml
 
-from registry_server import convert
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
-from registry_server.client import open_channel
-from registry_server.launcher import ServerProcess, spawn_server
-from registry_server.models import parse_definition
-from registry_server.tokens import generate_keypair, load_private_key, mint, mint_for
+from registry_server.client.launcher import ServerProcess, spawn_server
+from registry_server.client.registry_client import open_channel
+from registry_server.domain.models import parse_definition
+from registry_server.signing.keys import generate_keypair, load_private_key
+from registry_server.signing.tokens import mint, mint_for
+from registry_server.wire import convert
 from tests.security.conftest import approvers_of, labelled, list_over_mtls, rpc_code
 
 pytestmark = pytest.mark.docker
@@ -585,7 +586,7 @@ def test_rule_approvers_see_the_definition_and_escaped_text(deployment: Deployme
     assert full.tool.safety_level == pb.SAFETY_LEVEL_DANGEROUS
     assert json.loads(full.arguments_json) == args
     shown = subprocess.run(
-        [sys.executable, "-m", "registry_server.cli", "--token", token_of("alice"),
+        [sys.executable, "-m", "registry_server.client.cli", "--token", token_of("alice"),
          "approvals", "show", req.id, "--address", deployment.server.address],
         capture_output=True, text=True, timeout=60, cwd=ROOT,
     )  # fmt: skip
@@ -670,8 +671,8 @@ def test_rule_a_method_missing_from_the_role_table_is_refused(tmp_path: Path) ->
     policy makes gVisor required by default."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from registry_server.config import ServerConfig
-    from registry_server.server import create_server
+    from registry_server.api.config import ServerConfig
+    from registry_server.api.server import create_server
 
     config = ServerConfig(port=0, data_dir=tmp_path / "d", policy_file=_client_policy(tmp_path))
     server, port, app = create_server(config)

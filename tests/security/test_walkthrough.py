@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from registry_server.config import ServerConfig
-from registry_server.errors import ConfigError
-from registry_server.launcher import spawn_server
-from registry_server.server import build_app
+from registry_server.api.config import ServerConfig
+from registry_server.api.server import build_app
+from registry_server.client.launcher import spawn_server
+from registry_server.domain.errors import ConfigError
 
 pytestmark = pytest.mark.docker
 ROOT = Path(__file__).resolve().parents[2]

@@ -15,10 +15,10 @@ import docker
 import pytest
 import yaml
 
-from registry_server import convert
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
-from registry_server.models import parse_definition
-from registry_server.tokens import generate_keypair
+from registry_server.domain.models import parse_definition
+from registry_server.signing.keys import generate_keypair
+from registry_server.wire import convert
 from tests.integration.conftest import Running, StartServer
 from tests.security import conftest as sec
 from tests.security.conftest import containers_of, execute, wait_until_gone

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from registry_server import convert
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
-from registry_server.mcp_bridge import result_to_mcp
+from registry_server.client.mcp_bridge import result_to_mcp
+from registry_server.wire import convert
 
 pytestmark = pytest.mark.unit
 

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from registry_server import strict_json
-from registry_server.errors import InvalidArgument, InvalidDefinition
-from registry_server.manifests import load_manifest, load_manifests
+from registry_server.domain import strict_json
+from registry_server.domain.errors import InvalidArgument, InvalidDefinition
+from registry_server.domain.manifests import load_manifest, load_manifests
 from tests.factories import manifest
 
 pytestmark = pytest.mark.unit

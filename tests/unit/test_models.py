@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from registry_server.errors import InvalidDefinition
-from registry_server.models import SafetyLevel, parse_definition
+from registry_server.domain.errors import InvalidDefinition
+from registry_server.domain.models import SafetyLevel, parse_definition
 from tests.factories import manifest, tool
 
 pytestmark = pytest.mark.unit

@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from registry_server.health_monitor import HealthMonitor
-from registry_server.logs import JsonFormatter, TextFormatter
+from registry_server.api.health_monitor import HealthMonitor
+from registry_server.api.logs import JsonFormatter, TextFormatter
 
 pytestmark = pytest.mark.unit
 

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from registry_server.models import SafetyLevel
-from registry_server.policy import (
+from registry_server.domain.models import SafetyLevel
+from registry_server.policy.loader import load_policy
+from registry_server.policy.model import (
     DEFAULT_TOKEN_TTL_S,
     Client,
     EffectiveRule,
@@ -18,9 +19,8 @@ from registry_server.policy import (
     Requirement,
     Role,
     development_policy,
-    load_policy,
 )
-from registry_server.tokens import generate_keypair, public_key_from_text
+from registry_server.signing.keys import generate_keypair, public_key_from_text
 
 pytestmark = pytest.mark.unit
 

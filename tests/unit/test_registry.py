@@ -6,9 +6,9 @@ import threading
 
 import pytest
 
-from registry_server.errors import AlreadyExists, NotFound
-from registry_server.models import SafetyLevel
-from registry_server.registry import RegisterOutcome, Registry
+from registry_server.catalog.registry import RegisterOutcome, Registry
+from registry_server.domain.errors import AlreadyExists, NotFound
+from registry_server.domain.models import SafetyLevel
 from tests.factories import tool
 
 pytestmark = pytest.mark.unit

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 from jsonschema import Draft202012Validator
 
-from registry_server import schema_keywords, schema_safety, strict_json
-from registry_server.arguments import ParsedArguments, parse_arguments
-from registry_server.errors import InvalidArgument, InvalidDefinition
-from registry_server.models import ToolDefinition, parse_definition
+from registry_server.domain import schema_keywords, schema_safety, strict_json
+from registry_server.domain.arguments import ParsedArguments, parse_arguments
+from registry_server.domain.errors import InvalidArgument, InvalidDefinition
+from registry_server.domain.models import ToolDefinition, parse_definition
 from tests.factories import manifest, tool
 
 pytestmark = pytest.mark.unit
@@ -416,8 +416,8 @@ def test_lone_surrogates_in_arguments_are_rejected(text: str) -> None:
     ],
 )
 def test_proto_schema_problems_name_parameters_json(parameters_json: str, words: str) -> None:
-    from registry_server import convert
     from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
+    from registry_server.wire import convert
 
     msg = pb.Tool(
         name="echo",

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from registry_server.schemas import SchemaFormat, export, export_json, tool_belt
+from registry_server.domain.schemas import SchemaFormat, export, export_json, tool_belt
 from tests.factories import tool
 
 pytestmark = pytest.mark.unit

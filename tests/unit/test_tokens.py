@@ -16,19 +16,21 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed448 import Ed448PrivateKey
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from registry_server.tokens import (
+from registry_server.signing.keys import (
+    generate_keypair,
+    load_private_key,
+    public_key_from_text,
+    public_key_text,
+)
+from registry_server.signing.tokens import (
     ALGORITHM,
     MIN_JTI_BITS,
     TOKEN_TYPE,
     TokenRejected,
     VerifiedApproval,
-    generate_keypair,
-    load_private_key,
     mint,
     mint_for,
     peek_issuer,
-    public_key_from_text,
-    public_key_text,
     verify,
 )
 

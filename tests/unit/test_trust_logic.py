@@ -11,13 +11,13 @@ from typing import Any
 import grpc
 import pytest
 
-from registry_server.admission import Admission, Cancelled
-from registry_server.auth import METHOD_ROLES, OPEN_METHODS, Authenticator, AuthInterceptor
-from registry_server.errors import AtCapacity, PermissionDenied, Unauthenticated
-from registry_server.models import OPERATOR_OWNER, ToolDefinition, parse_definition
-from registry_server.policy import UNRESTRICTED, RegisterGrant
-from registry_server.registry import OPERATOR, RegisterOutcome, Registrant, Registry
-from registry_server.terminal import escape
+from registry_server.api.auth import METHOD_ROLES, OPEN_METHODS, Authenticator, AuthInterceptor
+from registry_server.catalog.registry import OPERATOR, RegisterOutcome, Registrant, Registry
+from registry_server.client.terminal import escape
+from registry_server.domain.errors import AtCapacity, PermissionDenied, Unauthenticated
+from registry_server.domain.models import OPERATOR_OWNER, ToolDefinition, parse_definition
+from registry_server.execution.admission import Admission, Cancelled
+from registry_server.policy.model import UNRESTRICTED, RegisterGrant
 
 pytestmark = pytest.mark.unit
 
@@ -212,7 +212,7 @@ def test_a_method_missing_from_the_role_table_is_refused() -> None:
 
 
 def test_no_caller_outside_an_rpc() -> None:
-    from registry_server.auth import current_principal
+    from registry_server.api.auth import current_principal
 
     with pytest.raises(Unauthenticated):
         current_principal()
@@ -244,10 +244,10 @@ def test_escape_keeps_newlines_when_asked() -> None:
 
 
 def test_a_ceiling_larger_than_the_memory_budget_stops_the_server(tmp_path: Any) -> None:
-    from registry_server.config import ServerConfig
-    from registry_server.errors import ConfigError
-    from registry_server.policy import development_policy
-    from registry_server.server import _ceilings
+    from registry_server.api.config import ServerConfig
+    from registry_server.api.server import _ceilings
+    from registry_server.domain.errors import ConfigError
+    from registry_server.policy.model import development_policy
 
     policy = development_policy(audience="x", approvers={})
     with pytest.raises(ConfigError, match="TOOLREG_SANDBOX_MEMORY_MB=200"):

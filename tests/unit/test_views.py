@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from registry_server.registry import Registry
-from registry_server.views import MAX_CACHED_ANSWERS, RegistryViews
+from registry_server.catalog.registry import Registry
+from registry_server.catalog.views import MAX_CACHED_ANSWERS, RegistryViews
 from tests.factories import tool
 
 pytestmark = pytest.mark.unit

@@ -1,0 +1,194 @@
+"""Who is calling, and may they? One interceptor for every RPC.
+
+With a policy, a caller is a client of the policy, known by a bearer token
+(`authorization: Bearer ...`, compared by sha256) or by the subject of a
+verified mTLS client certificate. Unknown or missing credentials get
+UNAUTHENTICATED; a missing role gets PERMISSION_DENIED. Without a policy
+(development mode, loopback only) every caller is the anonymous developer.
+Health and reflection stay open: they reveal nothing a port scan would not.
+Everything fails closed: a method in neither table is refused, and domain code
+asking who calls outside an admitted RPC gets UNAUTHENTICATED, never the
+developer.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from registry_server.api.handlers import refuse, rewrap
+from registry_server.domain.errors import Unauthenticated
+from registry_server.domain.models import SafetyLevel
+from registry_server.policy.model import UNRESTRICTED, Policy, RegisterGrant, Role
+
+SERVICE = "/toolregistry.v1.ToolRegistry/"
+ANY_CLIENT: frozenset[Role] = frozenset()  # authenticated, no particular role
+# The roles that open each method (any one of them suffices).
+METHOD_ROLES: dict[str, frozenset[Role]] = {
+    SERVICE + "RegisterTool": frozenset({Role.REGISTER}),
+    SERVICE + "GetTool": ANY_CLIENT,
+    SERVICE + "ListTools": ANY_CLIENT,
+    SERVICE + "GetToolSchemas": ANY_CLIENT,
+    SERVICE + "ExecuteTool": frozenset({Role.EXECUTE}),
+    SERVICE + "StreamExecuteTool": frozenset({Role.EXECUTE}),
+    SERVICE + "ListApprovalRequests": frozenset({Role.APPROVE}),
+    # callers poll their own request while they wait for approvers
+    SERVICE + "GetApprovalRequest": frozenset({Role.APPROVE, Role.EXECUTE}),
+    SERVICE + "SubmitApproval": frozenset({Role.APPROVE}),
+}
+# Open to anyone who can connect: they reveal nothing a port scan would not.
+OPEN_METHODS = frozenset(
+    {
+        "/grpc.health.v1.Health/Check",
+        "/grpc.health.v1.Health/Watch",
+        "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+        "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+    }
+)
+DEVELOPER_ID = "developer"
+
+
+@dataclass(frozen=True)
+class Principal:
+    id: str
+    roles: frozenset[Role]
+    max_level: SafetyLevel | None  # for execute; None = any level
+    register: RegisterGrant = UNRESTRICTED  # what it may register (with the role)
+
+    @property
+    def admin(self) -> bool:
+        return Role.ADMIN in self.roles
+
+
+DEVELOPER = Principal(DEVELOPER_ID, frozenset(Role), None, UNRESTRICTED)
+_current: contextvars.ContextVar[Principal] = contextvars.ContextVar("toolreg_principal")
+
+
+def current_principal() -> Principal:
+    """The caller of the RPC being served (set by AuthInterceptor). Outside an
+    admitted RPC there is no caller: refuse rather than guess."""
+    principal = _current.get(None)
+    if principal is None:
+        raise Unauthenticated("no authenticated caller for this call")
+    return principal
+
+
+class AuthError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class Authenticator:
+    def __init__(self, policy: Policy | None) -> None:
+        self._policy = policy  # None: development mode
+
+    def identify(
+        self, metadata: tuple[tuple[str, Any], ...], auth_context: Mapping[str, Any]
+    ) -> Principal:
+        if self._policy is None:
+            return DEVELOPER
+        client = None
+        bearer = [str(v) for k, v in metadata if k == "authorization"]
+        if bearer:
+            scheme, _, token = bearer[0].partition(" ")
+            if scheme.lower() != "bearer" or not token.strip():
+                raise AuthError(
+                    grpc.StatusCode.UNAUTHENTICATED, "authorization must be 'Bearer <token>'"
+                )
+            client = self._policy.client_by_token(token.strip())
+            if client is None:
+                raise AuthError(grpc.StatusCode.UNAUTHENTICATED, "unknown bearer token")
+        else:
+            for subject in _subjects(auth_context):
+                client = self._policy.client_by_subject(subject)
+                if client is not None:
+                    break
+            if client is None:
+                raise AuthError(
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    "no known credential: send 'authorization: Bearer <token>'"
+                    " or a client certificate",
+                )
+        return Principal(client.id, client.roles, client.max_safety_level, client.register)
+
+
+def _subjects(auth_context: Mapping[str, Any]) -> list[str]:
+    """The verified certificate's whole subject ("CN=agent-1,O=Acme"). Only the
+    whole subject matches a policy entry: a certificate for "CN=agent-1,O=Evil"
+    from the same CA is another client, not agent-1."""
+    if auth_context.get("transport_security_type") != [b"ssl"]:
+        return []
+    return [v.decode("utf-8", "replace") for v in auth_context.get("x509_subject", [])]
+
+
+def authorize(principal: Principal, method: str) -> None:
+    needed = METHOD_ROLES[method]
+    if needed and not needed & principal.roles:
+        names = " or ".join(sorted(r.value for r in needed))
+        raise AuthError(
+            grpc.StatusCode.PERMISSION_DENIED,
+            f"client '{principal.id}' lacks the {names} role for {method.removeprefix(SERVICE)}",
+        )
+
+
+class AuthInterceptor(grpc.ServerInterceptor):
+    def __init__(self, authenticator: Authenticator) -> None:
+        self._auth = authenticator
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        handler = continuation(details)
+        method = details.method
+        if handler is None or method in OPEN_METHODS:
+            return handler
+        if method not in METHOD_ROLES:
+            # A method someone added without deciding who may call it.
+            return refuse(handler, grpc.StatusCode.PERMISSION_DENIED, "method not open to clients")
+        return rewrap(handler, lambda b: self._unary(b, method), lambda b: self._stream(b, method))
+
+    def _admit(self, context: grpc.ServicerContext, method: str) -> Principal:
+        try:
+            principal = self._auth.identify(context.invocation_metadata(), context.auth_context())
+            authorize(principal, method)
+        except AuthError as exc:
+            context.abort(exc.code, exc.message)
+        return principal
+
+    def _unary(self, behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
+        def run(request: Any, context: grpc.ServicerContext) -> Any:
+            token = _current.set(self._admit(context, method))
+            try:
+                return behavior(request, context)
+            finally:
+                _current.reset(token)
+
+        return run
+
+    def _stream(
+        self, behavior: Callable[..., Iterator[Any]], method: str
+    ) -> Callable[..., Iterator[Any]]:
+        def run(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            principal = self._admit(context, method)
+            items = behavior(request, context)
+            while True:
+                # A generator's body runs at each next(): the caller must be
+                # known there, not only when the generator was made.
+                token = _current.set(principal)
+                try:
+                    item = next(items)
+                except StopIteration:
+                    return
+                finally:
+                    _current.reset(token)
+                yield item
+
+        return run

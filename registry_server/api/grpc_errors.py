@@ -1,0 +1,85 @@
+"""Maps domain errors to gRPC statuses, in one table, for every RPC."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from registry_server.domain.errors import ErrorCode, InvalidArgument, ToolregError
+
+log = logging.getLogger(__name__)
+
+CODES: dict[ErrorCode, grpc.StatusCode] = {
+    ErrorCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorCode.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    ErrorCode.ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
+    ErrorCode.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
+    ErrorCode.PERMISSION_DENIED: grpc.StatusCode.PERMISSION_DENIED,
+    ErrorCode.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
+    ErrorCode.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    ErrorCode.UNIMPLEMENTED: grpc.StatusCode.UNIMPLEMENTED,
+    ErrorCode.INTERNAL: grpc.StatusCode.INTERNAL,
+}
+
+
+def to_status(exc: ToolregError) -> grpc.Status:
+    code = CODES[exc.code]
+    status = status_pb2.Status(code=getattr(code_pb2, code.name), message=exc.message)
+    if isinstance(exc, InvalidArgument) and exc.violations:
+        detail = error_details_pb2.BadRequest(
+            field_violations=[
+                error_details_pb2.BadRequest.FieldViolation(
+                    field=v.field, description=v.description
+                )
+                for v in exc.violations
+            ]
+        )
+        packed = any_pb2.Any()
+        packed.Pack(detail)
+        status.details.append(packed)
+    result: grpc.Status = rpc_status.to_status(status)
+    return result
+
+
+def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
+    if isinstance(exc, ToolregError):
+        context.abort_with_status(to_status(exc))
+    log.exception("unexpected error in RPC")
+    # Never leak internals to the client; the log has the traceback.
+    context.abort(grpc.StatusCode.INTERNAL, "internal error; see the server log")
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def maps_errors(method: F) -> F:
+    """Decorate a servicer method (unary or server-streaming) so domain errors
+    become gRPC statuses with details."""
+    if inspect.isgeneratorfunction(method):
+
+        @functools.wraps(method)
+        def stream(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            try:
+                yield from method(self, request, context)
+            except Exception as exc:
+                _abort(context, exc)
+
+        return stream  # type: ignore[return-value]
+
+    @functools.wraps(method)
+    def unary(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return method(self, request, context)
+        except Exception as exc:
+            _abort(context, exc)
+
+    return unary  # type: ignore[return-value]

@@ -1,0 +1,132 @@
+"""Prometheus metrics, on their own HTTP port, in a registry per server (so
+several servers in one process, as in the tests, never mix their numbers)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from registry_server.api.handlers import rewrap
+from registry_server.domain.outcome import Outcome
+from registry_server.execution.admission import Admission
+
+# Seconds: from a cached listing (~1 ms) to a slow tool under gVisor (~minutes).
+UNREGISTERED = "(unregistered)"  # the tool label of calls to names no tool has
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.rpcs = Counter("toolreg_grpc_calls", "gRPC calls by method and status code",
+                            ["method", "code"], registry=r)  # fmt: skip
+        self.rpc_seconds = Histogram("toolreg_grpc_call_seconds", "gRPC call latency by method",
+                                     ["method"], buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.executions = Counter("toolreg_executions", "Tool executions by tool, level and status",
+                                  ["tool", "level", "status"], registry=r)  # fmt: skip
+        self.sandbox_seconds = Histogram(
+            "toolreg_sandbox_seconds", "Time in the sandbox by level and warm/cold",
+            ["level", "warm"], buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.approvals = Counter(
+            "toolreg_approval_decisions", "Decisions on dangerous calls (approved, denied, ...)",
+            ["decision"], registry=r,
+        )  # fmt: skip
+        self.live = Gauge("toolreg_live_sandboxes", "Sandboxes running calls now", registry=r)
+        self.queued = Gauge("toolreg_queued_calls", "Calls waiting for a sandbox slot", registry=r)
+        self.warm = Gauge(
+            "toolreg_warm_containers", "Started containers waiting for a call", registry=r
+        )
+        self.pool_misses = Gauge("toolreg_warm_pool_misses", "Calls that found their pool empty",
+                                 registry=r)  # fmt: skip
+        self.pool_refill_failures = Gauge(
+            "toolreg_warm_pool_refill_failures", "Times a pool could not make a container",
+            registry=r,
+        )  # fmt: skip
+        self.engine_up = Gauge(
+            "toolreg_engine_up", "1 when the container engine answers", registry=r
+        )
+
+    def watch(self, admission: Admission, pool_stats: Callable[[], Any] | None) -> None:
+        self.live.set_function(lambda: admission.running)
+        self.queued.set_function(lambda: admission.waiting)
+        if pool_stats is not None:
+            self.warm.set_function(lambda: sum(pool_stats().warm.values()))
+            self.pool_misses.set_function(lambda: pool_stats().misses)
+            self.pool_refill_failures.set_function(lambda: pool_stats().refill_failures)
+
+    def observe_execution(self, record: Mapping[str, Any], outcome: Outcome) -> None:
+        """An Executor observer: one finished execution attempt."""
+        level = str(record.get("level") or "unknown")
+        # Only registered names become labels: a label set is never freed, and
+        # an unknown name is whatever a client typed.
+        tool = str(record.get("tool")) if record.get("tool_digest") else UNREGISTERED
+        self.executions.labels(tool, level, outcome.status.value).inc()
+        if record.get("runtime"):
+            warm = "warm" if record.get("warm") else "cold"
+            self.sandbox_seconds.labels(level, warm).observe(outcome.duration_ms / 1000)
+        decision = str(record.get("decision", ""))
+        if decision.startswith("approv"):
+            self.approvals.labels(decision).inc()
+
+    def serve(self, host: str, port: int) -> tuple[Any, int]:
+        """Start the HTTP endpoint; returns (server, bound port)."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return server, int(server.server_address[1])
+
+
+class MetricsInterceptor(grpc.ServerInterceptor):
+    """Counts every RPC by method and final status code, with its latency."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        method = details.method.rsplit("/", 1)[-1]
+        return rewrap(
+            continuation(details),
+            lambda b: self._unary(b, method),
+            lambda b: self._stream(b, method),
+        )
+
+    def _done(
+        self, method: str, context: grpc.ServicerContext, started: float, failed: bool
+    ) -> None:
+        code = context.code() if hasattr(context, "code") else None
+        name = code.name if isinstance(code, grpc.StatusCode) else ("UNKNOWN" if failed else "OK")
+        self._metrics.rpcs.labels(method, name).inc()
+        self._metrics.rpc_seconds.labels(method).observe(time.perf_counter() - started)
+
+    def _unary(self, behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
+        def run(request: Any, context: grpc.ServicerContext) -> Any:
+            started, failed = time.perf_counter(), True
+            try:
+                response = behavior(request, context)
+                failed = False
+                return response
+            finally:
+                self._done(method, context, started, failed)
+
+        return run
+
+    def _stream(
+        self, behavior: Callable[..., Iterator[Any]], method: str
+    ) -> Callable[..., Iterator[Any]]:
+        def run(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            started, failed = time.perf_counter(), True
+            try:
+                yield from behavior(request, context)
+                failed = False
+            finally:
+                self._done(method, context, started, failed)
+
+        return run

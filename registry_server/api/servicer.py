@@ -1,0 +1,209 @@
+"""The gRPC servicer: proto -> domain, one domain call, domain -> proto."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+
+from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
+from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
+from registry_server.api.auth import current_principal
+from registry_server.api.grpc_errors import maps_errors
+from registry_server.approvals.service import Approvals
+from registry_server.catalog.registry import Registrant, Registry
+from registry_server.catalog.views import RegistryViews
+from registry_server.domain import schemas
+from registry_server.domain.errors import InvalidArgument, Unimplemented, Violation
+from registry_server.domain.models import NAME_PATTERN, valid_tool_name
+from registry_server.execution.executor import CallRequest, Executor
+from registry_server.policy.model import Role
+from registry_server.wire import convert
+
+
+def _deadline(context: grpc.ServicerContext) -> float | None:
+    remaining = context.time_remaining()
+    # grpc reports "no deadline" as a huge number of seconds
+    return None if remaining is None or remaining > 10**8 else time.monotonic() + remaining
+
+
+def _cancel_event(context: grpc.ServicerContext) -> threading.Event:
+    """Set when the RPC ends for any reason: the client cancelled, its deadline
+    passed, or the call completed. The runner kills the container when set."""
+    event = threading.Event()
+    if not context.add_callback(event.set):
+        event.set()  # the RPC has already terminated
+    return event
+
+
+class StreamedCall:
+    """Runs an execution on its own thread and yields its output as events,
+    then exactly one result. The queue is bounded by the output caps."""
+
+    _DONE = object()
+
+    def __init__(self, executor: Executor, call: CallRequest, cancel: threading.Event) -> None:
+        self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(executor, call, cancel), name="stream-exec", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, executor: Executor, call: CallRequest, cancel: threading.Event) -> None:
+        try:
+            outcome = executor.execute(call, on_output=self._on_output, cancel=cancel)
+            self._queue.put(pb.ExecutionEvent(result=convert.outcome_to_pb(outcome)))
+        except BaseException as exc:  # re-raised on the RPC thread, mapped there
+            self._error = exc
+        finally:
+            self._queue.put(self._DONE)
+
+    def _on_output(self, stream: str, chunk: bytes) -> None:
+        if stream == "stdout":
+            self._queue.put(pb.ExecutionEvent(stdout=chunk))
+        else:
+            self._queue.put(pb.ExecutionEvent(stderr=chunk))
+
+    def __iter__(self) -> Iterator[pb.ExecutionEvent]:
+        while (item := self._queue.get()) is not self._DONE:
+            assert isinstance(item, pb.ExecutionEvent)
+            yield item
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
+def _required(value: str, field: str) -> str:
+    if not value:
+        raise InvalidArgument(
+            f"{field}: must not be empty", [Violation(field, "must not be empty")]
+        )
+    return value
+
+
+def _tool_name(value: str) -> str:
+    """A name is checked before any look-up (and never echoed back when bad)."""
+    _required(value, "name")
+    if not valid_tool_name(value):
+        rule = f"not a tool name (must match {NAME_PATTERN})"
+        raise InvalidArgument(f"name: {rule}", [Violation("name", rule)])
+    return value
+
+
+class ToolRegistryServicer(pb_grpc.ToolRegistryServicer):
+    def __init__(self, registry: Registry, executor: Executor, approvals: Approvals | None) -> None:
+        self._registry = registry
+        self._executor = executor
+        self._approvals = approvals
+        self._views = RegistryViews(registry)
+
+    def _approval_service(self) -> Approvals:
+        if self._approvals is None:
+            raise Unimplemented("this server has no approval service")
+        return self._approvals
+
+    @staticmethod
+    def _call(request: pb.ExecuteToolRequest, context: grpc.ServicerContext) -> CallRequest:
+        caller = current_principal()
+        return CallRequest(
+            name=request.name,
+            arguments_json=request.arguments_json,
+            caller=caller.id,
+            max_level=caller.max_level,
+            approval_tokens=tuple(request.approval_tokens),
+            approval_request_id=request.approval_request_id,
+            deadline=_deadline(context),
+        )
+
+    @maps_errors
+    def RegisterTool(
+        self, request: pb.RegisterToolRequest, context: grpc.ServicerContext
+    ) -> pb.Tool:
+        if not request.HasField("tool"):
+            raise InvalidArgument("tool: is required", [Violation("tool", "is required")])
+        caller = current_principal()
+        tool = convert.tool_from_pb(request.tool)
+        registrant = Registrant(caller.id, admin=caller.admin, grant=caller.register)
+        self._registry.register(tool, replace=request.replace, by=registrant)
+        return convert.tool_to_pb(self._registry.get(tool.name))
+
+    @maps_errors
+    def GetTool(self, request: pb.GetToolRequest, context: grpc.ServicerContext) -> pb.Tool:
+        return convert.tool_to_pb(self._registry.get(_tool_name(request.name)))
+
+    @maps_errors
+    def ListTools(
+        self, request: pb.ListToolsRequest, context: grpc.ServicerContext
+    ) -> pb.ListToolsResponse:
+        level = convert.max_level_from_pb(request.max_safety_level)
+        categories = tuple(sorted(set(request.categories)))
+
+        def build() -> pb.ListToolsResponse:
+            tools = self._registry.list(level, categories)
+            return pb.ListToolsResponse(tools=[convert.tool_to_pb(t) for t in tools])
+
+        return self._views.get(("list", level, categories), build)
+
+    @maps_errors
+    def GetToolSchemas(
+        self, request: pb.GetToolSchemasRequest, context: grpc.ServicerContext
+    ) -> pb.GetToolSchemasResponse:
+        fmt = convert.format_from_pb(request.format)
+        level = convert.max_level_from_pb(request.max_safety_level)
+        categories = tuple(sorted(set(request.categories)))
+
+        def build() -> pb.GetToolSchemasResponse:
+            tools = self._registry.list(level, categories)
+            return pb.GetToolSchemasResponse(schemas_json=schemas.export_json(tools, fmt))
+
+        return self._views.get(("schemas", fmt, level, categories), build)
+
+    @maps_errors
+    def ExecuteTool(
+        self, request: pb.ExecuteToolRequest, context: grpc.ServicerContext
+    ) -> pb.ToolResult:
+        outcome = self._executor.execute(
+            self._call(request, context), cancel=_cancel_event(context)
+        )
+        return convert.outcome_to_pb(outcome)
+
+    @maps_errors
+    def StreamExecuteTool(
+        self, request: pb.ExecuteToolRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.ExecutionEvent]:
+        events = StreamedCall(self._executor, self._call(request, context), _cancel_event(context))
+        yield from events
+
+    @maps_errors
+    def ListApprovalRequests(
+        self, request: pb.ListApprovalRequestsRequest, context: grpc.ServicerContext
+    ) -> pb.ListApprovalRequestsResponse:
+        found = self._approval_service().list_requests(request.state, request.limit)
+        return pb.ListApprovalRequestsResponse(
+            requests=[convert.approval_request_to_pb(r) for r in found]
+        )
+
+    @maps_errors
+    def GetApprovalRequest(
+        self, request: pb.GetApprovalRequestRequest, context: grpc.ServicerContext
+    ) -> pb.ApprovalRequest:
+        caller = current_principal()
+        found = self._approval_service().get_for(
+            _required(request.id, "id"), caller.id, approver=Role.APPROVE in caller.roles
+        )
+        return convert.approval_request_to_pb(found)
+
+    @maps_errors
+    def SubmitApproval(
+        self, request: pb.SubmitApprovalRequest, context: grpc.ServicerContext
+    ) -> pb.ApprovalRequest:
+        updated = self._approval_service().submit(
+            _required(request.request_id, "request_id"),
+            _required(request.token, "token"),
+            submitted_by=current_principal().id,
+        )
+        return convert.approval_request_to_pb(updated)

@@ -1,0 +1,1 @@
+"""Approval of dangerous calls: requests, token checks and the decision (docs/approvals.md)."""

@@ -1,0 +1,1 @@
+"""The registered tools: who may register what, and cached listing answers."""

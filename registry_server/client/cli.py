@@ -1,0 +1,672 @@
+"""The ``toolreg`` command: the server, and client verbs that talk to it over gRPC.
+
+User mistakes (bad manifest, unknown tool, server not running) print one
+clear line and exit non-zero; tracebacks are for bugs only.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import grpc
+import typer
+
+from registry_server.client import registry_client as client_mod
+from registry_server.client.registry_client import RegistryClient, describe_rpc_error, open_channel
+from registry_server.client.terminal import escape
+from registry_server.domain.errors import ToolregError
+from registry_server.domain.models import SafetyLevel
+from registry_server.domain.schemas import SchemaFormat, tool_belt
+from registry_server.wire import convert
+
+app = typer.Typer(
+    name="toolreg",
+    help="A tool registry for LLM agents that runs every call in a fresh sandbox.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+tools_app = typer.Typer(help="Register, list and export tools.", no_args_is_help=True)
+app.add_typer(tools_app, name="tools")
+approvals_app = typer.Typer(help="See and sign approval requests.", no_args_is_help=True)
+app.add_typer(approvals_app, name="approvals")
+keys_app = typer.Typer(help="Approver key pairs (Ed25519).", no_args_is_help=True)
+app.add_typer(keys_app, name="keys")
+audit_app = typer.Typer(help="The hash-chained audit log.", no_args_is_help=True)
+app.add_typer(audit_app, name="audit")
+
+
+@dataclass(frozen=True)
+class Connection:
+    """How client verbs reach the server (root options, before the verb)."""
+
+    token: str | None = None
+    tls_ca: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls: bool = False
+
+
+@app.callback()
+def root(
+    ctx: typer.Context,
+    token: Annotated[
+        str | None,
+        typer.Option("--token", envvar="TOOLREG_TOKEN", help="Bearer token of this client."),
+    ] = None,
+    tls_ca: Annotated[
+        Path | None,
+        typer.Option("--tls-ca", envvar="TOOLREG_TLS_CA", help="CA that signed the server."),
+    ] = None,
+    tls_cert: Annotated[
+        Path | None,
+        typer.Option("--tls-cert", envvar="TOOLREG_TLS_CERT", help="Client certificate (mTLS)."),
+    ] = None,
+    tls_key: Annotated[
+        Path | None, typer.Option("--tls-key", envvar="TOOLREG_TLS_KEY", help="Client key (mTLS).")
+    ] = None,
+    tls: Annotated[
+        bool, typer.Option("--tls", envvar="TOOLREG_TLS", help="Use TLS (system CAs).")
+    ] = False,
+) -> None:
+    ctx.obj = Connection(token, tls_ca, tls_cert, tls_key, tls)
+
+
+AddressOpt = Annotated[
+    str | None,
+    typer.Option("--address", envvar=client_mod.ADDRESS_ENV, help="Server HOST:PORT."),
+]
+LevelOpt = Annotated[
+    str | None,
+    typer.Option("--max-level", help="Only tools at or below: safe, cautious, dangerous."),
+]
+CategoryOpt = Annotated[
+    list[str] | None, typer.Option("--category", help="Only tools in any of these (repeatable).")
+]
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    typer.echo(f"toolreg: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def _level(text: str | None) -> SafetyLevel | None:
+    if text is None:
+        return None
+    try:
+        return SafetyLevel.parse(text)
+    except ValueError as exc:
+        fail(f"--max-level: {exc}", 2)
+
+
+def _client(ctx: typer.Context, address: str | None) -> RegistryClient:
+    conn = ctx.find_root().obj
+    if not isinstance(conn, Connection):
+        conn = Connection()
+    target = address or client_mod.default_address()
+
+    def read(path: Path | None) -> bytes | None:
+        if path is None:
+            return None
+        try:
+            return path.read_bytes()
+        except OSError as exc:
+            fail(f"cannot read {path}: {exc.strerror}", 2)
+
+    channel = open_channel(
+        target, token=conn.token, tls_ca=read(conn.tls_ca), tls_cert=read(conn.tls_cert),
+        tls_key=read(conn.tls_key), tls=conn.tls,
+    )  # fmt: skip
+    return RegistryClient(target, channel=channel)
+
+
+def _rpc_failed(err: grpc.RpcError, address: str) -> NoReturn:
+    if isinstance(err, grpc.Call) and err.code() == grpc.StatusCode.UNAVAILABLE:
+        fail(
+            f"cannot reach the toolreg server at {address} ({err.details()});"
+            " is `toolreg serve` running?"
+        )
+    fail(describe_rpc_error(err))
+
+
+# ------------------------------------------------------------------ server
+
+
+@app.command()
+def serve(
+    host: Annotated[str | None, typer.Option(help="Address to listen on.")] = None,
+    port: Annotated[int | None, typer.Option(help="Port (0 = any free port).")] = None,
+    data_dir: Annotated[
+        Path | None, typer.Option("--data-dir", help="Where the store lives.")
+    ] = None,
+    tools: Annotated[
+        Path | None,
+        typer.Option("--tools", help="Register the manifests of this directory at start."),
+    ] = None,
+    policy: Annotated[Path | None, typer.Option("--policy", help="Policy file (YAML).")] = None,
+    tls_cert: Annotated[
+        Path | None, typer.Option("--tls-cert", help="Server certificate (PEM).")
+    ] = None,
+    tls_key: Annotated[Path | None, typer.Option("--tls-key", help="Server key (PEM).")] = None,
+    tls_client_ca: Annotated[
+        Path | None,
+        typer.Option("--tls-client-ca", help="Require client certificates from this CA."),
+    ] = None,
+    log_level: Annotated[str, typer.Option("--log-level", envvar="TOOLREG_LOG_LEVEL")] = "INFO",
+    log_format: Annotated[
+        str, typer.Option("--log-format", envvar="TOOLREG_LOG_FORMAT", help="auto, json or text.")
+    ] = "auto",
+    metrics_port: Annotated[
+        int | None, typer.Option("--metrics-port", help="Serve Prometheus metrics on this port.")
+    ] = None,
+) -> None:
+    """Run the gRPC server in the foreground until SIGTERM/SIGINT."""
+    from pydantic import ValidationError
+
+    from registry_server.api import logs
+    from registry_server.api.config import ServerConfig
+    from registry_server.api.server import serve as run_server
+
+    try:
+        logs.configure(log_level, log_format)
+    except ValueError as exc:
+        fail(f"--log-format/--log-level: {exc}", 2)
+    overrides: dict[str, Any] = {
+        k: v
+        for k, v in {
+            "host": host,
+            "port": port,
+            "data_dir": data_dir,
+            "tools_dir": tools,
+            "policy_file": policy,
+            "tls_cert": tls_cert,
+            "tls_key": tls_key,
+            "tls_client_ca": tls_client_ca,
+            "metrics_port": metrics_port,
+        }.items()
+        if v is not None
+    }
+    try:
+        config = ServerConfig(**overrides)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        fail(f"invalid configuration: {problems}", 2)
+    try:
+        run_server(config)
+    except ToolregError as exc:
+        fail(exc.message)
+    except OSError as exc:
+        fail(str(exc))
+
+
+# ------------------------------------------------------------------- tools
+
+
+@tools_app.command("register")
+def tools_register(
+    ctx: typer.Context,
+    path: Annotated[Path, typer.Argument(help="A manifest file or a directory of them.")],
+    replace: Annotated[
+        bool, typer.Option("--replace", help="Overwrite different definitions.")
+    ] = False,
+    address: AddressOpt = None,
+) -> None:
+    """Register tools from YAML manifests."""
+    from registry_server.domain.manifests import load_manifests
+
+    if not path.exists():
+        fail(f"{path}: no such file or directory", 2)
+    try:
+        tools = load_manifests(path)
+    except ToolregError as exc:
+        fail(exc.message, 2)
+    if not tools:
+        fail(f"{path}: no manifests (*.yaml, *.yml) found", 2)
+    with _client(ctx, address) as client:
+        for tool in tools:
+            try:
+                stored = client.register(tool, replace=replace)
+            except grpc.RpcError as err:
+                _rpc_failed(err, client.address)
+            typer.echo(f"registered {stored.name} ({stored.digest[:12]})")
+
+
+@tools_app.command("list")
+def tools_list(
+    ctx: typer.Context,
+    max_level: LevelOpt = None,
+    category: CategoryOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    address: AddressOpt = None,
+) -> None:
+    """List registered tools."""
+    level = _level(max_level)
+    with _client(ctx, address) as client:
+        try:
+            tools = [
+                client_mod.tool_from_message(t) for t in client.list_tools(level, category or ())
+            ]
+        except grpc.RpcError as err:
+            _rpc_failed(err, client.address)
+    if as_json:
+        typer.echo(
+            json.dumps(
+                [t.as_manifest() | {"digest": t.digest, "owner": t.owner} for t in tools], indent=2
+            )
+        )
+        return
+    if not tools:
+        typer.echo("no tools")
+        return
+    width = max(len(t.name) for t in tools)
+    for t in tools:
+        cats = ",".join(t.categories) or "-"
+        summary = t.description.splitlines()[0]
+        line = f"{t.name:<{width}}  {t.safety_level.value:<9}  {cats:<20}  {t.owner:<12}  {summary}"
+        typer.echo(escape(line))
+
+
+@tools_app.command("get")
+def tools_get(ctx: typer.Context, name: str, address: AddressOpt = None) -> None:
+    """Show one tool's definition (JSON)."""
+    with _client(ctx, address) as client:
+        try:
+            tool = client_mod.tool_from_message(client.get(name))
+        except grpc.RpcError as err:
+            _rpc_failed(err, client.address)
+    shown = tool.as_manifest() | {"digest": tool.digest, "owner": tool.owner}
+    typer.echo(escape(json.dumps(shown, indent=2, ensure_ascii=False), keep_newlines=True))
+
+
+@tools_app.command("schemas")
+def tools_schemas(
+    ctx: typer.Context,
+    fmt: Annotated[
+        str,
+        typer.Option(
+            "--format", help="openai, anthropic, mcp, or text (a tool belt for a prompt)."
+        ),
+    ] = "openai",
+    max_level: LevelOpt = None,
+    category: CategoryOpt = None,
+    address: AddressOpt = None,
+) -> None:
+    """Export tool schemas for an LLM API."""
+    level = _level(max_level)
+    with _client(ctx, address) as client:
+        try:
+            if fmt.strip().lower() == "text":
+                tools = [
+                    client_mod.tool_from_message(t)
+                    for t in client.list_tools(level, category or ())
+                ]
+                typer.echo(tool_belt(tools), nl=False)
+                return
+            try:
+                schema_format = SchemaFormat.parse(fmt)
+            except ValueError as exc:
+                fail(f"--format: {exc}", 2)
+            text = client.schemas(schema_format, level, category or ())
+        except grpc.RpcError as err:
+            _rpc_failed(err, client.address)
+    typer.echo(json.dumps(json.loads(text), indent=2, ensure_ascii=False))
+
+
+# --------------------------------------------------------------- execution
+
+
+@app.command("exec")
+def exec_tool(
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(help="The tool to run.")],
+    args: Annotated[str, typer.Option("--args", help="Arguments as a JSON object.")] = "{}",
+    stream: Annotated[bool, typer.Option("--stream", help="Print output as it arrives.")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the whole ToolResult as JSON.")
+    ] = False,
+    approval_request: Annotated[
+        str, typer.Option("--approval-request", help="Run with the approvals of this request.")
+    ] = "",
+    token: Annotated[
+        list[str] | None,
+        typer.Option("--approval-token", help="A signed approval token (repeatable)."),
+    ] = None,
+    address: AddressOpt = None,
+) -> None:
+    """Run a tool once and print its result. Exit status 0 only on success."""
+    from google.protobuf import json_format
+
+    with _client(ctx, address) as client:
+        try:
+            if stream:
+                result = None
+                for event in client.stream(
+                    name, args, tokens=token or (), request_id=approval_request
+                ):
+                    kind = event.WhichOneof("event")
+                    if kind == "stdout":
+                        sys.stdout.buffer.write(event.stdout)
+                        sys.stdout.flush()
+                    elif kind == "stderr":
+                        sys.stderr.buffer.write(event.stderr)
+                        sys.stderr.flush()
+                    else:
+                        result = event.result
+                if result is None:
+                    fail("the server ended the stream without a result")
+            else:
+                result = client.execute(name, args, tokens=token or (), request_id=approval_request)
+        except grpc.RpcError as err:
+            _rpc_failed(err, client.address)
+    if as_json:
+        typer.echo(json_format.MessageToJson(result, preserving_proto_field_name=True))
+    elif not stream and result.content:
+        typer.echo(result.content, nl=not result.content.endswith("\n"))
+    if result.HasField("approval_request") and result.approval_request.id:
+        req = result.approval_request
+        typer.echo(
+            f"approval request {req.id}: {len(req.approved_by)} of {req.approvals_required}"
+            " approvals;"
+            f" approvers run `toolreg approvals approve {req.id} --key KEY`, then run this again"
+            f" with --approval-request {req.id}",
+            err=True,
+        )
+    if not result.success:
+        status = convert.status_name(result.status)
+        fail(f"{status}: {result.error}" if result.error else status)
+
+
+@app.command()
+def reap(
+    docker_url: Annotated[
+        str | None,
+        typer.Option("--docker-url", envvar="TOOLREG_DOCKER_URL", help="Engine address."),
+    ] = None,
+) -> None:
+    """Remove sandbox containers left behind by toolreg servers that are gone.
+    Containers of running servers are never touched."""
+    import uuid
+
+    from sandbox_runner import SandboxError
+    from sandbox_runner.docker_backend import DockerRunner
+
+    runner = DockerRunner(instance_id=f"reaper-{uuid.uuid4().hex[:12]}", base_url=docker_url)
+    try:
+        removed = runner.reap()
+    except SandboxError as exc:
+        fail(str(exc))
+    finally:
+        runner.close()
+    typer.echo(f"removed {removed} leftover container{'s' if removed != 1 else ''}")
+
+
+# --------------------------------------------------------------- approvals
+
+
+def _request_lines(req: Any) -> list[str]:
+    """What an approver reads before signing: every client-supplied text escaped."""
+    created = req.created_at.ToDatetime().strftime("%Y-%m-%d %H:%M:%S")
+    expires = req.expires_at.ToDatetime().strftime("%Y-%m-%d %H:%M:%S")
+    approved = ", ".join(req.approved_by) or "nobody yet"
+    lines = [
+        f"request   {req.id}",
+        f"state     {req.state}",
+        f"tool      {req.tool_name} (digest {req.tool_digest})",
+        f"asked by  {req.requested_by} at {created} UTC; expires {expires} UTC",
+        f"approvals {len(req.approved_by)} of {req.approvals_required} ({approved});"
+        f" {req.approvals_missing} more needed",
+        *_tool_lines(req),
+        "arguments (digest " + req.arguments_digest + "):",
+        json.dumps(json.loads(req.arguments_json), indent=2, ensure_ascii=False),
+    ]
+    return [escape(line, keep_newlines=True) for line in lines]
+
+
+def _definition_matches(req: Any) -> bool:
+    """Whether the definition shown hashes to the digest a token would sign."""
+    try:
+        return bool(convert.stored_tool_from_pb(req.tool).digest == req.tool_digest)
+    except ToolregError:
+        return False
+
+
+def _tool_lines(req: Any) -> list[str]:
+    """The definition the request is for, checked against the digest signed."""
+    if not req.HasField("tool"):
+        return ["definition not recorded with this request (made by an older server)"]
+    tool = req.tool
+    matches = _definition_matches(req)
+    limits = tool.sandbox.limits
+    asked = ", ".join(
+        f"{name} {getattr(limits, name) or 'level default'}"
+        for name in ("memory_mb", "cpu_millis", "pids", "timeout_ms", "output_bytes")
+    )
+    env = ", ".join(f"{k}={v!r}" for k, v in sorted(tool.sandbox.env.items())) or "none"
+    return [
+        f"level     {convert.level_name(tool.safety_level)}",
+        f"owner     {tool.owner}",
+        f"image     {tool.sandbox.image}",
+        f"command   {json.dumps(list(tool.sandbox.command), ensure_ascii=False)}",
+        f"env       {env}",
+        f"limits    {asked}",
+        "definition " + ("matches the digest signed" if matches else "DOES NOT match tool_digest"),
+    ]
+
+
+@approvals_app.command("list")
+def approvals_list(
+    ctx: typer.Context,
+    state: Annotated[
+        str, typer.Option("--state", help="PENDING, APPROVED, CONSUMED or EXPIRED.")
+    ] = "",
+    address: AddressOpt = None,
+) -> None:
+    """List approval requests, newest first."""
+    with _client(ctx, address) as client:
+        try:
+            found = client.approval_requests(state)
+        except grpc.RpcError as err:
+            _rpc_failed(err, client.address)
+    if not found:
+        typer.echo("no approval requests")
+    for req in found:
+        have = f"{len(req.approved_by)}/{req.approvals_required}"
+        image = f"  image {req.tool.sandbox.image}" if req.HasField("tool") else ""
+        line = f"{req.id}  {req.state:<9} {have:>5}  {req.tool_name}  by {req.requested_by}{image}"
+        typer.echo(escape(line))
+
+
+@approvals_app.command("show")
+def approvals_show(ctx: typer.Context, request_id: str, address: AddressOpt = None) -> None:
+    """Show one request with its arguments in full."""
+    with _client(ctx, address) as client:
+        try:
+            req = client.approval_request(request_id)
+        except grpc.RpcError as err:
+            _rpc_failed(err, client.address)
+    typer.echo("\n".join(_request_lines(req)))
+
+
+@approvals_app.command("approve")
+def approvals_approve(
+    ctx: typer.Context,
+    request_id: str,
+    key: Annotated[Path, typer.Option("--key", help="Your Ed25519 private key (PEM).")],
+    approver: Annotated[
+        str | None, typer.Option("--as", help="Your approver id (default: the key file's name).")
+    ] = None,
+    ttl: Annotated[
+        int | None,
+        typer.Option("--ttl", help="Token lifetime, seconds (default: the policy maximum)."),
+    ] = None,
+    print_only: Annotated[
+        bool, typer.Option("--print", help="Print the token instead of submitting it.")
+    ] = False,
+    address: AddressOpt = None,
+) -> None:
+    """Sign exactly this request (tool digest + arguments digest) with your key.
+    The key never leaves this process."""
+    from registry_server.signing.keys import load_private_key
+    from registry_server.signing.tokens import mint_for
+
+    try:
+        private_key = load_private_key(key.read_bytes())
+    except OSError as exc:
+        fail(f"cannot read {key}: {exc.strerror}", 2)
+    except ValueError as exc:
+        fail(f"{key}: {exc}", 2)
+    issuer = approver or key.name.split(".")[0]
+    with _client(ctx, address) as client:
+        try:
+            req = client.approval_request(request_id)
+            if req.state in ("CONSUMED", "EXPIRED"):
+                fail(f"request {request_id} is {req.state.lower()}; nothing to approve")
+            if req.HasField("tool") and not _definition_matches(req):
+                fail(f"request {request_id}: the definition shown does not match tool_digest;"
+                     " refusing to sign")  # fmt: skip
+            token = mint_for(
+                private_key, issuer=issuer, request=req, ttl_s=ttl or req.max_token_ttl_s or 900,
+                bind_request=True,
+            )  # fmt: skip
+            if print_only:
+                typer.echo(token)
+                return
+            updated = client.submit_approval(request_id, token)
+        except grpc.RpcError as err:
+            _rpc_failed(err, client.address)
+    typer.echo(
+        f"approved {request_id} as {issuer}: {len(updated.approved_by)} of"
+        f" {updated.approvals_required} approvals, state {updated.state}"
+    )
+
+
+# -------------------------------------------------------------------- keys
+
+
+@keys_app.command("generate")
+def keys_generate(
+    out: Annotated[
+        Path, typer.Option("--out", help="Where to write the private key (PEM, mode 600).")
+    ],
+    install: Annotated[
+        Path | None,
+        typer.Option(
+            "--install", help="Development mode: also trust this key in this data directory."
+        ),
+    ] = None,
+) -> None:
+    """Make an approver key pair; print the public key to paste into the policy."""
+    import os
+
+    from registry_server.signing.keys import generate_keypair
+
+    if out.exists():
+        fail(f"{out} exists; refusing to overwrite a key", 2)
+    private_pem, public_text = generate_keypair()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(private_pem)
+    approver = out.name.split(".")[0]
+    public_file = out.with_name(f"{approver}.pub")
+    public_file.write_text(public_text + "\n")
+    typer.echo(f"private key: {out} (keep it secret; it never goes to the server)")
+    typer.echo(f"public key:  {public_text}")
+    typer.echo(f'policy entry: {{id: {approver}, public_key: "{public_text}", groups: [...]}}')
+    if install is not None:
+        target = install / "approvers" / f"{approver}.pub"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(public_text + "\n")
+        typer.echo(f"trusted in development mode as approver '{approver}': {target}")
+
+
+# ------------------------------------------------------------------- audit
+
+
+DataDirOpt = Annotated[
+    Path | None,
+    typer.Option("--data-dir", envvar="TOOLREG_DATA_DIR", help="The server's data directory."),
+]
+
+
+def _open_store(data_dir: Path | None) -> Any:
+    from registry_server.api.config import DEFAULT_DATA_DIR
+    from registry_server.store.sqlite import DB_FILENAME, Store
+
+    directory = data_dir or DEFAULT_DATA_DIR
+    if not (directory / DB_FILENAME).exists():
+        fail(f"no toolreg store in {directory}", 2)
+    try:
+        return Store(directory)
+    except ToolregError as exc:
+        fail(exc.message)
+
+
+@audit_app.command("verify")
+def audit_verify(data_dir: DataDirOpt = None) -> None:
+    """Walk the hash chain; exit 1 at the first broken record."""
+    from registry_server.store import audit_chain as audit
+
+    store = _open_store(data_dir)
+    verdict = audit.verify(store)
+    store.close()
+    typer.echo(str(verdict))
+    if not verdict.ok:
+        raise typer.Exit(1)
+
+
+@audit_app.command("tail")
+def audit_tail(
+    count: Annotated[int, typer.Option("-n", help="How many records.")] = 20,
+    data_dir: DataDirOpt = None,
+) -> None:
+    """Show the most recent audit records, one JSON line each."""
+    from registry_server.store import audit_chain as audit
+
+    store = _open_store(data_dir)
+    for entry in audit.tail(store, count):
+        typer.echo(json.dumps(entry, ensure_ascii=False))
+    store.close()
+
+
+# --------------------------------------------------------------------- mcp
+
+
+@app.command("mcp")
+def mcp_serve(
+    ctx: typer.Context,
+    max_level: LevelOpt = None,
+    category: CategoryOpt = None,
+    address: AddressOpt = None,
+    log_level: Annotated[str, typer.Option("--log-level", envvar="TOOLREG_LOG_LEVEL")] = "INFO",
+) -> None:
+    """Serve the registry's tools as an MCP server over stdio, for MCP hosts.
+
+    Lists the tools this client may see and runs calls through ExecuteTool. A
+    dangerous call answers with its approval request id; once approved, call
+    again with "_approval_request_id": ID added to the arguments. Logs go to
+    stderr (stdout is the MCP channel)."""
+    from registry_server.client import mcp_bridge
+
+    level = _level(max_level)
+    try:
+        mcp_bridge.configure_logging(log_level)
+    except ValueError as exc:
+        fail(f"--log-level: {exc}", 2)
+    with _client(ctx, address) as client:
+        mcp_bridge.serve(client, max_level=level, categories=category or ())
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

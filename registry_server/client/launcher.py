@@ -1,0 +1,65 @@
+"""Start `toolreg serve` as a child process and learn its address: for tests,
+benchmarks and scripts that need a real server process (port 0 = any)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+SERVING_LINE = re.compile(r"serving on (\S+:\d+)")
+START_TIMEOUT_S = 30.0  # seconds for the server to say where it listens
+
+
+class ServerProcess:
+    def __init__(self, proc: subprocess.Popen[str], address: str, log: list[str]) -> None:
+        self.proc = proc
+        self.address = address
+        self.log = log  # every line the server wrote to stderr, as it arrives
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def stop(self, timeout: float = 30) -> int:
+        """SIGTERM, then wait; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        return self.proc.wait(timeout=timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
+
+
+def spawn_server(data_dir: Path, *extra_args: str, cwd: Path | None = None) -> ServerProcess:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "registry_server.client.cli", "serve", "--port", "0",
+         "--data-dir", str(data_dir), *extra_args],
+        stderr=subprocess.PIPE, text=True, cwd=cwd,
+    )  # fmt: skip
+    assert proc.stderr is not None
+    log: list[str] = []
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if not line and proc.poll() is not None:
+            break
+        log.append(line)
+        if match := SERVING_LINE.search(line):
+            # Keep reading the log so a full pipe never stalls the server.
+            threading.Thread(target=_drain, args=(proc, log), daemon=True).start()
+            return ServerProcess(proc, match.group(1), log)
+    proc.kill()
+    proc.wait()
+    raise RuntimeError("toolreg serve did not start:\n" + "".join(log[-20:]))
+
+
+def _drain(proc: subprocess.Popen[str], log: list[str]) -> None:
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        log.append(line)

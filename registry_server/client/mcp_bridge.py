@@ -1,0 +1,304 @@
+"""Serve the toolreg registry as an MCP server over stdio (``toolreg mcp``).
+
+The bridge is a gRPC *client* of a running ``toolreg serve``: ``tools/list``
+answers with the tools this client may see (ListTools, optionally filtered by
+``--max-level`` and ``--category``) and ``tools/call`` runs the call through
+``ExecuteTool``, so every call takes the server's own path: argument
+validation, policy, approvals, audit and a fresh sandbox.
+
+Mapping:
+
+* ``inputSchema`` is the tool's registered JSON Schema, unchanged.
+* annotations come from the safety level: safe = ``readOnlyHint``; cautious =
+  neither read-only nor destructive; dangerous = ``destructiveHint``;
+  ``openWorldHint`` is false for all (sandboxes have no network).
+* a successful call gives its stdout as text, and as ``structuredContent``
+  when stdout is a JSON object; any other outcome is ``isError`` with the
+  server's reason (``STATUS: reason``).
+* a dangerous call without approvals gives ``isError`` with the approval
+  request id. Approvers approve it (``toolreg approvals approve ID --key
+  KEY``); the caller then calls the tool again with the same arguments plus
+  the key ``_approval_request_id`` (the id). The bridge strips that key from
+  the arguments before sending them and passes it as
+  ``ExecuteToolRequest.approval_request_id``. It is deliberately not part of
+  any ``inputSchema``.
+* gRPC failures (server down, permission denied, ...) become ``isError``
+  results with a readable message on ``tools/call``, and JSON-RPC errors on
+  ``tools/list``; the bridge itself keeps running.
+
+stdout is the MCP channel: logs go to stderr only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import grpc
+import mcp.types as types
+from mcp.server.context import ServerRequestContext
+from mcp.server.lowlevel import Server
+from mcp.server.stdio import stdio_server
+from mcp.shared.exceptions import MCPError
+
+from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
+from registry_server.client import registry_client as client_mod
+from registry_server.client.registry_client import RegistryClient, describe_rpc_error, open_channel
+from registry_server.domain.models import SafetyLevel
+from registry_server.wire import convert
+
+log = logging.getLogger("toolreg.mcp")
+
+APPROVAL_REQUEST_KEY = "_approval_request_id"
+"""Argument key a caller adds to retry a dangerous call with its approvals."""
+
+SERVER_NAME = "toolreg"
+
+_ANNOTATIONS: dict[int, tuple[bool, bool]] = {
+    pb.SAFETY_LEVEL_SAFE: (True, False),
+    pb.SAFETY_LEVEL_CAUTIOUS: (False, False),
+    pb.SAFETY_LEVEL_DANGEROUS: (False, True),
+}
+
+
+def annotations_for(level: int) -> types.ToolAnnotations:
+    """MCP hints for a proto safety level (unspecified counts as safe)."""
+    read_only, destructive = _ANNOTATIONS.get(level, (True, False))
+    return types.ToolAnnotations(
+        read_only_hint=read_only, destructive_hint=destructive, open_world_hint=False
+    )
+
+
+def tool_to_mcp(tool: pb.Tool) -> types.Tool:
+    schema = json.loads(tool.parameters_json) if tool.parameters_json else {"type": "object"}
+    if not isinstance(schema, dict):  # the server validates this; never trust blindly
+        schema = {"type": "object"}
+    return types.Tool(
+        name=tool.name,
+        description=tool.description,
+        input_schema=schema,
+        annotations=annotations_for(tool.safety_level),
+    )
+
+
+def _text(text: str) -> types.TextContent:
+    return types.TextContent(type="text", text=text)
+
+
+def approval_message(tool_name: str, req: pb.ApprovalRequest) -> str:
+    """The text of an APPROVAL_REQUIRED result: the request id and what to do.
+
+    Written here rather than passing on the server's reason, which speaks of
+    the gRPC field ``approval_request_id``; over MCP the retry key is
+    ``_approval_request_id`` in the arguments."""
+    state = req.state or "PENDING"
+    return (
+        f"APPROVAL_REQUIRED: tool {tool_name!r} is dangerous and needs"
+        f" {req.approvals_required} approval(s) before it runs;"
+        f" {len(req.approved_by)} so far.\n"
+        f"Approval request id: {req.id} (state {state}).\n"
+        f"Ask an approver to approve it: `toolreg approvals approve {req.id} --key KEY`.\n"
+        f"Once approved, call {tool_name} again with the same arguments plus"
+        f' "{APPROVAL_REQUEST_KEY}": "{req.id}".'
+    )
+
+
+def result_to_mcp(tool_name: str, result: pb.ToolResult) -> types.CallToolResult:
+    """Map a ToolResult onto an MCP CallToolResult."""
+    if result.success:
+        content: list[types.ContentBlock] = [_text(result.content)]
+        if result.output_truncated:
+            content.append(_text("[output truncated: the tool wrote more than its byte cap]"))
+        data = convert.data_from_pb(result.data_json)
+        structured = data if isinstance(data, dict) else None
+        return types.CallToolResult(content=content, structured_content=structured)
+
+    status = convert.status_name(result.status)
+    if result.status == pb.EXECUTION_STATUS_APPROVAL_REQUIRED and result.approval_request.id:
+        text = approval_message(tool_name, result.approval_request)
+    else:
+        text = f"{status}: {result.error}" if result.error else status
+    content = [_text(text)]
+    if result.content and result.status != pb.EXECUTION_STATUS_APPROVAL_REQUIRED:
+        content.append(_text(f"stdout:\n{result.content}"))
+    return types.CallToolResult(content=content, is_error=True)
+
+
+class Bridge:
+    """The MCP handlers over one RegistryClient (blocking gRPC, run in threads)."""
+
+    def __init__(
+        self,
+        client: RegistryClient,
+        *,
+        max_level: SafetyLevel | None = None,
+        categories: Sequence[str] = (),
+        execute_timeout: float | None = None,
+    ) -> None:
+        self.client = client
+        self.max_level = max_level
+        self.categories = tuple(categories)
+        self.execute_timeout = execute_timeout
+
+    def _rpc_message(self, err: grpc.RpcError) -> str:
+        if isinstance(err, grpc.Call) and err.code() == grpc.StatusCode.UNAVAILABLE:
+            return (
+                f"UNAVAILABLE: cannot reach the toolreg server at {self.client.address}"
+                f" ({err.details()}); is `toolreg serve` running?"
+            )
+        return describe_rpc_error(err)
+
+    def _visible(self) -> list[pb.Tool]:
+        return self.client.list_tools(self.max_level, self.categories)
+
+    async def list_tools(
+        self, ctx: ServerRequestContext[Any], params: types.PaginatedRequestParams | None
+    ) -> types.ListToolsResult:
+        try:
+            tools = await anyio.to_thread.run_sync(self._visible)
+        except grpc.RpcError as err:
+            message = self._rpc_message(err)
+            log.warning("ListTools failed: %s", message)
+            raise MCPError(types.INTERNAL_ERROR, message) from None
+        return types.ListToolsResult(tools=[tool_to_mcp(t) for t in tools])
+
+    async def call_tool(
+        self, ctx: ServerRequestContext[Any], params: types.CallToolRequestParams
+    ) -> types.CallToolResult:
+        name = params.name
+        arguments = dict(params.arguments or {})
+        request_id = arguments.pop(APPROVAL_REQUEST_KEY, "")
+        if not isinstance(request_id, str):
+            return types.CallToolResult(
+                content=[_text(f"INVALID_ARGUMENTS: {APPROVAL_REQUEST_KEY} must be a string")],
+                is_error=True,
+            )
+        try:
+            # A filtered bridge must not run tools its listing hides.
+            if self.max_level is not None or self.categories:
+                visible = await anyio.to_thread.run_sync(self._visible)
+                if name not in {t.name for t in visible}:
+                    return types.CallToolResult(
+                        content=[_text(f"TOOL_NOT_FOUND: Tool {name!r} is not offered here")],
+                        is_error=True,
+                    )
+            args_json = json.dumps(arguments, separators=(",", ":"), ensure_ascii=False)
+
+            def run() -> pb.ToolResult:
+                return self.client.execute(
+                    name, args_json, request_id=request_id, timeout=self.execute_timeout
+                )
+
+            result = await anyio.to_thread.run_sync(run)
+        except grpc.RpcError as err:
+            message = self._rpc_message(err)
+            log.warning("ExecuteTool %s failed: %s", name, message)
+            return types.CallToolResult(content=[_text(message)], is_error=True)
+        log.info(
+            "call %s -> %s (execution %s)",
+            name,
+            convert.status_name(result.status),
+            result.execution_id,
+        )
+        return result_to_mcp(name, result)
+
+
+def build_server(bridge: Bridge) -> Server[Any]:
+    try:
+        version = metadata.version("toolreg")
+    except metadata.PackageNotFoundError:
+        version = "0"
+    return Server(
+        SERVER_NAME,
+        version=version,
+        instructions=(
+            "Tools of a toolreg registry; every call runs in a fresh sandbox without network."
+            f" Dangerous tools need approval: retry with {APPROVAL_REQUEST_KEY!r} once approved."
+        ),
+        on_list_tools=bridge.list_tools,
+        on_call_tool=bridge.call_tool,
+    )
+
+
+async def serve_stdio(bridge: Bridge) -> None:
+    server = build_server(bridge)
+    async with stdio_server() as (read_stream, write_stream):
+        await server.run(read_stream, write_stream, server.create_initialization_options())
+
+
+def serve(
+    client: RegistryClient,
+    *,
+    max_level: SafetyLevel | None = None,
+    categories: Sequence[str] = (),
+) -> None:
+    """Serve MCP on stdin/stdout until the client closes stdin (blocking)."""
+    bridge = Bridge(client, max_level=max_level, categories=categories)
+    log.info("MCP bridge to toolreg at %s on stdio", client.address)
+    anyio.run(serve_stdio, bridge)
+
+
+def configure_logging(level: str = "INFO") -> None:
+    """Logs to stderr: stdout is the MCP channel."""
+    logging.basicConfig(
+        stream=sys.stderr, level=level.upper(), format="%(asctime)s %(name)s %(message)s"
+    )
+
+
+def _read(path: str | None) -> bytes | None:
+    return Path(path).read_bytes() if path else None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="toolreg-mcp", description="Serve a toolreg registry as an MCP server over stdio."
+    )
+    parser.add_argument("--address", default=None, help="Server HOST:PORT (env TOOLREG_ADDRESS).")
+    parser.add_argument("--token", default=None, help="Bearer token (env TOOLREG_TOKEN).")
+    parser.add_argument("--tls", action="store_true", help="Use TLS (system CAs).")
+    parser.add_argument("--tls-ca", default=None, help="CA that signed the server.")
+    parser.add_argument("--tls-cert", default=None, help="Client certificate (mTLS).")
+    parser.add_argument("--tls-key", default=None, help="Client key (mTLS).")
+    parser.add_argument("--max-level", default=None, help="Only tools at or below this level.")
+    parser.add_argument(
+        "--category", action="append", default=[], help="Only tools in any of these (repeatable)."
+    )
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+
+    try:
+        configure_logging(args.log_level)
+        level = SafetyLevel.parse(args.max_level) if args.max_level else None
+        tls_ca, tls_cert, tls_key = _read(args.tls_ca), _read(args.tls_cert), _read(args.tls_key)
+    except (ValueError, OSError) as exc:
+        print(f"toolreg mcp: {exc}", file=sys.stderr)
+        return 2
+
+    address = args.address or client_mod.default_address()
+    channel = open_channel(
+        address,
+        token=args.token or os.environ.get("TOOLREG_TOKEN"),
+        tls_ca=tls_ca,
+        tls_cert=tls_cert,
+        tls_key=tls_key,
+        tls=args.tls,
+    )
+    with RegistryClient(address, channel=channel) as client:
+        try:
+            serve(client, max_level=level, categories=args.category)
+        except KeyboardInterrupt:
+            return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,467 @@
+"""A typed Python client for toolreg.
+
+Two layers share one class:
+
+- the *domain* API (``RegistryClient.connect`` and ``register_tool``,
+  ``get_tool``, ``list_tool_definitions``, ``tool_schemas``, ``execute_tool``,
+  ``stream_tool``, ``list_approval_requests``, ``get_approval_request``,
+  ``submit_approval_token``, ``wait_for_approval``): one method per RPC, taking
+  and returning domain objects (``ToolDefinition``, ``CallResult``,
+  ``ApprovalRequestView``), never protobuf messages;
+- the thin message-level methods the CLI uses (``register``, ``get``, ...).
+
+Errors: a tool call's outcome (unknown tool, bad arguments, approval required,
+tool failure, timeout) is a ``CallResult``, never an exception. A failed
+*request* (bad definition, NOT_FOUND from GetTool, UNAUTHENTICATED, server at
+capacity, no engine) raises ``grpc.RpcError``; ``describe_rpc_error`` turns it
+into readable text including the ``google.rpc.BadRequest`` field violations.
+``wait_for_approval`` raises ``ApprovalWaitError``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import grpc
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
+from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
+from registry_server.api.config import DEFAULT_HOST, DEFAULT_PORT
+from registry_server.domain.models import SafetyLevel, ToolDefinition
+from registry_server.domain.outcome import ApprovalRequestView, Status
+from registry_server.domain.schemas import SchemaFormat
+from registry_server.wire import convert
+
+ADDRESS_ENV = "TOOLREG_ADDRESS"
+DEFAULT_ADDRESS = f"{DEFAULT_HOST}:{DEFAULT_PORT}"
+DEFAULT_TIMEOUT_S = 30.0  # seconds for registry calls; executions get their own
+DEFAULT_POLL_S = 1.0  # seconds between GetApprovalRequest polls while waiting
+
+_LEVEL_PB = {
+    None: pb.SAFETY_LEVEL_UNSPECIFIED,
+    SafetyLevel.SAFE: pb.SAFETY_LEVEL_SAFE,
+    SafetyLevel.CAUTIOUS: pb.SAFETY_LEVEL_CAUTIOUS,
+    SafetyLevel.DANGEROUS: pb.SAFETY_LEVEL_DANGEROUS,
+}
+_FORMAT_PB = {
+    SchemaFormat.OPENAI: pb.SCHEMA_FORMAT_OPENAI,
+    SchemaFormat.ANTHROPIC: pb.SCHEMA_FORMAT_ANTHROPIC,
+    SchemaFormat.MCP: pb.SCHEMA_FORMAT_MCP,
+}
+
+
+def default_address() -> str:
+    return os.environ.get(ADDRESS_ENV) or DEFAULT_ADDRESS
+
+
+def describe_rpc_error(err: grpc.RpcError) -> str:
+    """One readable line (plus field violations) for an RPC error."""
+    code = err.code() if isinstance(err, grpc.Call) else None
+    message = err.details() if isinstance(err, grpc.Call) else str(err)
+    name = code.name if code is not None else "ERROR"
+    lines = [f"{name}: {message}"]
+    status = rpc_status.from_call(err) if isinstance(err, grpc.Call) else None
+    details: list[Any] = list(status.details) if status else []
+    for detail in details:
+        bad = error_details_pb2.BadRequest()
+        if detail.Unpack(bad):
+            lines += [f"  - {v.field}: {v.description}" for v in bad.field_violations]
+    return "\n".join(lines)
+
+
+class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds `authorization: Bearer <token>` to every call."""
+
+    def __init__(self, token: str) -> None:
+        self._header = ("authorization", f"Bearer {token}")
+
+    def _with_token(self, details: Any) -> Any:
+        metadata = [*(details.metadata or ()), self._header]
+        return details._replace(metadata=metadata)
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._with_token(details), request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._with_token(details), request)
+
+
+def open_channel(
+    address: str,
+    *,
+    token: str | None = None,
+    tls_ca: bytes | None = None,
+    tls_cert: bytes | None = None,
+    tls_key: bytes | None = None,
+    tls: bool = False,
+) -> grpc.Channel:
+    """A channel to the server: TLS when any TLS option is given (the CA
+    defaults to the system's), mTLS with a client certificate and key."""
+    if tls or tls_ca or tls_cert:
+        creds = grpc.ssl_channel_credentials(tls_ca, tls_key, tls_cert)
+        channel = grpc.secure_channel(address, creds)
+    else:
+        channel = grpc.insecure_channel(address)
+    if token:
+        channel = grpc.intercept_channel(channel, _BearerToken(token))
+    return channel
+
+
+class ApprovalWaitError(Exception):
+    """``wait_for_approval`` gave up: the request expired, was already used,
+    or the wait timed out. ``request`` is the last state seen (None if the
+    wait timed out before the first answer)."""
+
+    def __init__(self, message: str, request: ApprovalRequestView | None) -> None:
+        super().__init__(message)
+        self.request = request
+
+
+@dataclass(frozen=True)
+class CallResult:
+    """The outcome of one tool call (the domain form of ``ToolResult``)."""
+
+    success: bool
+    status: Status
+    content: str  # stdout as text, for the model
+    data: Any  # stdout parsed as JSON when it is a JSON value, else None
+    error: str  # an LLM-readable reason when not success
+    exit_code: int
+    stderr: str
+    duration_ms: int
+    output_truncated: bool
+    execution_id: str
+    approval_request: ApprovalRequestView | None  # set with APPROVAL_REQUIRED
+
+    @property
+    def needs_approval(self) -> bool:
+        return self.status is Status.APPROVAL_REQUIRED
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """One event of ``stream_tool``: a chunk of stdout or stderr, or (last) the result."""
+
+    stdout: bytes = b""
+    stderr: bytes = b""
+    result: CallResult | None = None
+
+
+def approval_from_message(msg: pb.ApprovalRequest) -> ApprovalRequestView:
+    """The domain form of an ApprovalRequest message (times in UTC)."""
+    return convert.approval_request_from_pb(msg)
+
+
+def result_from_message(msg: pb.ToolResult) -> CallResult:
+    """The domain form of a ToolResult message; an unknown status is SANDBOX_ERROR
+    (a newer server's outcome this client cannot name is still a failure)."""
+    return CallResult(
+        success=msg.success,
+        status=convert.status_from_pb(int(msg.status)),
+        content=msg.content,
+        data=convert.data_from_pb(msg.data_json),
+        error=msg.error,
+        exit_code=msg.exit_code,
+        stderr=msg.stderr,
+        duration_ms=msg.duration_ms,
+        output_truncated=msg.output_truncated,
+        execution_id=msg.execution_id,
+        approval_request=(
+            approval_from_message(msg.approval_request)
+            if msg.HasField("approval_request")
+            else None
+        ),
+    )
+
+
+def _arguments_text(arguments: Mapping[str, Any] | str) -> str:
+    # A string is sent as-is (the model's own JSON text, so the server judges it
+    # and its digest matches what approvers sign); a mapping is encoded here.
+    if isinstance(arguments, str):
+        return arguments
+    return json.dumps(dict(arguments), ensure_ascii=False, separators=(",", ":"))
+
+
+def _pem(value: bytes | str | Path | None) -> bytes | None:
+    """PEM bytes as given, or read from a path."""
+    if value is None or isinstance(value, bytes):
+        return value
+    return Path(value).read_bytes()
+
+
+class RegistryClient:
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        channel: grpc.Channel | None = None,
+        token: str | None = None,
+    ) -> None:
+        self.address = address or default_address()
+        self._channel = channel or open_channel(self.address, token=token)
+        self.stub = pb_grpc.ToolRegistryStub(self._channel)
+
+    def __enter__(self) -> RegistryClient:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    # ------------------------------------------------------------ domain API
+
+    @classmethod
+    def connect(
+        cls,
+        address: str | None = None,
+        *,
+        token: str | None = None,
+        tls_ca: bytes | str | Path | None = None,
+        tls_cert: bytes | str | Path | None = None,
+        tls_key: bytes | str | Path | None = None,
+        tls: bool = False,
+    ) -> RegistryClient:
+        """A client for ``address`` (default: $TOOLREG_ADDRESS or 127.0.0.1:50051).
+
+        ``token`` is sent as ``authorization: Bearer``. TLS is used when ``tls``
+        or any TLS option is given; ``tls_ca``/``tls_cert``/``tls_key`` are PEM
+        bytes or paths to PEM files (cert + key = mutual TLS)."""
+        target = address or default_address()
+        channel = open_channel(
+            target,
+            token=token,
+            tls_ca=_pem(tls_ca),
+            tls_cert=_pem(tls_cert),
+            tls_key=_pem(tls_key),
+            tls=tls,
+        )
+        return cls(target, channel=channel)
+
+    def register_tool(self, tool: ToolDefinition, *, replace: bool = False) -> ToolDefinition:
+        """RegisterTool; returns the stored definition (with its digest).
+        Raises grpc.RpcError: INVALID_ARGUMENT, ALREADY_EXISTS, PERMISSION_DENIED."""
+        return tool_from_message(self.register(tool, replace=replace))
+
+    def get_tool(self, name: str) -> ToolDefinition:
+        """GetTool. Raises grpc.RpcError NOT_FOUND for an unknown name."""
+        return tool_from_message(self.get(name))
+
+    def list_tool_definitions(
+        self, max_level: SafetyLevel | None = None, categories: Iterable[str] = ()
+    ) -> list[ToolDefinition]:
+        """ListTools: tools at or below ``max_level`` with any of ``categories``."""
+        return [tool_from_message(t) for t in self.list_tools(max_level, categories)]
+
+    def tool_schemas(
+        self,
+        fmt: SchemaFormat = SchemaFormat.OPENAI,
+        max_level: SafetyLevel | None = None,
+        categories: Iterable[str] = (),
+    ) -> list[dict[str, Any]]:
+        """GetToolSchemas, parsed: the list to hand to a model as its tools."""
+        parsed = json.loads(self.schemas(fmt, max_level, categories))
+        if not isinstance(parsed, list):
+            raise ValueError("GetToolSchemas did not return a JSON array")
+        return [dict(item) for item in parsed]
+
+    def execute_tool(
+        self,
+        name: str,
+        arguments: Mapping[str, Any] | str = "{}",
+        *,
+        approval_tokens: Iterable[str] = (),
+        approval_request_id: str = "",
+        timeout: float | None = None,
+    ) -> CallResult:
+        """ExecuteTool. Every outcome of the call is a CallResult; only a failed
+        request (UNAUTHENTICATED, RESOURCE_EXHAUSTED, ...) raises grpc.RpcError.
+        ``timeout`` (seconds) bounds the RPC; None waits for the tool's own limit."""
+        msg = self.execute(
+            name,
+            _arguments_text(arguments),
+            tokens=approval_tokens,
+            request_id=approval_request_id,
+            timeout=timeout,
+        )
+        return result_from_message(msg)
+
+    def stream_tool(
+        self,
+        name: str,
+        arguments: Mapping[str, Any] | str = "{}",
+        *,
+        approval_tokens: Iterable[str] = (),
+        approval_request_id: str = "",
+        timeout: float | None = None,
+    ) -> Iterator[StreamEvent]:
+        """StreamExecuteTool: stdout/stderr chunks as they arrive, then one
+        event whose ``result`` is the CallResult."""
+        for event in self.stream(
+            name,
+            _arguments_text(arguments),
+            tokens=approval_tokens,
+            request_id=approval_request_id,
+            timeout=timeout,
+        ):
+            kind = event.WhichOneof("event")
+            if kind == "stdout":
+                yield StreamEvent(stdout=event.stdout)
+            elif kind == "stderr":
+                yield StreamEvent(stderr=event.stderr)
+            elif kind == "result":
+                yield StreamEvent(result=result_from_message(event.result))
+
+    def list_approval_requests(self, state: str = "", limit: int = 0) -> list[ApprovalRequestView]:
+        """ListApprovalRequests (state: PENDING, APPROVED, CONSUMED, EXPIRED or "" = all)."""
+        return [approval_from_message(r) for r in self.approval_requests(state, limit)]
+
+    def get_approval_request(self, request_id: str) -> ApprovalRequestView:
+        """GetApprovalRequest. Raises grpc.RpcError NOT_FOUND for an unknown id."""
+        return approval_from_message(self.approval_request(request_id))
+
+    def submit_approval_token(self, request_id: str, token: str) -> ApprovalRequestView:
+        """SubmitApproval, returning the updated request. A token that does not
+        approve this request raises grpc.RpcError (the reason is in details())."""
+        return approval_from_message(self.submit_approval(request_id, token))
+
+    def wait_for_approval(
+        self, request_id: str, *, timeout_s: float, poll_s: float = DEFAULT_POLL_S
+    ) -> ApprovalRequestView:
+        """Poll GetApprovalRequest until the request is APPROVED and return it.
+        Raises ApprovalWaitError when it is EXPIRED or CONSUMED, or after
+        ``timeout_s`` seconds; grpc.RpcError when a poll itself fails."""
+        deadline = time.monotonic() + timeout_s
+        last: ApprovalRequestView | None = None
+        while True:
+            last = self.get_approval_request(request_id)
+            if last.state == "APPROVED":
+                return last
+            if last.state in ("EXPIRED", "CONSUMED"):
+                raise ApprovalWaitError(
+                    f"approval request {request_id} is {last.state.lower()}", last
+                )
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ApprovalWaitError(
+                    f"approval request {request_id} still {last.state.lower()} after"
+                    f" {timeout_s:g}s ({len(last.approved_by)} of {last.approvals_required}"
+                    " approvals)",
+                    last,
+                )
+            time.sleep(min(poll_s, remaining))
+
+    # ----------------------------------------------------- message-level API
+
+    def register(self, tool: ToolDefinition, *, replace: bool = False) -> pb.Tool:
+        request = pb.RegisterToolRequest(tool=convert.tool_to_pb(tool), replace=replace)
+        result: pb.Tool = self.stub.RegisterTool(request, timeout=DEFAULT_TIMEOUT_S)
+        return result
+
+    def get(self, name: str) -> pb.Tool:
+        result: pb.Tool = self.stub.GetTool(pb.GetToolRequest(name=name), timeout=DEFAULT_TIMEOUT_S)
+        return result
+
+    def list_tools(
+        self, max_level: SafetyLevel | None = None, categories: Iterable[str] = ()
+    ) -> list[pb.Tool]:
+        request = pb.ListToolsRequest(
+            max_safety_level=_LEVEL_PB[max_level], categories=list(categories)
+        )
+        return list(self.stub.ListTools(request, timeout=DEFAULT_TIMEOUT_S).tools)
+
+    def schemas(
+        self,
+        fmt: SchemaFormat,
+        max_level: SafetyLevel | None = None,
+        categories: Iterable[str] = (),
+    ) -> str:
+        request = pb.GetToolSchemasRequest(
+            format=_FORMAT_PB[fmt],
+            max_safety_level=_LEVEL_PB[max_level],
+            categories=list(categories),
+        )
+        result: str = self.stub.GetToolSchemas(request, timeout=DEFAULT_TIMEOUT_S).schemas_json
+        return result
+
+    def execute(
+        self,
+        name: str,
+        arguments: str = "{}",
+        *,
+        tokens: Iterable[str] = (),
+        request_id: str = "",
+        timeout: float | None = None,
+    ) -> pb.ToolResult:
+        request = pb.ExecuteToolRequest(
+            name=name,
+            arguments_json=arguments,
+            approval_tokens=list(tokens),
+            approval_request_id=request_id,
+        )
+        result: pb.ToolResult = self.stub.ExecuteTool(request, timeout=timeout)
+        return result
+
+    def approval_request(self, request_id: str) -> pb.ApprovalRequest:
+        result: pb.ApprovalRequest = self.stub.GetApprovalRequest(
+            pb.GetApprovalRequestRequest(id=request_id), timeout=DEFAULT_TIMEOUT_S
+        )
+        return result
+
+    def approval_requests(self, state: str = "", limit: int = 0) -> list[pb.ApprovalRequest]:
+        request = pb.ListApprovalRequestsRequest(state=state, limit=limit)
+        return list(self.stub.ListApprovalRequests(request, timeout=DEFAULT_TIMEOUT_S).requests)
+
+    def submit_approval(self, request_id: str, token: str) -> pb.ApprovalRequest:
+        result: pb.ApprovalRequest = self.stub.SubmitApproval(
+            pb.SubmitApprovalRequest(request_id=request_id, token=token), timeout=DEFAULT_TIMEOUT_S
+        )
+        return result
+
+    def stream(
+        self,
+        name: str,
+        arguments: str = "{}",
+        *,
+        tokens: Iterable[str] = (),
+        request_id: str = "",
+        timeout: float | None = None,
+    ) -> Iterator[pb.ExecutionEvent]:
+        request = pb.ExecuteToolRequest(
+            name=name, arguments_json=arguments, approval_tokens=list(tokens),
+            approval_request_id=request_id,
+        )  # fmt: skip
+        yield from self.stub.StreamExecuteTool(request, timeout=timeout)
+
+
+def tool_from_message(msg: pb.Tool) -> ToolDefinition:
+    """The domain form of a Tool the server sent (re-validated)."""
+    return convert.stored_tool_from_pb(msg)
+
+
+__all__ = [
+    "ApprovalRequestView",
+    "ApprovalWaitError",
+    "CallResult",
+    "RegistryClient",
+    "Status",
+    "StreamEvent",
+    "approval_from_message",
+    "default_address",
+    "describe_rpc_error",
+    "open_channel",
+    "result_from_message",
+    "tool_from_message",
+]

@@ -1,0 +1,377 @@
+"""Tool definitions: the one place their rules live.
+
+A definition arrives as a plain mapping in manifest shape (from YAML, or from
+a proto converted by ``convert.py``), is validated by the pydantic input model
+``ToolManifest`` (every broken rule reported, each naming its field), and is
+stored as the immutable ``ToolDefinition``. The parameters schema is kept as
+JSON text in the caller's key order, so a definition can be handed out without
+copying and without anyone mutating the registry's state through it.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import rfc8785
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from registry_server.domain import schema_safety, strict_json
+from registry_server.domain.errors import InvalidDefinition, Violation
+
+NAME_PATTERN = r"^[a-z][a-z0-9_]{0,63}$"
+MAX_NAME_CHARS = 64  # characters of a tool name (what NAME_PATTERN allows)
+MAX_CATEGORY_CHARS = 32  # characters of a category (what CATEGORY_PATTERN allows)
+MAX_IMAGE_CHARS = 512  # characters of an image reference (name, tag and digest)
+MAX_COMMAND_ARG_CHARS = 4_096  # characters of one argv entry
+MAX_ENV_KEY_CHARS = 128  # characters of a variable name (what ENV_KEY_PATTERN allows)
+MAX_ENV_VALUE_CHARS = 4_096  # characters of a variable's value
+OPERATOR_OWNER = "[operator]"  # owner of --tools manifests; no client id can look like it
+CATEGORY_PATTERN = r"^[a-z][a-z0-9_-]{0,31}$"
+ENV_KEY_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"
+MAX_DESCRIPTION_CHARS = 8_192  # characters; longer descriptions waste the model's context
+MAX_PARAMETERS_BYTES = 65_536  # bytes of JSON; a schema is a contract, not a data store
+MAX_CATEGORIES = 16  # per tool
+MAX_COMMAND_ARGS = 64  # argv entries
+MAX_ENV_VARS = 64  # per tool
+MAX_WARM_POOL = 32  # pre-started containers per tool
+JSON_SCHEMA_2020_12 = "https://json-schema.org/draft/2020-12/schema"
+
+# Upper bounds a definition may even ask for; the policy ceiling of its
+# safety level is applied on top at execution time (the tightest wins).
+MAX_MEMORY_MB = 65_536  # MiB
+MAX_CPU_MILLIS = 64_000  # thousandths of a CPU
+MAX_PIDS = 4_096  # processes
+MAX_TIMEOUT_MS = 3_600_000  # milliseconds (one hour)
+MAX_OUTPUT_BYTES = 64 * 1024 * 1024  # bytes per stream
+
+
+class SafetyLevel(enum.Enum):
+    SAFE = "safe"
+    CAUTIOUS = "cautious"
+    DANGEROUS = "dangerous"
+
+    @property
+    def rank(self) -> int:
+        return _RANKS[self]
+
+    def at_most(self, other: SafetyLevel) -> bool:
+        return self.rank <= other.rank
+
+    @classmethod
+    def parse(cls, text: str) -> SafetyLevel:
+        try:
+            return cls(text.strip().lower())
+        except ValueError:
+            raise ValueError(
+                f"unknown safety level {text!r}; use safe, cautious or dangerous"
+            ) from None
+
+
+_RANKS = {SafetyLevel.SAFE: 1, SafetyLevel.CAUTIOUS: 2, SafetyLevel.DANGEROUS: 3}
+
+
+# ---------------------------------------------------------------- stored form
+
+
+@dataclass(frozen=True, slots=True)
+class ToolLimits:
+    """Resource limits a tool asks for; 0 = its profile's default."""
+
+    memory_mb: int = 0
+    cpu_millis: int = 0
+    pids: int = 0
+    timeout_ms: int = 0
+    output_bytes: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "memory_mb": self.memory_mb,
+            "cpu_millis": self.cpu_millis,
+            "pids": self.pids,
+            "timeout_ms": self.timeout_ms,
+            "output_bytes": self.output_bytes,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ToolSandbox:
+    image: str
+    command: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()  # sorted by key
+    limits: ToolLimits = field(default_factory=ToolLimits)
+
+    def env_dict(self) -> dict[str, str]:
+        return dict(self.env)
+
+
+@dataclass(frozen=True, slots=True)
+class ToolDefinition:
+    """A validated, immutable tool definition. Build it with ``parse_definition``."""
+
+    name: str
+    description: str
+    parameters_json: str  # the JSON Schema as compact text, the author's key order kept
+    safety_level: SafetyLevel
+    categories: tuple[str, ...]  # sorted, unique
+    sandbox: ToolSandbox
+    warm_pool: int
+    digest: str  # sha256 hex of the RFC 8785 canonical JSON of ``as_manifest()``
+    # Who registered it (a client id, or OPERATOR_OWNER): not part of the
+    # definition, so not in ``as_manifest()`` or the digest.
+    owner: str = ""
+
+    @property
+    def parameters(self) -> dict[str, Any]:
+        """A fresh copy of the parameters schema."""
+        value: dict[str, Any] = json.loads(self.parameters_json)
+        return value
+
+    def as_manifest(self) -> dict[str, Any]:
+        """The definition in manifest shape (what YAML files and the store hold)."""
+        return {
+            "name": self.name,
+            "description": self.description,
+            "parameters": self.parameters,
+            "safety_level": self.safety_level.value,
+            "categories": list(self.categories),
+            "sandbox": {
+                "image": self.sandbox.image,
+                "command": list(self.sandbox.command),
+                "env": self.sandbox.env_dict(),
+                "limits": self.sandbox.limits.as_dict(),
+            },
+            "warm_pool": self.warm_pool,
+        }
+
+
+def valid_tool_name(name: str) -> bool:
+    """Whether ``name`` could name a tool (cheap: checked before any look-up)."""
+    return len(name) <= MAX_NAME_CHARS and re.fullmatch(NAME_PATTERN, name) is not None
+
+
+def compute_digest(manifest: Mapping[str, Any]) -> str:
+    return hashlib.sha256(rfc8785.dumps(dict(manifest))).hexdigest()
+
+
+# ---------------------------------------------------------------- input form
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class LimitsInput(_Strict):
+    memory_mb: int = Field(0, ge=0, le=MAX_MEMORY_MB)
+    cpu_millis: int = Field(0, ge=0, le=MAX_CPU_MILLIS)
+    pids: int = Field(0, ge=0, le=MAX_PIDS)
+    timeout_ms: int = Field(0, ge=0, le=MAX_TIMEOUT_MS)
+    output_bytes: int = Field(0, ge=0, le=MAX_OUTPUT_BYTES)
+
+
+class SandboxInput(_Strict):
+    image: str
+    command: list[str]
+    env: dict[str, str] = Field(default_factory=dict)
+    limits: LimitsInput = Field(default_factory=lambda: LimitsInput())
+
+    @field_validator("image")
+    @classmethod
+    def _image(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must not be empty")
+        if len(value) > MAX_IMAGE_CHARS:
+            raise ValueError(f"at most {MAX_IMAGE_CHARS} characters")
+        if value != value.strip() or any(c.isspace() for c in value):
+            raise ValueError("must not contain whitespace")
+        return value
+
+    @field_validator("command")
+    @classmethod
+    def _command(cls, value: list[str]) -> list[str]:
+        if not value:
+            raise ValueError("must name the program to run (at least one entry)")
+        if len(value) > MAX_COMMAND_ARGS:
+            raise ValueError(f"at most {MAX_COMMAND_ARGS} entries")
+        if not value[0].strip():
+            raise ValueError("the program (first entry) must not be empty")
+        if any("\x00" in arg for arg in value):
+            raise ValueError("entries must not contain NUL characters")
+        if any(len(arg) > MAX_COMMAND_ARG_CHARS for arg in value):
+            raise ValueError(f"each entry at most {MAX_COMMAND_ARG_CHARS} characters")
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, value: dict[str, str]) -> dict[str, str]:
+        if len(value) > MAX_ENV_VARS:
+            raise ValueError(f"at most {MAX_ENV_VARS} variables")
+        for key, val in value.items():
+            if not re.match(ENV_KEY_PATTERN, key):
+                raise ValueError(f"variable name {key!r} must match {ENV_KEY_PATTERN}")
+            if "\x00" in val:
+                raise ValueError(f"value of {key!r} must not contain NUL characters")
+            if len(val) > MAX_ENV_VALUE_CHARS:
+                raise ValueError(f"value of {key!r} at most {MAX_ENV_VALUE_CHARS} characters")
+        return value
+
+
+class ToolManifest(_Strict):
+    """The manifest shape of a tool definition, validated rule by rule."""
+
+    name: str
+    description: str
+    parameters: dict[str, Any]
+    safety_level: str = "safe"
+    categories: list[str] = Field(default_factory=list)
+    sandbox: SandboxInput
+    warm_pool: int = Field(0, ge=0, le=MAX_WARM_POOL)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not value:
+            raise ValueError("must not be empty")
+        if not re.match(NAME_PATTERN, value):
+            raise ValueError(
+                f"{value!r} is not snake_case: use 1-64 of a-z, 0-9 and _, starting with a letter"
+            )
+        return value
+
+    @field_validator("description")
+    @classmethod
+    def _description(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must not be empty")
+        if len(value) > MAX_DESCRIPTION_CHARS:
+            raise ValueError(f"at most {MAX_DESCRIPTION_CHARS} characters")
+        return value
+
+    @field_validator("safety_level")
+    @classmethod
+    def _level(cls, value: str) -> str:
+        return SafetyLevel.parse(value).value
+
+    @field_validator("categories")
+    @classmethod
+    def _categories(cls, value: list[str]) -> list[str]:
+        if len(value) > MAX_CATEGORIES:
+            raise ValueError(f"at most {MAX_CATEGORIES} categories")
+        for cat in value:
+            if not re.match(CATEGORY_PATTERN, cat):
+                raise ValueError(
+                    f"{cat!r} is not a lowercase word:"
+                    " use a-z, 0-9, _ and -, starting with a letter"
+                )
+        if len(set(value)) != len(value):
+            raise ValueError("must not repeat a category")
+        return sorted(value)
+
+    @field_validator("parameters")
+    @classmethod
+    def _parameters(cls, value: dict[str, Any]) -> dict[str, Any]:
+        for rule in parameter_schema_problems(value):
+            raise ValueError(rule)
+        return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _level_default(cls, data: Any) -> Any:
+        # An explicit null/empty level means "unspecified", which is SAFE.
+        if isinstance(data, dict) and data.get("safety_level") in (None, ""):
+            data = {k: v for k, v in data.items() if k != "safety_level"}
+        return data
+
+
+def parameter_schema_problems(schema: Mapping[str, Any]) -> list[str]:
+    """Why ``schema`` is not an acceptable parameters schema (empty = fine).
+    The cheap, bounded checks (shape, size) come first, so the schema is
+    known to be small plain JSON before anything evaluates it."""
+    problem = strict_json.structure_problem(schema)
+    if problem:
+        return [problem]
+    if len(strict_json.dumps(schema).encode()) > MAX_PARAMETERS_BYTES:
+        return [f"at most {MAX_PARAMETERS_BYTES} bytes of JSON"]
+    if schema.get("type") != "object":
+        return ['must be an object schema ("type": "object")']
+    declared = schema.get("$schema")
+    if declared is not None and (
+        not isinstance(declared, str) or declared.rstrip("#") != JSON_SCHEMA_2020_12
+    ):
+        return [f'"$schema" must be {JSON_SCHEMA_2020_12} (JSON Schema draft 2020-12)']
+    problems = schema_safety.schema_problems(schema)
+    if problems:
+        return problems
+    properties = schema.get("properties", {})
+    missing = [n for n in schema.get("required", []) if n not in properties]
+    if missing:
+        return [f'"required" names {missing} that are not in "properties"']
+    return []
+
+
+def parse_definition(raw: Mapping[str, Any], *, source: str = "tool definition") -> ToolDefinition:
+    """Validate a manifest-shaped mapping; raise InvalidDefinition listing every problem."""
+    if not isinstance(raw, Mapping):
+        raise InvalidDefinition([Violation("", "must be a mapping of tool fields")], source)
+    try:
+        manifest = ToolManifest.model_validate(dict(raw))
+    except ValidationError as exc:
+        raise InvalidDefinition(_violations(exc), source) from None
+    return _freeze(manifest)
+
+
+def _freeze(m: ToolManifest) -> ToolDefinition:
+    sandbox = ToolSandbox(
+        image=m.sandbox.image,
+        command=tuple(m.sandbox.command),
+        env=tuple(sorted(m.sandbox.env.items())),
+        limits=ToolLimits(**m.sandbox.limits.model_dump()),
+    )
+    unsigned = ToolDefinition(
+        name=m.name,
+        description=m.description,
+        parameters_json=strict_json.dumps(m.parameters),
+        safety_level=SafetyLevel(m.safety_level),
+        categories=tuple(m.categories),
+        sandbox=sandbox,
+        warm_pool=m.warm_pool,
+        digest="",
+    )
+    return _with_digest(unsigned)
+
+
+def _with_digest(tool: ToolDefinition) -> ToolDefinition:
+    from dataclasses import replace
+
+    return replace(tool, digest=compute_digest(tool.as_manifest()))
+
+
+def _violations(exc: ValidationError) -> list[Violation]:
+    out: list[Violation] = []
+    for err in exc.errors(include_url=False):
+        loc = [str(p) for p in err["loc"]]
+        path = ".".join(loc)
+        kind = err["type"]
+        if kind == "extra_forbidden":
+            out.append(Violation(path, "unknown key"))
+        elif kind == "missing":
+            out.append(Violation(path, "is required"))
+        elif kind == "dict_type":
+            out.append(Violation(path, "must be a mapping (JSON object)"))
+        elif kind == "list_type":
+            out.append(Violation(path, "must be a list"))
+        elif kind == "value_error":
+            out.append(Violation(path, str(err["ctx"]["error"]) if "ctx" in err else err["msg"]))
+        else:
+            out.append(Violation(path, _plain(err["msg"])))
+    return out
+
+
+def _plain(msg: str) -> str:
+    # pydantic says "Input should be a valid string"; say what the field must be.
+    return msg.replace("Input should be", "must be")

@@ -1,0 +1,60 @@
+"""The outcome of one tool call, in domain terms (converted to ToolResult)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from registry_server.domain.models import ToolDefinition
+
+
+class Status(enum.Enum):
+    OK = "OK"
+    TOOL_NOT_FOUND = "TOOL_NOT_FOUND"
+    INVALID_ARGUMENTS = "INVALID_ARGUMENTS"
+    APPROVAL_REQUIRED = "APPROVAL_REQUIRED"
+    APPROVAL_DENIED = "APPROVAL_DENIED"
+    TOOL_ERROR = "TOOL_ERROR"
+    TIMEOUT = "TIMEOUT"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    SANDBOX_ERROR = "SANDBOX_ERROR"
+
+
+@dataclass(frozen=True)
+class ApprovalRequestView:
+    id: str
+    tool_name: str
+    tool_digest: str
+    arguments_json: str
+    arguments_digest: str
+    requested_by: str
+    approvals_required: int
+    approved_by: tuple[str, ...]
+    state: str
+    created_at: datetime
+    expires_at: datetime
+    audience: str = ""
+    max_token_ttl_s: int = 0
+    # The definition the request is for, with its owner (what an approver signs);
+    # None for requests made before definitions were kept with them.
+    tool: ToolDefinition | None = None
+    approvals_missing: int = 0  # distinct approvers still needed, at least
+
+
+@dataclass(frozen=True)
+class Outcome:
+    status: Status
+    content: str = ""
+    data_json: str = ""
+    error: str = ""
+    exit_code: int = 0
+    stderr: str = ""
+    duration_ms: int = 0
+    output_truncated: bool = False
+    execution_id: str = ""
+    approval_request: ApprovalRequestView | None = field(default=None)
+
+    @property
+    def success(self) -> bool:
+        return self.status is Status.OK

@@ -1,0 +1,316 @@
+"""The policy file (docs/deploying.md): who may approve what, which clients may do what,
+and the sandbox ceilings of each safety level.
+
+The YAML is validated in two passes: pydantic input models (strict, frozen,
+unknown keys forbidden) check each field, then cross-checks catch what no
+single field shows (duplicate ids and credentials, one key serving two
+approvers, rules naming groups nobody is in, rules no set of approvers can
+satisfy). Every problem names the file, the YAML line of the offending node
+when there is one, and the field path. The validated file becomes a frozen
+``Policy`` that the server only reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from registry_server.domain.models import (
+    SafetyLevel,
+)
+from registry_server.policy.model import (
+    MAX_POLICY_BYTES,
+    UNRESTRICTED,
+    ApprovalRule,
+    Approver,
+    Client,
+    Policy,
+    PolicyError,
+    RegisterGrant,
+    Role,
+    RuleMatch,
+)
+from registry_server.policy.schema import (
+    _CeilingIn,
+    _ClientIn,
+    _PolicyIn,
+    _RegisterIn,
+)
+from registry_server.signing.keys import public_key_from_text, raw_public_bytes
+
+Loc = tuple[int | str, ...]
+
+
+def load_policy(path: Path) -> Policy:
+    """Read and validate the policy file; PolicyError lists every problem."""
+    source = str(path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise PolicyError(f"{source}: cannot read the policy file: {exc.strerror or exc}") from None
+    if len(data) > MAX_POLICY_BYTES:
+        raise PolicyError(f"{source}: larger than {MAX_POLICY_BYTES} bytes")
+    root, raw = _parse_yaml(data, source)
+    try:
+        parsed = _PolicyIn.model_validate(raw)
+    except ValidationError as exc:
+        raise PolicyError(
+            _problems(source, root, [(tuple(e["loc"]), _describe(e)) for e in exc.errors()])
+        ) from None
+    problems = _problems(source, root, list(_cross_check(parsed)))
+    if problems:
+        raise PolicyError(problems)
+    return _freeze(parsed, source)
+
+
+def _parse_yaml(data: bytes, source: str) -> tuple[yaml.Node, dict[str, Any]]:
+    """The node tree (for line numbers) and the plain data built from it."""
+    loader = yaml.SafeLoader(data)
+    try:
+        root = loader.get_single_node()
+        if root is None:
+            raise PolicyError(f"{source}: is empty; expected a mapping with at least 'audience'")
+        duplicates = list(_duplicate_keys(root, ()))
+        if duplicates:
+            raise PolicyError(
+                [_format(source, line, loc, message) for line, loc, message in sorted(duplicates)]
+            )
+        raw = loader.construct_document(root)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise PolicyError(f"{source}{where}: not valid YAML: {problem}") from None
+    finally:
+        loader.dispose()
+    if not isinstance(raw, dict):
+        raise PolicyError(f"{source} line {root.start_mark.line + 1}: must be a mapping")
+    return root, raw
+
+
+def _duplicate_keys(node: yaml.Node, loc: Loc) -> Iterator[tuple[int, Loc, str]]:
+    """PyYAML silently keeps the last of two equal keys; in a policy that would
+    hide, say, a second public_key. Each node is visited once (aliases share nodes)."""
+    seen: set[int] = set()
+    stack: list[tuple[yaml.Node, Loc]] = [(node, loc)]
+    while stack:
+        current, where = stack.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, yaml.MappingNode):
+            keys: set[str] = set()
+            for key, value in current.value:
+                if isinstance(key, yaml.ScalarNode):
+                    if key.value in keys:
+                        line = key.start_mark.line + 1  # the repeat, not the first
+                        yield line, (*where, key.value), f"duplicate key {key.value!r}"
+                    keys.add(key.value)
+                    stack.append((value, (*where, key.value)))
+        elif isinstance(current, yaml.SequenceNode):
+            stack.extend((item, (*where, i)) for i, item in enumerate(current.value))
+
+
+def _cross_check(policy: _PolicyIn) -> Iterator[tuple[Loc, str]]:
+    """The rules no single field can check."""
+    first_id: dict[str, int] = {}
+    first_key: dict[bytes, int] = {}
+    for i, approver in enumerate(policy.approvers):
+        if approver.id in first_id:
+            first = first_id[approver.id]
+            yield (
+                ("approvers", i, "id"),
+                f"duplicate approver id {approver.id!r} (also approvers[{first}])",
+            )
+        first_id.setdefault(approver.id, i)
+        raw = raw_public_bytes(public_key_from_text(approver.public_key))
+        if raw in first_key:
+            other = first_key[raw]
+            yield (
+                ("approvers", i, "public_key"),
+                (
+                    f"same key as approvers[{other}] ({policy.approvers[other].id!r});"
+                    " one key must not count as two approvers"
+                ),
+            )
+        first_key.setdefault(raw, i)
+
+    known_groups = {g for a in policy.approvers for g in a.groups}
+    first_match: dict[tuple[str | None, ...], int] = {}
+    for i, rule in enumerate(policy.approval_rules):
+        match = (rule.match.tool, rule.match.category, rule.match.level)
+        if match in first_match:
+            first = first_match[match]
+            yield (
+                ("approval_rules", i, "match"),
+                f"same match as approval_rules[{first}]; this rule would never apply",
+            )
+        first_match.setdefault(match, i)
+        for j, group in enumerate(rule.groups):
+            if group not in known_groups:
+                yield (
+                    ("approval_rules", i, "groups", j),
+                    f"unknown group {group!r} (no approver is in it)",
+                )
+        eligible = sorted(
+            {a.id for a in policy.approvers if not rule.groups or set(a.groups) & set(rule.groups)}
+        )
+        if rule.approvals_required > len(eligible):
+            who = f" ({', '.join(eligible)})" if eligible else ""
+            scope = f"in groups {', '.join(rule.groups)}" if rule.groups else "in the policy"
+            yield (
+                ("approval_rules", i, "approvals_required"),
+                (
+                    f"unsatisfiable rule: needs {rule.approvals_required} approvals but only"
+                    f" {len(eligible)} approver(s){who} are {scope}"
+                ),
+            )
+
+    seen: dict[tuple[str, str], int] = {}
+    for i, client in enumerate(policy.clients):
+        for name in ("id", "token_sha256", "mtls_subject"):
+            value = getattr(client, name)
+            if value is None:
+                continue
+            if (name, value) in seen:
+                what = "client id" if name == "id" else f"credential ({name})"
+                yield (
+                    ("clients", i, name),
+                    (f"duplicate {what}: same as clients[{seen[(name, value)]}]"),
+                )
+            seen.setdefault((name, value), i)
+        if client.approver is not None and client.approver not in first_id:
+            yield (("clients", i, "approver"), f"unknown approver {client.approver!r}")
+        if client.grant is not None and "register" not in client.roles:
+            yield (("clients", i, "register"), "given without the register role")
+
+
+def _freeze(policy: _PolicyIn, source: str) -> Policy:
+    profiles: dict[SafetyLevel, Mapping[str, int]] = {}
+    for level in SafetyLevel:
+        ceiling: _CeilingIn | None = getattr(policy.profiles, level.value)
+        if ceiling is not None:
+            profiles[level] = MappingProxyType(ceiling.model_dump(exclude_none=True))
+    return Policy(
+        audience=policy.audience,
+        approval_request_ttl_s=policy.approval_request_ttl_s,
+        approvers=tuple(
+            Approver(a.id, public_key_from_text(a.public_key), tuple(a.groups))
+            for a in policy.approvers
+        ),
+        rules=tuple(
+            ApprovalRule(
+                match=RuleMatch(
+                    tool=r.match.tool,
+                    category=r.match.category,
+                    level=None if r.match.level is None else SafetyLevel(r.match.level),
+                ),
+                approvals_required=r.approvals_required,
+                groups=tuple(r.groups),
+                max_token_ttl_s=r.max_token_ttl_s,
+            )
+            for r in policy.approval_rules
+        ),
+        profiles=MappingProxyType(profiles),
+        clients=tuple(
+            Client(
+                id=c.id,
+                roles=frozenset(Role(r) for r in c.roles),
+                max_safety_level=SafetyLevel(c.max_safety_level),
+                token_sha256=c.token_sha256,
+                mtls_subject=c.mtls_subject,
+                register=_grant(c),
+                approver=c.approver,
+            )
+            for c in policy.clients
+        ),
+        source=source,
+    )
+
+
+def _grant(client: _ClientIn) -> RegisterGrant:
+    if "admin" in client.roles and client.grant is None:
+        return UNRESTRICTED  # an operator's own client: trusted like the policy file
+    given = client.grant or _RegisterIn()
+    return RegisterGrant(SafetyLevel(given.max_safety_level), tuple(given.images))
+
+
+# ------------------------------------------------------------------- messages
+
+
+def _problems(source: str, root: yaml.Node, found: Sequence[tuple[Loc, str]]) -> list[str]:
+    """One line per problem, in file order (the order an operator fixes them)."""
+    lines = sorted(
+        ((_line_of(root, loc) or 0, index), _problem(source, root, loc, message))
+        for index, (loc, message) in enumerate(found)
+    )
+    return [text for _, text in lines]
+
+
+def _problem(source: str, root: yaml.Node, loc: Loc, message: str) -> str:
+    return _format(source, _line_of(root, loc), loc, message)
+
+
+def _format(source: str, line: int | None, loc: Loc, message: str) -> str:
+    path = _path(loc)
+    where = f"{source} line {line}" if line is not None else source
+    return f"{where}: {path}: {message}" if path else f"{where}: {message}"
+
+
+def _path(loc: Loc) -> str:
+    """("approvers", 1, "public_key") -> "approvers[1].public_key"."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _line_of(root: yaml.Node, loc: Loc) -> int | None:
+    """The 1-based line of the deepest node on ``loc``: the key itself for a
+    mapping entry (an unknown or bad key), else the closest enclosing node
+    (a missing key is reported at the mapping that lacks it)."""
+    node: yaml.Node = root
+    mark = root.start_mark
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            entry = next(
+                (
+                    (k, v)
+                    for k, v in node.value
+                    if isinstance(k, yaml.ScalarNode) and k.value == str(part)
+                ),
+                None,
+            )
+            if entry is None:
+                break
+            mark = entry[0].start_mark
+            node = entry[1]
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int):
+            if not 0 <= part < len(node.value):
+                break
+            node = node.value[part]
+            mark = node.start_mark
+        else:
+            break
+    return mark.line + 1 if mark is not None else None
+
+
+def _describe(error: Mapping[str, Any]) -> str:
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        return "unknown key"
+    if kind == "missing":
+        return "is required"
+    if kind in ("dict_type", "model_type"):
+        return "must be a mapping"
+    if kind == "list_type":
+        return "must be a list"
+    if kind == "value_error" and "ctx" in error:
+        return str(error["ctx"]["error"])
+    # pydantic says "Input should be a valid string"; say what the field must be.
+    return str(error["msg"]).replace("Input should be", "must be").replace("Value error, ", "")

@@ -1,0 +1,301 @@
+"""The policy as the server reads it: approvers, approval rules, clients and
+their roles and register grants, sandbox ceilings. Frozen once loaded
+(docs/deploying.md, docs/approvals.md)."""
+
+from __future__ import annotations
+
+import enum
+import fnmatch
+import hashlib
+import hmac
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from registry_server.domain.models import (
+    SafetyLevel,
+)
+from registry_server.signing.keys import public_key_from_text, raw_public_bytes
+
+ID_PATTERN = r"^[a-z0-9][a-z0-9_.@-]{0,63}$"  # approver and client ids
+GROUP_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
+SHA256_HEX_PATTERN = r"^[0-9a-fA-F]{64}$"
+# sha256 of the empty string: a client with this credential would accept "Bearer ".
+EMPTY_TOKEN_SHA256 = hashlib.sha256(b"").hexdigest()
+
+DEFAULT_TOKEN_TTL_S = 3_600  # seconds an approval token may live when a rule says nothing
+MAX_TOKEN_TTL_S = 86_400  # seconds (a day): an approval is for a call about to happen
+DEFAULT_APPROVAL_REQUEST_TTL_S = 3_600  # seconds a pending approval request waits
+MAX_APPROVAL_REQUEST_TTL_S = 7 * 86_400  # seconds
+MAX_AUDIENCE_CHARS = 256  # characters
+MAX_SUBJECT_CHARS = 1_024  # characters of an mTLS certificate subject
+MAX_TMPFS_MB = 65_536  # MiB of /tmp a profile may allow
+MAX_POLICY_BYTES = 1024 * 1024  # bytes; a policy is configuration, not data
+MAX_IMAGE_PATTERNS = 64  # image globs per client
+MAX_IMAGE_PATTERN_CHARS = 256  # characters of one image glob
+# What a client may register when the policy does not say: the images this
+# project builds, at the safe level (a higher level is granted, never assumed).
+DEFAULT_REGISTER_IMAGES = ("toolreg/base", "toolreg/base:*", "toolreg/python", "toolreg/python:*")
+DEFAULT_REGISTER_LEVEL = "safe"
+
+
+class Role(enum.StrEnum):
+    REGISTER = "register"
+    EXECUTE = "execute"
+    APPROVE = "approve"
+    ADMIN = "admin"  # an operator: may replace any tool, and register without the limits
+
+
+class PolicyError(Exception):
+    """The policy is unusable. ``problems`` holds one line per broken rule, each
+    naming the file and the line or field."""
+
+    def __init__(self, problems: str | Sequence[str]) -> None:
+        self.problems = (problems,) if isinstance(problems, str) else tuple(problems)
+        super().__init__("\n".join(self.problems))
+
+
+# ---------------------------------------------------------------- runtime form
+
+
+@dataclass(frozen=True)
+class Approver:
+    id: str
+    public_key: Ed25519PublicKey = field(repr=False)
+    groups: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class RuleMatch:
+    """Exactly one of the three is set."""
+
+    tool: str | None = None
+    category: str | None = None
+    level: SafetyLevel | None = None
+
+    def describe(self) -> str:
+        if self.tool is not None:
+            return f"tool {self.tool}"
+        if self.category is not None:
+            return f"category {self.category}"
+        assert self.level is not None
+        return f"level {self.level.value}"
+
+
+@dataclass(frozen=True)
+class ApprovalRule:
+    match: RuleMatch
+    approvals_required: int
+    groups: tuple[str, ...] = ()  # empty: any approver
+    max_token_ttl_s: int = DEFAULT_TOKEN_TTL_S
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """m approvals from approvers in ``groups`` (empty: any approver)."""
+
+    approvals_required: int
+    groups: tuple[str, ...]
+    source: str  # where it comes from, for messages: "rule 1 (tool write_file)"
+
+    def admits(self, approver_groups: Sequence[str]) -> bool:
+        return not self.groups or bool(set(self.groups) & set(approver_groups))
+
+
+@dataclass(frozen=True)
+class EffectiveRule:
+    """What one tool needs: every matching rule at once (the strictest of all:
+    a rule a registrant opted into through a category can add approvals, never
+    remove those its name or level requires)."""
+
+    requirements: tuple[Requirement, ...]
+    max_token_ttl_s: int  # seconds: the shortest of the matching rules
+
+    @property
+    def approvals_required(self) -> int:
+        """The fewest distinct approvers that can satisfy every requirement."""
+        return max((r.approvals_required for r in self.requirements), default=0)
+
+    @property
+    def source(self) -> str:
+        return "; ".join(r.source for r in self.requirements) or "no rule"
+
+    def describe(self) -> str:
+        """For messages: "2 approval(s) from security (rule 1 ...) and 1 from ops (...)"."""
+        parts = [
+            f"{r.approvals_required} approval(s) from {', '.join(r.groups) or 'any approver'}"
+            for r in self.requirements
+        ]
+        return " and ".join(parts) or "no approval"
+
+    def missing(self, approvers: Sequence[Approver]) -> int:
+        """How many more distinct approvers are needed at least, given these."""
+        return max(
+            (
+                r.approvals_required - sum(1 for a in approvers if r.admits(a.groups))
+                for r in self.requirements
+            ),
+            default=0,
+        )
+
+
+@dataclass(frozen=True)
+class RegisterGrant:
+    """What a client may register: tools up to ``max_level``, from images
+    matching one of ``images`` (shell-style globs on the image reference)."""
+
+    max_level: SafetyLevel = SafetyLevel.SAFE  # DEFAULT_REGISTER_LEVEL
+    images: tuple[str, ...] = DEFAULT_REGISTER_IMAGES
+
+    def allows_image(self, image: str) -> bool:
+        return any(fnmatch.fnmatchcase(image, pattern) for pattern in self.images)
+
+
+UNRESTRICTED = RegisterGrant(SafetyLevel.DANGEROUS, ("*",))  # operators and admins
+
+
+@dataclass(frozen=True)
+class Client:
+    id: str
+    roles: frozenset[Role]
+    max_safety_level: SafetyLevel = SafetyLevel.SAFE  # the most dangerous level it may execute
+    token_sha256: str | None = field(default=None, repr=False)  # lowercase hex
+    mtls_subject: str | None = None
+    register: RegisterGrant = field(default_factory=RegisterGrant)
+    # The approver this client is (the same person): never approves its calls.
+    approver: str | None = None
+
+    def may(self, role: Role, level: SafetyLevel | None = None) -> bool:
+        """Whether this client holds ``role``; for EXECUTE, also at ``level``."""
+        if role not in self.roles:
+            return False
+        if role is Role.EXECUTE and level is not None:
+            return level.at_most(self.max_safety_level)
+        return True
+
+
+@dataclass(frozen=True)
+class Policy:
+    audience: str
+    approval_request_ttl_s: int = DEFAULT_APPROVAL_REQUEST_TTL_S
+    approvers: tuple[Approver, ...] = ()
+    rules: tuple[ApprovalRule, ...] = ()
+    # per level, only the fields the policy sets (the rest keep the built-in profile)
+    profiles: Mapping[SafetyLevel, Mapping[str, int]] = field(default_factory=dict)
+    clients: tuple[Client, ...] = ()
+    source: str = "policy"  # the file it came from, for messages
+    _by_id: Mapping[str, Approver] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Built once: the approval path looks approvers up for every token.
+        by_id = MappingProxyType({a.id: a for a in self.approvers})
+        object.__setattr__(self, "_by_id", by_id)
+
+    def approver(self, approver_id: str) -> Approver | None:
+        return self._by_id.get(approver_id)
+
+    def client(self, client_id: str) -> Client | None:
+        return next((c for c in self.clients if c.id == client_id), None)
+
+    def same_person(self, approver_id: str, client_id: str) -> bool:
+        """An approver never approves a call of their own: same id, or the
+        client the policy links to them (``clients[].approver``)."""
+        if approver_id == client_id:
+            return True
+        client = self.client(client_id)
+        return client is not None and client.approver == approver_id
+
+    def approver_keys(self) -> Mapping[str, Ed25519PublicKey]:
+        return MappingProxyType({a.id: a.public_key for a in self.approvers})
+
+    def rule_for(
+        self, *, tool_name: str, categories: Sequence[str], level: SafetyLevel
+    ) -> EffectiveRule:
+        """Every rule that matches the tool (by name, by any of its categories,
+        by level) applies at once; with none, a dangerous tool needs one
+        approval from any approver. Only dangerous tools are gated by
+        approvals (the executor decides)."""
+        if level is not SafetyLevel.DANGEROUS:
+            return EffectiveRule((), DEFAULT_TOKEN_TTL_S)
+        matches: Callable[[RuleMatch], bool] = lambda m: (  # noqa: E731
+            (m.tool is not None and m.tool == tool_name)
+            or (m.category is not None and m.category in categories)
+            or (m.level is not None and m.level is level)
+        )
+        matched = [(n, r) for n, r in enumerate(self.rules, start=1) if matches(r.match)]
+        if not matched:
+            default = Requirement(1, (), "default for dangerous tools")
+            return EffectiveRule((default,), DEFAULT_TOKEN_TTL_S)
+        return EffectiveRule(
+            tuple(
+                Requirement(r.approvals_required, r.groups, f"rule {n} ({r.match.describe()})")
+                for n, r in matched
+            ),
+            min(r.max_token_ttl_s for _, r in matched),
+        )
+
+    def eligible(self, approver_id: str, rule: EffectiveRule) -> bool:
+        """Whether this approver counts towards at least one requirement."""
+        approver = self._by_id.get(approver_id)
+        return approver is not None and any(r.admits(approver.groups) for r in rule.requirements)
+
+    def client_by_token(self, token: str) -> Client | None:
+        """The client whose token_sha256 is sha256(token). Every client is
+        compared, in constant time, so timing reveals neither which nor whether."""
+        if not token:
+            return None
+        digest = hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest().encode()
+        found: Client | None = None
+        for client in self.clients:
+            if client.token_sha256 is not None and hmac.compare_digest(
+                digest, client.token_sha256.encode()
+            ):
+                found = client
+        return found
+
+    def client_by_subject(self, subject: str) -> Client | None:
+        if not subject:
+            return None
+        for client in self.clients:
+            if client.mtls_subject is not None and client.mtls_subject == subject:
+                return client
+        return None
+
+    def ceiling(self, level: SafetyLevel) -> dict[str, int] | None:
+        """The limits the policy sets for ``level`` (only those fields), or None."""
+        fields = self.profiles.get(level)
+        return None if fields is None else dict(fields)
+
+
+def development_policy(*, audience: str, approvers: Mapping[str, str | Ed25519PublicKey]) -> Policy:
+    """Development mode (no policy file): the approvers are the keys that
+    `toolreg keys generate --install` put in the data directory, with no groups;
+    the default rules apply; there are no clients (the server lets every local
+    caller in). Raises PolicyError naming a bad id or key."""
+    problems: list[str] = []
+    built: list[Approver] = []
+    seen_keys: dict[bytes, str] = {}
+    for approver_id, key in approvers.items():
+        if not re.fullmatch(ID_PATTERN, approver_id):
+            problems.append(f"approver {approver_id!r}: id must match {ID_PATTERN}")
+            continue
+        try:
+            public_key = key if isinstance(key, Ed25519PublicKey) else public_key_from_text(key)
+        except ValueError as exc:
+            problems.append(f"approver {approver_id!r}: {exc}")
+            continue
+        raw = raw_public_bytes(public_key)
+        if raw in seen_keys:
+            problems.append(
+                f"approver {approver_id!r}: same key as approver {seen_keys[raw]!r};"
+                " one key must not count as two approvers"
+            )
+            continue
+        seen_keys[raw] = approver_id
+        built.append(Approver(approver_id, public_key, ()))
+    if problems:
+        raise PolicyError(problems)
+    return Policy(audience=audience, approvers=tuple(built), source="development mode")

@@ -1,0 +1,263 @@
+"""The policy file's input form: strict pydantic models (unknown keys
+forbidden) that check each field on its own; ``loader`` cross-checks the whole."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from registry_server.domain.models import (
+    CATEGORY_PATTERN,
+    MAX_CPU_MILLIS,
+    MAX_MEMORY_MB,
+    MAX_OUTPUT_BYTES,
+    MAX_PIDS,
+    MAX_TIMEOUT_MS,
+    NAME_PATTERN,
+    SafetyLevel,
+)
+from registry_server.policy.model import (
+    DEFAULT_APPROVAL_REQUEST_TTL_S,
+    DEFAULT_REGISTER_IMAGES,
+    DEFAULT_REGISTER_LEVEL,
+    DEFAULT_TOKEN_TTL_S,
+    EMPTY_TOKEN_SHA256,
+    GROUP_PATTERN,
+    ID_PATTERN,
+    MAX_APPROVAL_REQUEST_TTL_S,
+    MAX_AUDIENCE_CHARS,
+    MAX_IMAGE_PATTERN_CHARS,
+    MAX_IMAGE_PATTERNS,
+    MAX_SUBJECT_CHARS,
+    MAX_TMPFS_MB,
+    MAX_TOKEN_TTL_S,
+    SHA256_HEX_PATTERN,
+    Role,
+)
+from registry_server.signing.keys import public_key_from_text
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+def _check_pattern(value: str, pattern: str, what: str) -> str:
+    # fullmatch: with re.match, "$" would also accept a trailing newline.
+    if not re.fullmatch(pattern, value):
+        raise ValueError(f"{value!r} is not a valid {what} (must match {pattern})")
+    return value
+
+
+def _check_unique(values: Sequence[str], what: str) -> None:
+    repeated = sorted({v for v in values if values.count(v) > 1})
+    if repeated:
+        raise ValueError(f"repeats {what} {', '.join(repr(v) for v in repeated)}")
+
+
+def _check_groups(values: list[str]) -> list[str]:
+    for group in values:
+        _check_pattern(group, GROUP_PATTERN, "group name")
+    _check_unique(values, "group")
+    return values
+
+
+class _ApproverIn(_Strict):
+    id: str
+    public_key: str
+    groups: list[str] = Field(default_factory=list)
+
+    @field_validator("id")
+    @classmethod
+    def _id(cls, value: str) -> str:
+        return _check_pattern(value, ID_PATTERN, "approver id")
+
+    @field_validator("public_key")
+    @classmethod
+    def _key(cls, value: str) -> str:
+        public_key_from_text(value)  # raises ValueError with the reason
+        return value
+
+    @field_validator("groups")
+    @classmethod
+    def _groups(cls, value: list[str]) -> list[str]:
+        return _check_groups(value)
+
+
+class _MatchIn(_Strict):
+    tool: str | None = None
+    category: str | None = None
+    level: str | None = None
+
+    @field_validator("tool")
+    @classmethod
+    def _tool(cls, value: str | None) -> str | None:
+        return None if value is None else _check_pattern(value, NAME_PATTERN, "tool name")
+
+    @field_validator("category")
+    @classmethod
+    def _category(cls, value: str | None) -> str | None:
+        return None if value is None else _check_pattern(value, CATEGORY_PATTERN, "category")
+
+    @field_validator("level")
+    @classmethod
+    def _level(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        level = SafetyLevel.parse(value)
+        if level is not SafetyLevel.DANGEROUS:
+            # Only dangerous tools are gated by approvals; a rule that can
+            # never apply would give a false sense of protection.
+            raise ValueError(
+                f"only dangerous tools need approvals; a rule for level {level.value!r}"
+                " would never apply"
+            )
+        return SafetyLevel.DANGEROUS.value
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> _MatchIn:
+        given = [n for n in ("tool", "category", "level") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                "must name exactly one of tool, category or level"
+                + (f" (found {', '.join(given)})" if given else "")
+            )
+        return self
+
+
+class _RuleIn(_Strict):
+    match: _MatchIn
+    approvals_required: int = Field(ge=1)
+    groups: list[str] = Field(default_factory=list)
+    max_token_ttl_s: int = Field(DEFAULT_TOKEN_TTL_S, ge=1, le=MAX_TOKEN_TTL_S)
+
+    @field_validator("groups")
+    @classmethod
+    def _groups(cls, value: list[str]) -> list[str]:
+        return _check_groups(value)
+
+
+class _CeilingIn(_Strict):
+    """Fields left out keep the built-in profile of the level."""
+
+    memory_mb: int | None = Field(None, ge=1, le=MAX_MEMORY_MB)
+    cpu_millis: int | None = Field(None, ge=1, le=MAX_CPU_MILLIS)
+    pids: int | None = Field(None, ge=1, le=MAX_PIDS)
+    timeout_ms: int | None = Field(None, ge=1, le=MAX_TIMEOUT_MS)
+    output_bytes: int | None = Field(None, ge=1, le=MAX_OUTPUT_BYTES)
+    tmpfs_mb: int | None = Field(None, ge=1, le=MAX_TMPFS_MB)
+
+
+class _ProfilesIn(_Strict):
+    safe: _CeilingIn | None = None
+    cautious: _CeilingIn | None = None
+    dangerous: _CeilingIn | None = None
+
+
+class _RegisterIn(_Strict):
+    """What a client with the register role may register."""
+
+    max_safety_level: str = DEFAULT_REGISTER_LEVEL
+    images: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_REGISTER_IMAGES), max_length=MAX_IMAGE_PATTERNS
+    )
+
+    @field_validator("max_safety_level")
+    @classmethod
+    def _level(cls, value: str) -> str:
+        return SafetyLevel.parse(value).value
+
+    @field_validator("images")
+    @classmethod
+    def _images(cls, value: list[str]) -> list[str]:
+        for pattern in value:
+            if not pattern or len(pattern) > MAX_IMAGE_PATTERN_CHARS:
+                raise ValueError(f"image patterns must be 1-{MAX_IMAGE_PATTERN_CHARS} characters")
+            if any(c.isspace() for c in pattern):
+                raise ValueError(f"image pattern {pattern!r} must not contain whitespace")
+        return value
+
+
+class _ClientIn(_Strict):
+    id: str
+    token_sha256: str | None = None
+    mtls_subject: str | None = None
+    roles: list[str] = Field(default_factory=list)
+    max_safety_level: str = SafetyLevel.SAFE.value
+    # "register" in the file (the attribute name would shadow BaseModel's own)
+    grant: _RegisterIn | None = Field(None, alias="register")
+    approver: str | None = None  # the approver id of the same person
+
+    @field_validator("id")
+    @classmethod
+    def _id(cls, value: str) -> str:
+        return _check_pattern(value, ID_PATTERN, "client id")
+
+    @field_validator("token_sha256")
+    @classmethod
+    def _token(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if not re.fullmatch(SHA256_HEX_PATTERN, value):
+            raise ValueError(
+                "must be the sha256 of the bearer token as 64 hex digits"
+                " (e.g. `printf %s TOKEN | sha256sum`), never the token itself"
+            )
+        if value.lower() == EMPTY_TOKEN_SHA256:
+            raise ValueError("is the sha256 of an empty token")
+        return value.lower()
+
+    @field_validator("mtls_subject")
+    @classmethod
+    def _subject(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if not value.strip() or value != value.strip():
+            raise ValueError("must be a non-empty subject without surrounding spaces")
+        if len(value) > MAX_SUBJECT_CHARS:
+            raise ValueError(f"at most {MAX_SUBJECT_CHARS} characters")
+        return value
+
+    @field_validator("roles")
+    @classmethod
+    def _roles(cls, value: list[str]) -> list[str]:
+        known = {r.value for r in Role}
+        for role in value:
+            if role not in known:
+                raise ValueError(f"unknown role {role!r}; use {', '.join(r.value for r in Role)}")
+        _check_unique(value, "role")
+        return value
+
+    @field_validator("max_safety_level")
+    @classmethod
+    def _level(cls, value: str) -> str:
+        return SafetyLevel.parse(value).value
+
+    @model_validator(mode="after")
+    def _credential(self) -> _ClientIn:
+        if self.token_sha256 is None and self.mtls_subject is None:
+            raise ValueError("needs a credential: token_sha256 and/or mtls_subject")
+        return self
+
+
+class _PolicyIn(_Strict):
+    audience: str
+    approval_request_ttl_s: int = Field(
+        DEFAULT_APPROVAL_REQUEST_TTL_S, ge=1, le=MAX_APPROVAL_REQUEST_TTL_S
+    )
+    approvers: list[_ApproverIn] = Field(default_factory=list)
+    approval_rules: list[_RuleIn] = Field(default_factory=list)
+    profiles: _ProfilesIn = Field(default_factory=lambda: _ProfilesIn())
+    clients: list[_ClientIn] = Field(default_factory=list)
+
+    @field_validator("audience")
+    @classmethod
+    def _audience(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must not be empty")
+        if value != value.strip() or any(c.isspace() for c in value):
+            raise ValueError("must not contain whitespace")
+        if len(value) > MAX_AUDIENCE_CHARS:
+            raise ValueError(f"at most {MAX_AUDIENCE_CHARS} characters")
+        return value

@@ -1,0 +1,196 @@
+"""SQLite persistence (WAL) for everything that must survive a restart.
+
+One connection, serialised by a lock: writes are short and rare next to
+container starts, and one writer is what SQLite wants anyway. Every change
+runs inside a transaction, so a crash or a full disk never leaves a row
+half-written.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from registry_server.domain.errors import StoreError
+
+DB_FILENAME = "toolreg.db"
+BUSY_TIMEOUT_MS = 5_000  # milliseconds to wait for another process's write lock
+
+_MIGRATIONS: list[str] = [
+    # 1: tools
+    """
+    CREATE TABLE tools (
+        name        TEXT PRIMARY KEY,
+        manifest    TEXT NOT NULL,   -- the definition in manifest shape, JSON
+        digest      TEXT NOT NULL,
+        created_at  REAL NOT NULL,
+        updated_at  REAL NOT NULL
+    );
+    """,
+    # 2: one row per execution attempt (the execution log)
+    """
+    CREATE TABLE executions (
+        id           TEXT PRIMARY KEY,
+        at           REAL NOT NULL,
+        tool         TEXT NOT NULL,
+        tool_digest  TEXT NOT NULL,
+        level        TEXT NOT NULL,
+        caller       TEXT NOT NULL,
+        args_digest  TEXT NOT NULL,
+        status       TEXT NOT NULL,
+        exit_code    INTEGER,
+        duration_ms  INTEGER NOT NULL,
+        runtime      TEXT NOT NULL,
+        limits       TEXT NOT NULL     -- JSON of the limits applied
+    );
+    CREATE INDEX executions_at ON executions (at);
+    """,
+    # 3: the hash-chained audit log replaces the execution log; approvals
+    """
+    DROP TABLE executions;
+    CREATE TABLE audit (
+        seq        INTEGER PRIMARY KEY,  -- 1, 2, 3, ... in append order
+        at         REAL NOT NULL,
+        kind       TEXT NOT NULL,        -- execution, approval, registration
+        record     TEXT NOT NULL,        -- the record, canonical JSON (RFC 8785)
+        prev_hash  TEXT NOT NULL,        -- hash of record seq-1 (64 zeros for the first)
+        hash       TEXT NOT NULL         -- sha256 of the canonical JSON of the fields above
+    );
+    CREATE TABLE approval_requests (
+        id                  TEXT PRIMARY KEY,
+        tool_name           TEXT NOT NULL,
+        tool_digest         TEXT NOT NULL,
+        arguments_json      TEXT NOT NULL,
+        arguments_digest    TEXT NOT NULL,
+        requested_by        TEXT NOT NULL,
+        approvals_required  INTEGER NOT NULL,
+        state               TEXT NOT NULL,   -- PENDING, APPROVED, CONSUMED (EXPIRED is derived)
+        created_at          REAL NOT NULL,
+        expires_at          REAL NOT NULL
+    );
+    CREATE INDEX approval_requests_created ON approval_requests (created_at);
+    CREATE TABLE approval_tokens (
+        request_id  TEXT NOT NULL REFERENCES approval_requests (id),
+        approver    TEXT NOT NULL,
+        jti         TEXT NOT NULL,
+        token       TEXT NOT NULL,
+        expires_at  REAL NOT NULL,
+        PRIMARY KEY (request_id, approver)
+    );
+    CREATE TABLE used_nonces (
+        jti           TEXT PRIMARY KEY,   -- a token's jti: used once, ever
+        approver      TEXT NOT NULL,
+        used_at       REAL NOT NULL,
+        execution_id  TEXT NOT NULL
+    );
+    """,
+    # 4: ownership of tools (older tools were the operator's: only an admin
+    # may replace them); the definition an approval request is for, as shown
+    # to approvers
+    """
+    ALTER TABLE tools ADD COLUMN owner TEXT NOT NULL DEFAULT '[operator]';
+    ALTER TABLE approval_requests ADD COLUMN tool_manifest TEXT NOT NULL DEFAULT '';
+    ALTER TABLE approval_requests ADD COLUMN tool_owner TEXT NOT NULL DEFAULT '';
+    CREATE INDEX approval_requests_requester ON approval_requests (requested_by, state);
+    """,
+]
+
+
+class Store:
+    def __init__(self, data_dir: Path, *, busy_timeout_ms: int = BUSY_TIMEOUT_MS) -> None:
+        self.path = data_dir / DB_FILENAME
+        try:
+            data_dir.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(
+                self.path,
+                check_same_thread=False,
+                isolation_level=None,
+                timeout=busy_timeout_ms / 1000,
+            )
+            self._db.execute("PRAGMA journal_mode=WAL")
+            # FULL: a committed registration (and later, a used approval nonce)
+            # survives power loss, not only a process crash.
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.execute("PRAGMA foreign_keys=ON")
+        except (OSError, sqlite3.Error) as exc:
+            raise StoreError(f"cannot open the store {self.path}: {exc}") from exc
+        self._lock = threading.RLock()
+        self._migrate()
+
+    def _migrate(self) -> None:
+        with self.transaction() as db:
+            (version,) = db.execute("PRAGMA user_version").fetchone()
+            if version > len(_MIGRATIONS):
+                raise StoreError(
+                    f"{self.path} was written by a newer toolreg (schema {version});"
+                    " upgrade toolreg"
+                )
+            for number, sql in enumerate(_MIGRATIONS[version:], start=version + 1):
+                # executescript() would COMMIT our transaction; run statements one by one.
+                for statement in filter(str.strip, sql.split(";")):
+                    db.execute(statement)
+                db.execute(f"PRAGMA user_version = {number}")
+
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """One atomic unit of work: all of it is committed, or none of it."""
+        with self._lock:
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    yield self._db
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+                self._db.execute("COMMIT")
+            except sqlite3.Error as exc:
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                raise StoreError(f"store {self.path}: {exc}") from exc
+
+    def read(self, sql: str, params: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
+        with self._lock:
+            try:
+                return list(self._db.execute(sql, params).fetchall())
+            except sqlite3.Error as exc:
+                raise StoreError(f"store {self.path}: {exc}") from exc
+
+    # -- tools ---------------------------------------------------------------
+
+    def load_tools(self) -> list[tuple[str, str, str]]:
+        """(name, manifest JSON, owner) of every stored tool."""
+        rows = self.read("SELECT name, manifest, owner FROM tools ORDER BY name")
+        return [(str(name), str(manifest), str(owner)) for name, manifest, owner in rows]
+
+    def put_tool(
+        self,
+        name: str,
+        manifest_json: str,
+        digest: str,
+        owner: str,
+        audit_record: dict[str, object] | None = None,
+    ) -> None:
+        """Store a definition and its owner, and its audit record in the same
+        transaction."""
+        from registry_server.store import audit_chain as audit
+
+        now = time.time()
+        with self.transaction() as db:
+            if audit_record is not None:
+                audit.append(db, "registration", audit_record)
+            db.execute(
+                "INSERT INTO tools (name, manifest, digest, owner, created_at, updated_at)"
+                " VALUES (?, ?, ?, ?, ?, ?)"
+                " ON CONFLICT(name) DO UPDATE SET manifest = excluded.manifest,"
+                " digest = excluded.digest, owner = excluded.owner,"
+                " updated_at = excluded.updated_at",
+                (name, manifest_json, digest, owner, now, now),
+            )
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()

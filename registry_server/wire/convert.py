@@ -1,0 +1,291 @@
+"""The one place where protobuf messages become domain objects and back."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from datetime import UTC
+from typing import Any
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
+from registry_server.domain import strict_json
+from registry_server.domain.errors import InvalidArgument, InvalidDefinition, Violation
+from registry_server.domain.models import (
+    MAX_CATEGORIES,
+    MAX_CATEGORY_CHARS,
+    MAX_COMMAND_ARG_CHARS,
+    MAX_COMMAND_ARGS,
+    MAX_DESCRIPTION_CHARS,
+    MAX_ENV_KEY_CHARS,
+    MAX_ENV_VALUE_CHARS,
+    MAX_ENV_VARS,
+    MAX_IMAGE_CHARS,
+    MAX_NAME_CHARS,
+    MAX_PARAMETERS_BYTES,
+    SafetyLevel,
+    ToolDefinition,
+    parse_definition,
+)
+from registry_server.domain.outcome import ApprovalRequestView, Outcome, Status
+from registry_server.domain.schemas import SchemaFormat
+
+_LEVEL_TO_PB = {
+    SafetyLevel.SAFE: pb.SAFETY_LEVEL_SAFE,
+    SafetyLevel.CAUTIOUS: pb.SAFETY_LEVEL_CAUTIOUS,
+    SafetyLevel.DANGEROUS: pb.SAFETY_LEVEL_DANGEROUS,
+}
+_LEVEL_FROM_PB: dict[int, SafetyLevel] = {int(v): k for k, v in _LEVEL_TO_PB.items()}
+_FORMAT_FROM_PB: dict[int, SchemaFormat] = {
+    pb.SCHEMA_FORMAT_UNSPECIFIED: SchemaFormat.OPENAI,
+    pb.SCHEMA_FORMAT_OPENAI: SchemaFormat.OPENAI,
+    pb.SCHEMA_FORMAT_ANTHROPIC: SchemaFormat.ANTHROPIC,
+    pb.SCHEMA_FORMAT_MCP: SchemaFormat.MCP,
+}
+_STATUS_TO_PB = {s: pb.ExecutionStatus.Value(f"EXECUTION_STATUS_{s.value}") for s in Status}
+
+
+def tool_from_pb(msg: pb.Tool) -> ToolDefinition:
+    """Validate a Tool message; every problem is named by its proto field.
+    Sizes are checked first, before any parsing: a 3 MB name or a huge schema
+    costs nothing but this check."""
+    oversized = _oversized(msg)
+    if oversized:
+        raise InvalidDefinition(oversized)
+    problems: list[Violation] = []
+    parameters: Any = {}
+    try:
+        parameters = strict_json.loads(msg.parameters_json or "", "parameters_json")
+    except InvalidArgument as exc:
+        problems.extend(exc.violations)
+    level: str | None = None
+    if msg.safety_level != pb.SAFETY_LEVEL_UNSPECIFIED:
+        found = _LEVEL_FROM_PB.get(int(msg.safety_level))
+        level = found.value if found else f"<enum value {msg.safety_level}>"
+    limits = msg.sandbox.limits
+    raw: dict[str, Any] = {
+        "name": msg.name,
+        "description": msg.description,
+        "parameters": parameters,
+        "safety_level": level,
+        "categories": list(msg.categories),
+        "sandbox": {
+            "image": msg.sandbox.image,
+            "command": list(msg.sandbox.command),
+            "env": dict(msg.sandbox.env),
+            "limits": {
+                "memory_mb": limits.memory_mb,
+                "cpu_millis": limits.cpu_millis,
+                "pids": limits.pids,
+                "timeout_ms": limits.timeout_ms,
+                "output_bytes": limits.output_bytes,
+            },
+        },
+        "warm_pool": msg.warm_pool,
+    }
+    try:
+        tool = parse_definition(raw)
+    except InvalidDefinition as exc:
+        problems.extend(_rename(v) for v in exc.violations if not _is_parse_echo(v, problems))
+        raise InvalidDefinition(problems) from None
+    if problems:
+        raise InvalidDefinition(problems)
+    return tool
+
+
+def _oversized(msg: pb.Tool) -> list[Violation]:
+    sandbox = msg.sandbox
+    checks: list[tuple[str, bool, str]] = [
+        ("name", len(msg.name) > MAX_NAME_CHARS, f"at most {MAX_NAME_CHARS} characters"),
+        ("description", len(msg.description) > MAX_DESCRIPTION_CHARS,
+         f"at most {MAX_DESCRIPTION_CHARS} characters"),
+        ("parameters_json", len(msg.parameters_json.encode()) > MAX_PARAMETERS_BYTES,
+         f"at most {MAX_PARAMETERS_BYTES} bytes"),
+        ("categories", len(msg.categories) > MAX_CATEGORIES, f"at most {MAX_CATEGORIES} entries"),
+        ("categories", any(len(c) > MAX_CATEGORY_CHARS for c in msg.categories),
+         f"each at most {MAX_CATEGORY_CHARS} characters"),
+        ("sandbox.image", len(sandbox.image) > MAX_IMAGE_CHARS,
+         f"at most {MAX_IMAGE_CHARS} characters"),
+        ("sandbox.command", len(sandbox.command) > MAX_COMMAND_ARGS,
+         f"at most {MAX_COMMAND_ARGS} entries"),
+        ("sandbox.command", any(len(a) > MAX_COMMAND_ARG_CHARS for a in sandbox.command),
+         f"each entry at most {MAX_COMMAND_ARG_CHARS} characters"),
+        ("sandbox.env", len(sandbox.env) > MAX_ENV_VARS, f"at most {MAX_ENV_VARS} variables"),
+        ("sandbox.env", any(len(k) > MAX_ENV_KEY_CHARS for k in sandbox.env),
+         f"names at most {MAX_ENV_KEY_CHARS} characters"),
+        ("sandbox.env", any(len(v) > MAX_ENV_VALUE_CHARS for v in sandbox.env.values()),
+         f"values at most {MAX_ENV_VALUE_CHARS} characters"),
+    ]  # fmt: skip
+    return [Violation(field, rule) for field, failed, rule in checks if failed]
+
+
+def stored_tool_from_pb(msg: pb.Tool) -> ToolDefinition:
+    """A Tool the server sent: re-validated, with its owner (output only)."""
+    return dataclasses.replace(tool_from_pb(msg), owner=msg.owner)
+
+
+def _is_parse_echo(v: Violation, already: list[Violation]) -> bool:
+    # When parameters_json did not parse, "parameters must be an object" is noise.
+    return v.field == "parameters" and any(p.field == "parameters_json" for p in already)
+
+
+def _rename(v: Violation) -> Violation:
+    # Name fields as clients see them in the .proto.
+    if v.field == "parameters" or v.field.startswith("parameters."):
+        return Violation("parameters_json" + v.field[len("parameters") :], v.description)
+    return v
+
+
+def tool_to_pb(tool: ToolDefinition) -> pb.Tool:
+    lim = tool.sandbox.limits
+    return pb.Tool(
+        name=tool.name,
+        description=tool.description,
+        parameters_json=tool.parameters_json,
+        safety_level=_LEVEL_TO_PB[tool.safety_level],
+        categories=tool.categories,
+        sandbox=pb.SandboxSpec(
+            image=tool.sandbox.image,
+            command=tool.sandbox.command,
+            env=tool.sandbox.env_dict(),
+            limits=pb.ResourceLimits(
+                memory_mb=lim.memory_mb,
+                cpu_millis=lim.cpu_millis,
+                pids=lim.pids,
+                timeout_ms=lim.timeout_ms,
+                output_bytes=lim.output_bytes,
+            ),
+        ),
+        digest=tool.digest,
+        warm_pool=tool.warm_pool,
+        owner=tool.owner,
+    )
+
+
+def level_name(value: int) -> str:
+    """A wire safety level for people ("dangerous"); an unknown one by number."""
+    level = _LEVEL_FROM_PB.get(int(value))
+    return level.value if level is not None else f"level {value}"
+
+
+def max_level_from_pb(value: int, field: str = "max_safety_level") -> SafetyLevel | None:
+    if value == pb.SAFETY_LEVEL_UNSPECIFIED:
+        return None
+    level = _LEVEL_FROM_PB.get(int(value))
+    if level is None:
+        raise InvalidArgument(
+            f"{field}: unknown safety level {value}", [Violation(field, f"unknown value {value}")]
+        )
+    return level
+
+
+def format_from_pb(value: int) -> SchemaFormat:
+    fmt = _FORMAT_FROM_PB.get(int(value))
+    if fmt is None:
+        raise InvalidArgument(
+            f"format: unknown schema format {value}",
+            [Violation("format", f"unknown value {value}")],
+        )
+    return fmt
+
+
+def _timestamp(when: Any) -> Timestamp:
+    ts = Timestamp()
+    ts.FromDatetime(when)
+    return ts
+
+
+def approval_request_to_pb(req: ApprovalRequestView) -> pb.ApprovalRequest:
+    return pb.ApprovalRequest(
+        id=req.id,
+        tool_name=req.tool_name,
+        tool_digest=req.tool_digest,
+        arguments_json=req.arguments_json,
+        arguments_digest=req.arguments_digest,
+        requested_by=req.requested_by,
+        approvals_required=req.approvals_required,
+        approved_by=req.approved_by,
+        state=req.state,
+        created_at=_timestamp(req.created_at),
+        expires_at=_timestamp(req.expires_at),
+        audience=req.audience,
+        max_token_ttl_s=req.max_token_ttl_s,
+        approvals_missing=req.approvals_missing,
+        tool=tool_to_pb(req.tool) if req.tool is not None else None,
+    )
+
+
+def approval_request_from_pb(msg: pb.ApprovalRequest) -> ApprovalRequestView:
+    return ApprovalRequestView(
+        id=msg.id,
+        tool_name=msg.tool_name,
+        tool_digest=msg.tool_digest,
+        arguments_json=msg.arguments_json,
+        arguments_digest=msg.arguments_digest,
+        requested_by=msg.requested_by,
+        approvals_required=msg.approvals_required,
+        approved_by=tuple(msg.approved_by),
+        state=msg.state,
+        created_at=msg.created_at.ToDatetime(tzinfo=UTC),
+        expires_at=msg.expires_at.ToDatetime(tzinfo=UTC),
+        audience=msg.audience,
+        max_token_ttl_s=msg.max_token_ttl_s,
+        tool=_shown_tool(msg),
+        approvals_missing=msg.approvals_missing,
+    )
+
+
+def _shown_tool(msg: pb.ApprovalRequest) -> ToolDefinition | None:
+    """The request's definition as a domain object, when it came in full (a
+    listing leaves its parameters out) and still validates."""
+    if not msg.HasField("tool") or not msg.tool.parameters_json:
+        return None
+    try:
+        return stored_tool_from_pb(msg.tool)
+    except InvalidArgument:
+        return None
+
+
+_STATUS_FROM_PB = {int(v): k for k, v in _STATUS_TO_PB.items()}
+
+
+def status_name(value: int) -> str:
+    """A wire status for people ("TOOL_ERROR"); a newer server's unknown one by number."""
+    try:
+        return pb.ExecutionStatus.Name(value).removeprefix("EXECUTION_STATUS_")  # type: ignore[arg-type]
+    except ValueError:
+        return f"STATUS_{value}"
+
+
+def data_from_pb(data_json: str) -> Any:
+    """A ToolResult's ``data_json`` parsed; None when it is empty or not JSON."""
+    if not data_json:
+        return None
+    try:
+        return json.loads(data_json)
+    except ValueError:
+        return None
+
+
+def status_from_pb(value: int) -> Status:
+    """An unknown status (a newer server's) is still a failure: SANDBOX_ERROR."""
+    return _STATUS_FROM_PB.get(value, Status.SANDBOX_ERROR)
+
+
+def outcome_to_pb(out: Outcome) -> pb.ToolResult:
+    msg = pb.ToolResult(
+        success=out.success,
+        status=_STATUS_TO_PB[out.status],
+        content=out.content,
+        data_json=out.data_json,
+        error=out.error,
+        exit_code=out.exit_code,
+        stderr=out.stderr,
+        duration_ms=out.duration_ms,
+        output_truncated=out.output_truncated,
+        execution_id=out.execution_id,
+    )
+    if out.approval_request is not None:
+        msg.approval_request.CopyFrom(approval_request_to_pb(out.approval_request))
+    return msg
