@@ -13,6 +13,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from sandbox_runner.spec import INIT_BINARY
 
+DB_FILENAME = "toolreg.db"  # the SQLite store's file in the data directory
+
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 50051
 DEFAULT_DATA_DIR = Path.home() / ".local" / "state" / "toolreg"
@@ -32,6 +34,9 @@ class ServerConfig(BaseSettings):
     host: str = DEFAULT_HOST
     port: int = Field(DEFAULT_PORT, ge=0, le=65535)
     data_dir: Path = DEFAULT_DATA_DIR
+    # Where tools, approvals and the audit log are kept; default: the SQLite
+    # file in data_dir (sqlite:///<data_dir>/toolreg.db).
+    store_url: str | None = Field(None, min_length=1, max_length=4096)
     tools_dir: Path | None = None  # manifests registered (replacing) at start-up
     policy_file: Path | None = None
     max_sandboxes: int = Field(DEFAULT_MAX_SANDBOXES, ge=1, le=256)
@@ -78,6 +83,10 @@ class ServerConfig(BaseSettings):
         return self.max_sandboxes + self.max_queued + EXTRA_GRPC_THREADS
 
     @property
+    def store(self) -> str:
+        return self.store_url or default_store_url(self.data_dir)
+
+    @property
     def approvers_dir(self) -> Path:
         """Development mode: public keys (<id>.pub) of approvers."""
         return self.data_dir / "approvers"
@@ -90,3 +99,7 @@ class ServerConfig(BaseSettings):
     def address(self) -> str:
         host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
         return f"{host}:{self.port}"
+
+
+def default_store_url(data_dir: Path) -> str:
+    return f"sqlite:///{data_dir / DB_FILENAME}"

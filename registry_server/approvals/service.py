@@ -17,7 +17,6 @@ that request.
 from __future__ import annotations
 
 import dataclasses
-import sqlite3
 import time
 import uuid
 from collections.abc import Iterable
@@ -45,9 +44,16 @@ from registry_server.signing.tokens import (
     verify,
 )
 from registry_server.store import audit_chain as audit
-from registry_server.store.sqlite import Store
+from registry_server.store.base import (
+    CONSUMED,
+    EXPIRED,
+    PENDING,
+    REQUEST_STATES,
+    ApprovalRequestRecord,
+    Store,
+    UnitOfWork,
+)
 
-STATES = ("PENDING", "APPROVED", "CONSUMED", "EXPIRED")
 MAX_TOKENS_PER_CALL = 16  # approval tokens one call may carry; more is an attack, not a quorum
 MAX_LISTED = 500  # approval requests per ListApprovalRequests answer
 DEFAULT_LISTED = 100
@@ -132,7 +138,8 @@ class Approvals:
         return approval
 
     def _jti_used(self, jti: str) -> bool:
-        return bool(self._store.read("SELECT 1 FROM used_nonces WHERE jti = ?", (jti,)))
+        with self._store.reading() as reads:
+            return reads.jti_used(jti)
 
     # -- the decision for one call -----------------------------------------------------
 
@@ -192,28 +199,9 @@ class Approvals:
         """Spend the approval and write the call's audit record, in one
         transaction: a crash after this can never let the same tokens run the
         call twice. Raises Denied when another call spent them first."""
-        with self._store.transaction() as db:
-            self._consume(db, approved, execution_id)
-            audit.append(db, "execution", audit_record)
-
-    def _consume(self, db: sqlite3.Connection, approved: Approved, execution_id: str) -> None:
-        now = time.time()
-        for approval in approved.approvals:
-            if db.execute("SELECT 1 FROM used_nonces WHERE jti = ?", (approval.jti,)).fetchone():
-                raise Replayed(f"token of '{approval.approver}' was already used (replayed jti)")
-            db.execute(
-                "INSERT INTO used_nonces (jti, approver, used_at, execution_id)"
-                " VALUES (?, ?, ?, ?)",
-                (approval.jti, approval.approver, now, execution_id),
-            )
-        if approved.request_id:
-            changed = db.execute(
-                "UPDATE approval_requests SET state = 'CONSUMED'"
-                " WHERE id = ? AND state IN ('PENDING', 'APPROVED') AND expires_at > ?",
-                (approved.request_id, now),
-            ).rowcount
-            if changed != 1:
-                raise Denied(f"approval request {approved.request_id} is no longer usable")
+        with self._store.unit_of_work() as uow:
+            _consume(uow, approved, execution_id)
+            audit.append(uow, "execution", audit_record)
 
     # -- requests ----------------------------------------------------------------
 
@@ -239,45 +227,35 @@ class Approvals:
     def _open_request(self, call: Call, rule: EffectiveRule) -> ApprovalRequestView:
         """The caller's open request for exactly this call, or a new one."""
         now = time.time()
-        rows = self._store.read(
-            "SELECT id FROM approval_requests WHERE tool_name = ? AND tool_digest = ?"
-            " AND arguments_digest = ? AND requested_by = ? AND state = 'PENDING'"
-            " AND expires_at > ? ORDER BY created_at DESC LIMIT 1",
-            (call.tool.name, call.tool.digest, call.arguments_digest, call.caller, now),
-        )
-        if rows:
-            return self.get(str(rows[0][0]))
-        request_id = uuid.uuid4().hex
-        manifest = strict_json.dumps(call.tool.as_manifest())
-        with self._store.transaction() as db:
-            (open_now,) = db.execute(
-                "SELECT COUNT(*) FROM approval_requests WHERE requested_by = ?"
-                " AND state = 'PENDING' AND expires_at > ?",
-                (call.caller, now),
-            ).fetchone()
+        with self._store.reading() as reads:
+            existing = reads.open_request_for(
+                tool_name=call.tool.name, tool_digest=call.tool.digest,
+                arguments_digest=call.arguments_digest, requested_by=call.caller, now=now,
+            )  # fmt: skip
+        if existing is not None:
+            return self.get(existing)
+        request = ApprovalRequestRecord(
+            id=uuid.uuid4().hex, tool_name=call.tool.name, tool_digest=call.tool.digest,
+            arguments_json=call.arguments_json, arguments_digest=call.arguments_digest,
+            requested_by=call.caller, approvals_required=rule.approvals_required, state=PENDING,
+            created_at=now, expires_at=now + self.policy.approval_request_ttl_s,
+            tool_manifest=strict_json.dumps(call.tool.as_manifest()), tool_owner=call.tool.owner,
+        )  # fmt: skip
+        with self._store.unit_of_work() as uow:
+            open_now = uow.open_requests_of(call.caller, now)
             if open_now >= MAX_OPEN_REQUESTS_PER_CALLER:
                 raise AtCapacity(
                     f"client '{call.caller}' already has {open_now} open approval requests"
                     f" (at most {MAX_OPEN_REQUESTS_PER_CALLER}); wait until some are approved"
                     " or expire"
                 )
-            db.execute(
-                "INSERT INTO approval_requests (id, tool_name, tool_digest, arguments_json,"
-                " arguments_digest, requested_by, approvals_required, state, created_at,"
-                " expires_at, tool_manifest, tool_owner)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, 'PENDING', ?, ?, ?, ?)",
-                (
-                    request_id, call.tool.name, call.tool.digest, call.arguments_json,
-                    call.arguments_digest, call.caller, rule.approvals_required, now,
-                    now + self.policy.approval_request_ttl_s, manifest, call.tool.owner,
-                ),
-            )  # fmt: skip
-            audit.append(db, "approval", {
-                "event": "requested", "request_id": request_id, "tool": call.tool.name,
+            uow.add_request(request)
+            audit.append(uow, "approval", {
+                "event": "requested", "request_id": request.id, "tool": call.tool.name,
                 "tool_digest": call.tool.digest, "args_digest": call.arguments_digest,
                 "requested_by": call.caller, "approvals_required": rule.approvals_required,
             })  # fmt: skip
-        return self.get(request_id)
+        return self.get(request.id)
 
     def get_for(self, request_id: str, reader: str, *, approver: bool) -> ApprovalRequestView:
         """A request as ``reader`` may see it: approvers see every request; any
@@ -293,35 +271,24 @@ class Approvals:
             raise InvalidArgument("id: must not be empty")
         if len(request_id) > MAX_REQUEST_ID_CHARS:
             raise InvalidArgument(f"id: longer than {MAX_REQUEST_ID_CHARS} characters")
-        rows = self._store.read(
-            f"SELECT {_COLUMNS} FROM approval_requests WHERE id = ?", (request_id,)
-        )
-        if not rows:
+        with self._store.reading() as reads:
+            record = reads.request(request_id)
+            approvers = reads.approvers_of(request_id)
+        if record is None:
             raise NotFound(f"approval request '{request_id}' not found")
-        return self._view(rows[0])
+        return self._view(record, approvers)
 
     def list_requests(self, state: str = "", limit: int = 0) -> list[ApprovalRequestView]:
         """Newest first, without the arguments or the tool's parameters (an
         answer of 500 requests must not carry 500 MiB): read one with ``get``."""
         state = state.strip().upper()
-        if state and state not in STATES:
-            raise InvalidArgument(f"state: unknown state; use {', '.join(STATES)}")
+        if state and state not in REQUEST_STATES:
+            raise InvalidArgument(f"state: unknown state; use {', '.join(REQUEST_STATES)}")
         limit = min(limit or DEFAULT_LISTED, MAX_LISTED)
-        now = time.time()
-        where = ""
-        params: tuple[object, ...] = ()
-        if state == "EXPIRED":
-            where, params = "WHERE state != 'CONSUMED' AND expires_at <= ?", (now,)
-        elif state in ("PENDING", "APPROVED"):
-            where, params = "WHERE state = ? AND expires_at > ?", (state, now)
-        elif state == "CONSUMED":
-            where, params = "WHERE state = 'CONSUMED'", ()
-        rows = self._store.read(
-            f"SELECT {_LISTED_COLUMNS} FROM approval_requests {where}"
-            " ORDER BY created_at DESC LIMIT ?",
-            (*params, limit),
-        )
-        return [self._view(r, listed=True) for r in rows]
+        with self._store.reading() as reads:
+            records = reads.requests(state=state, now=time.time(), limit=limit)
+            approvers = [reads.approvers_of(r.id) for r in records]
+        return [self._view(r, a, listed=True) for r, a in zip(records, approvers, strict=True)]
 
     def submit(self, request_id: str, token: str, submitted_by: str) -> ApprovalRequestView:
         """Attach one approver's token to a request (verified now, spent later)."""
@@ -330,7 +297,7 @@ class Approvals:
         if len(token) > MAX_TOKEN_CHARS:
             raise InvalidArgument(f"token: longer than {MAX_TOKEN_CHARS} characters")
         request = self.get(request_id)
-        if request.state in ("CONSUMED", "EXPIRED"):
+        if request.state in (CONSUMED, EXPIRED):
             raise FailedPrecondition(f"approval request {request_id} is {request.state.lower()}")
         rule = self._rule_of(request)
         try:
@@ -344,25 +311,13 @@ class Approvals:
             raise PermissionDenied(
                 f"approval rejected: token is for request {approval.request_id}, not {request_id}"
             )
-        with self._store.transaction() as db:
-            db.execute(
-                "INSERT INTO approval_tokens (request_id, approver, jti, token, expires_at)"
-                " VALUES (?, ?, ?, ?, ?) ON CONFLICT (request_id, approver) DO UPDATE SET"
-                " jti = excluded.jti, token = excluded.token, expires_at = excluded.expires_at",
-                (request_id, approval.approver, approval.jti, token, approval.expires_at),
+        with self._store.unit_of_work() as uow:
+            uow.put_approval_token(
+                request_id, approval.approver, approval.jti, token, approval.expires_at
             )
-            approvers = [
-                str(a) for (a,) in db.execute(
-                    "SELECT approver FROM approval_tokens WHERE request_id = ?", (request_id,)
-                )
-            ]  # fmt: skip
-            if self._missing(rule, approvers) == 0:
-                db.execute(
-                    "UPDATE approval_requests SET state = 'APPROVED'"
-                    " WHERE id = ? AND state = 'PENDING'",
-                    (request_id,),
-                )
-            audit.append(db, "approval", {
+            if self._missing(rule, uow.approvers_of(request_id)) == 0:
+                uow.mark_approved(request_id)
+            audit.append(uow, "approval", {
                 "event": "approved", "request_id": request_id, "approver": approval.approver,
                 "jti": approval.jti, "submitted_by": submitted_by,
             })  # fmt: skip
@@ -379,26 +334,15 @@ class Approvals:
         )
 
     def _stored_tokens(self, request_id: str) -> list[str]:
-        rows = self._store.read(
-            "SELECT token FROM approval_tokens WHERE request_id = ? ORDER BY approver",
-            (request_id,),
-        )
-        return [str(r[0]) for r in rows]
+        with self._store.reading() as reads:
+            return reads.tokens_of(request_id)
 
-    def _view(self, row: tuple[object, ...], *, listed: bool = False) -> ApprovalRequestView:
-        (rid, tool, tdig, args, adig, by, need, state, created, expires, manifest, owner) = row
-        approvers = [
-            str(a[0])
-            for a in self._store.read(
-                "SELECT approver FROM approval_tokens WHERE request_id = ? ORDER BY approver",
-                (rid,),
-            )
-        ]
-        state = str(state)
-        if state != "CONSUMED" and float(str(expires)) <= time.time():
-            state = "EXPIRED"
-        shown = _snapshot(str(manifest), str(owner), listed=listed)
-        current = self._registry.find(str(tool))
+    def _view(
+        self, record: ApprovalRequestRecord, approvers: list[str], *, listed: bool = False
+    ) -> ApprovalRequestView:
+        r = record
+        shown = _snapshot(r.tool_manifest, r.tool_owner, listed=listed)
+        current = self._registry.find(r.tool_name)
         rule = (
             self.policy.rule_for(
                 tool_name=current.name, categories=current.categories, level=current.safety_level
@@ -409,16 +353,17 @@ class Approvals:
         return ApprovalRequestView(
             audience=self.policy.audience,
             max_token_ttl_s=rule.max_token_ttl_s if rule else 0,
-            id=str(rid), tool_name=str(tool), tool_digest=str(tdig),
-            arguments_json="" if listed else str(args),
-            arguments_digest=str(adig), requested_by=str(by), approvals_required=int(str(need)),
-            approved_by=tuple(approvers), state=state,
-            created_at=datetime.fromtimestamp(float(str(created)), UTC),
-            expires_at=datetime.fromtimestamp(float(str(expires)), UTC),
+            id=r.id, tool_name=r.tool_name, tool_digest=r.tool_digest,
+            arguments_json="" if listed else r.arguments_json,
+            arguments_digest=r.arguments_digest, requested_by=r.requested_by,
+            approvals_required=r.approvals_required,
+            approved_by=tuple(approvers), state=r.state_at(time.time()),
+            created_at=datetime.fromtimestamp(r.created_at, UTC),
+            expires_at=datetime.fromtimestamp(r.expires_at, UTC),
             tool=shown,
             approvals_missing=(
                 self._missing(rule, approvers) if rule is not None
-                else max(0, int(str(need)) - len(approvers))
+                else max(0, r.approvals_required - len(approvers))
             ),
         )  # fmt: skip
 
@@ -436,13 +381,10 @@ def _snapshot(manifest: str, owner: str, *, listed: bool) -> ToolDefinition | No
     return dataclasses.replace(tool, parameters_json="") if listed else tool
 
 
-_COLUMNS = (
-    "id, tool_name, tool_digest, arguments_json, arguments_digest, requested_by,"
-    " approvals_required, state, created_at, expires_at, tool_manifest, tool_owner"
-)
-# Listings read neither the arguments nor the schema from disk.
-_LISTED_COLUMNS = _COLUMNS.replace("arguments_json", "''").replace(
-    "tool_manifest",
-    "CASE tool_manifest WHEN '' THEN '' ELSE"
-    " json_set(tool_manifest, '$.parameters', json('{\"type\":\"object\"}')) END",
-)
+def _consume(uow: UnitOfWork, approved: Approved, execution_id: str) -> None:
+    now = time.time()
+    for approval in approved.approvals:
+        if not uow.use_jti(approval.jti, approval.approver, execution_id, now):
+            raise Replayed(f"token of '{approval.approver}' was already used (replayed jti)")
+    if approved.request_id and not uow.consume_request(approved.request_id, now):
+        raise Denied(f"approval request {approved.request_id} is no longer usable")

@@ -16,6 +16,7 @@ import dataclasses
 import enum
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -33,7 +34,8 @@ from registry_server.domain.models import (
     parse_definition,
 )
 from registry_server.policy.model import UNRESTRICTED, RegisterGrant
-from registry_server.store.sqlite import Store
+from registry_server.store import audit_chain
+from registry_server.store.base import Store, StoredTool
 
 log = logging.getLogger(__name__)
 
@@ -67,25 +69,26 @@ class Registry:
     write the store first and only then publish the new snapshot, so a failed
     write changes nothing."""
 
-    def __init__(self, store: Store | None = None, image_check: ImageCheck | None = None) -> None:
+    def __init__(self, store: Store, image_check: ImageCheck | None = None) -> None:
         self._store = store
         self._image_check = image_check
         self._write_lock = threading.Lock()
         self._tools: dict[str, ToolDefinition] = {}
         self._version = 0
         self._listeners: list[ChangeListener] = []
-        if store is not None:
-            self._load(store)
+        self._load(store)
 
     def _load(self, store: Store) -> None:
-        for name, manifest_json, owner in store.load_tools():
+        with store.reading() as reads:
+            stored = reads.tools()
+        for row in stored:
             try:
-                tool = parse_definition(strict_json.loads(manifest_json, "manifest"))
+                tool = parse_definition(strict_json.loads(row.manifest_json, "manifest"))
             except InvalidDefinition as exc:
                 # Kept in the store untouched; an operator can fix or replace it.
-                log.error("stored tool %r no longer validates and is not served: %s", name, exc)
+                log.error("stored tool %r no longer validates and is not served: %s", row.name, exc)
                 continue
-            self._tools[tool.name] = dataclasses.replace(tool, owner=owner)
+            self._tools[tool.name] = dataclasses.replace(tool, owner=row.owner)
 
     @property
     def version(self) -> int:
@@ -125,19 +128,20 @@ class Registry:
                     f"tool '{tool.name}' already exists with a different definition"
                     f" (digest {current.digest[:12]}); pass replace to overwrite it"
                 )
-            if self._store is not None:
-                record: dict[str, object] = {
-                    "event": "replaced" if current else "created",
-                    "tool": tool.name,
-                    "digest": tool.digest,
-                    "previous_digest": current.digest if current else None,
-                    "level": tool.safety_level.value,
-                    "image": tool.sandbox.image,
-                    "by": by.id,
-                    "previous_owner": current.owner if current else None,
-                }
-                manifest = strict_json.dumps(tool.as_manifest())
-                self._store.put_tool(tool.name, manifest, tool.digest, by.id, record)
+            record: dict[str, object] = {
+                "event": "replaced" if current else "created",
+                "tool": tool.name,
+                "digest": tool.digest,
+                "previous_digest": current.digest if current else None,
+                "level": tool.safety_level.value,
+                "image": tool.sandbox.image,
+                "by": by.id,
+                "previous_owner": current.owner if current else None,
+            }
+            manifest = strict_json.dumps(tool.as_manifest())
+            with self._store.unit_of_work() as uow:
+                audit_chain.append(uow, "registration", record)
+                uow.put_tool(StoredTool(tool.name, manifest, tool.digest, by.id), time.time())
             tools = dict(self._tools)
             tools[tool.name] = tool
             self._tools = tools  # publish: one reference swap, atomic for readers

@@ -593,25 +593,33 @@ DataDirOpt = Annotated[
 ]
 
 
-def _open_store(data_dir: Path | None) -> Any:
-    from registry_server.api.config import DEFAULT_DATA_DIR
-    from registry_server.store.sqlite import DB_FILENAME, Store
+StoreUrlOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--store-url",
+        envvar="TOOLREG_STORE_URL",
+        help="The server's store (default: in --data-dir).",
+    ),
+]
 
-    directory = data_dir or DEFAULT_DATA_DIR
-    if not (directory / DB_FILENAME).exists():
-        fail(f"no toolreg store in {directory}", 2)
+
+def _open_store(data_dir: Path | None, store_url: str | None) -> Any:
+    from registry_server.api.app import open_store
+    from registry_server.api.config import DEFAULT_DATA_DIR, default_store_url
+
+    url = store_url or default_store_url(data_dir or DEFAULT_DATA_DIR)
     try:
-        return Store(directory)
+        return open_store(url, must_exist=True)
     except ToolregError as exc:
-        fail(exc.message)
+        fail(exc.message, 2)
 
 
 @audit_app.command("verify")
-def audit_verify(data_dir: DataDirOpt = None) -> None:
+def audit_verify(data_dir: DataDirOpt = None, store_url: StoreUrlOpt = None) -> None:
     """Walk the hash chain; exit 1 at the first broken record."""
     from registry_server.store import audit_chain as audit
 
-    store = _open_store(data_dir)
+    store = _open_store(data_dir, store_url)
     verdict = audit.verify(store)
     store.close()
     typer.echo(str(verdict))
@@ -623,11 +631,12 @@ def audit_verify(data_dir: DataDirOpt = None) -> None:
 def audit_tail(
     count: Annotated[int, typer.Option("-n", help="How many records.")] = 20,
     data_dir: DataDirOpt = None,
+    store_url: StoreUrlOpt = None,
 ) -> None:
     """Show the most recent audit records, one JSON line each."""
     from registry_server.store import audit_chain as audit
 
-    store = _open_store(data_dir)
+    store = _open_store(data_dir, store_url)
     for entry in audit.tail(store, count):
         typer.echo(json.dumps(entry, ensure_ascii=False))
     store.close()

@@ -32,7 +32,7 @@ from registry_server.domain.outcome import ApprovalRequestView, Outcome, Status
 from registry_server.execution.admission import Admission, Cancelled
 from registry_server.execution.warm_pool import WarmPools
 from registry_server.store import audit_chain as audit
-from registry_server.store.sqlite import Store
+from registry_server.store.base import Store
 from sandbox_runner import EngineUnavailable as RunnerEngineUnavailable
 from sandbox_runner import (
     Limits,
@@ -93,8 +93,8 @@ class Executor:
         *,
         admission: Admission,
         policy: SandboxPolicy,
-        store: Store | None = None,
-        approvals: Approvals | None = None,
+        store: Store,
+        approvals: Approvals,
     ) -> None:
         self._registry = registry
         self._runner = runner
@@ -189,12 +189,6 @@ class Executor:
     ) -> Approved | Outcome:
         """Whether enough valid approvals exist (checked, not yet spent)."""
         call = record.call
-        if self._approvals is None:
-            return self._refuse(
-                record,
-                Status.APPROVAL_REQUIRED,
-                f"Tool '{tool.name}' is dangerous and this server has no approvers",
-            )
         try:
             decision = self._approvals.decide(
                 Call(tool, arguments_json, record.args_digest, call.caller),
@@ -283,7 +277,6 @@ class Executor:
             if cancel is not None and cancel.is_set():
                 raise Cancelled()
             if approved is not None:
-                assert self._approvals is not None
                 self._approvals.spend(
                     approved,
                     record.execution_id,
@@ -353,11 +346,9 @@ class Executor:
         execution_log.info("execution", extra={"fields": entry})
         for observer in self._observers:
             observer(entry, outcome)
-        if self._store is None:
-            return outcome
         try:
-            with self._store.transaction() as db:
-                audit.append(db, "execution", entry)
+            with self._store.unit_of_work() as uow:
+                audit.append(uow, "execution", entry)
         except ToolregError as exc:
             # Cautious and dangerous calls are audited: no durable record, no
             # answer. A safe call's record is not worth failing a read for.

@@ -1,9 +1,10 @@
-"""The append-only, hash-chained audit log.
+"""The append-only, hash-chained audit log: hashing and verification,
+independent of where the entries are stored.
 
-Each record holds the hash of the one before it, so editing, deleting or
-reordering any record breaks the chain at that point, and `toolreg audit
-verify` names the first broken record. (Cutting records off the end leaves a
-valid, shorter chain: ship records elsewhere, or compare the head hash with
+Each entry holds the hash of the one before it, so editing, deleting or
+reordering any entry breaks the chain at that point, and `toolreg audit
+verify` names the first broken entry. (Cutting entries off the end leaves a
+valid, shorter chain: ship entries elsewhere, or compare the head hash with
 a copy kept elsewhere, where that matters.)
 """
 
@@ -11,17 +12,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sqlite3
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import rfc8785
 
-if TYPE_CHECKING:  # store.py imports this module
-    from registry_server.store.sqlite import Store
+from registry_server.store.base import AuditEntry, Store, UnitOfWork
 
-GENESIS_HASH = "0" * 64  # prev_hash of the first record
+GENESIS_HASH = "0" * 64  # prev_hash of the first entry
 
 
 def entry_hash(seq: int, at: float, kind: str, record: str, prev_hash: str) -> str:
@@ -35,25 +35,24 @@ def entry_hash(seq: int, at: float, kind: str, record: str, prev_hash: str) -> s
     return hashlib.sha256(rfc8785.dumps(entry)).hexdigest()
 
 
-def append(db: sqlite3.Connection, kind: str, record: dict[str, Any]) -> int:
-    """Append inside the caller's transaction (Store.transaction), so the
-    record commits together with whatever it records. Returns its seq."""
-    row = db.execute("SELECT seq, hash FROM audit ORDER BY seq DESC LIMIT 1").fetchone()
-    seq, prev = (row[0] + 1, row[1]) if row else (1, GENESIS_HASH)
+def append(uow: UnitOfWork, kind: str, record: dict[str, Any]) -> int:
+    """Append inside the caller's unit of work, so the record commits together
+    with whatever it records. Returns its seq."""
+    last = uow.audit_tail(1)
+    seq, prev = (last[0].seq + 1, last[0].hash) if last else (1, GENESIS_HASH)
     at = round(time.time(), 6)
     text = rfc8785.dumps(record).decode()
-    db.execute(
-        "INSERT INTO audit (seq, at, kind, record, prev_hash, hash) VALUES (?, ?, ?, ?, ?, ?)",
-        (seq, at, kind, text, prev, entry_hash(seq, at, kind, text, prev)),
+    uow.add_audit_entry(
+        AuditEntry(seq, at, kind, text, prev, entry_hash(seq, at, kind, text, prev))
     )
-    return int(seq)
+    return seq
 
 
 @dataclass(frozen=True)
 class Verdict:
     ok: bool
     records: int
-    head: str  # hash of the last record (GENESIS_HASH when empty)
+    head: str  # hash of the last entry (GENESIS_HASH when empty)
     broken_seq: int | None = None
     reason: str = ""
 
@@ -63,38 +62,33 @@ class Verdict:
         return f"audit chain broken at record {self.broken_seq}: {self.reason}"
 
 
-def verify(store: Store) -> Verdict:
-    rows = store.read("SELECT seq, at, kind, record, prev_hash, hash FROM audit ORDER BY seq")
+def verify_entries(entries: Sequence[AuditEntry]) -> Verdict:
     prev = GENESIS_HASH
-    expected_seq = 1
-    for seq, at, kind, record, prev_hash, stored in rows:
-        if seq != expected_seq:
-            return Verdict(
-                False,
-                len(rows),
-                prev,
-                int(str(seq)),
-                f"expected record {expected_seq} here (deleted?)",
-            )
-        if prev_hash != prev:
-            return Verdict(
-                False, len(rows), prev, int(str(seq)), "does not link to the record before it"
-            )
-        actual = entry_hash(int(str(seq)), float(str(at)), str(kind), str(record), str(prev_hash))
-        if actual != stored:
-            return Verdict(
-                False, len(rows), prev, int(str(seq)), "content does not match its hash (edited?)"
-            )
-        prev = str(stored)
-        expected_seq += 1
-    return Verdict(True, len(rows), prev)
+    for expected_seq, entry in enumerate(entries, start=1):
+        if entry.seq != expected_seq:
+            reason = f"expected record {expected_seq} here (deleted?)"
+            return Verdict(False, len(entries), prev, entry.seq, reason)
+        if entry.prev_hash != prev:
+            reason = "does not link to the record before it"
+            return Verdict(False, len(entries), prev, entry.seq, reason)
+        actual = entry_hash(entry.seq, entry.at, entry.kind, entry.record, entry.prev_hash)
+        if actual != entry.hash:
+            reason = "content does not match its hash (edited?)"
+            return Verdict(False, len(entries), prev, entry.seq, reason)
+        prev = entry.hash
+    return Verdict(True, len(entries), prev)
+
+
+def verify(store: Store) -> Verdict:
+    with store.reading() as reads:
+        entries = reads.audit_entries()
+    return verify_entries(entries)
 
 
 def tail(store: Store, count: int = 20) -> list[dict[str, Any]]:
-    rows = store.read(
-        "SELECT seq, at, kind, record, hash FROM audit ORDER BY seq DESC LIMIT ?", (count,)
-    )
+    with store.reading() as reads:
+        entries = reads.audit_tail(count)
     return [
-        {"seq": seq, "at": at, "kind": kind, "record": json.loads(str(record)), "hash": h}
-        for seq, at, kind, record, h in reversed(rows)
+        {"seq": e.seq, "at": e.at, "kind": e.kind, "record": json.loads(e.record), "hash": e.hash}
+        for e in entries
     ]

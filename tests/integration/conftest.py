@@ -11,8 +11,9 @@ import grpc
 import pytest
 
 from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
+from registry_server.api.app import App
 from registry_server.api.config import ServerConfig
-from registry_server.api.server import App, create_server
+from registry_server.api.server import create_server
 
 
 @dataclass

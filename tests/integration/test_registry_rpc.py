@@ -220,17 +220,16 @@ def test_concurrent_registration_from_many_threads(server: Running) -> None:
 
 
 def test_failed_store_write_changes_nothing(start_server: StartServer, tmp_path: Path) -> None:
-    import sqlite3
-
-    from registry_server.store.sqlite import Store
+    from registry_server.store.sqlite import SqliteStore
+    from tests import store_file
 
     data = tmp_path / "locked"
     r = start_server(data_dir=data)
     r.stub.RegisterTool(pb.RegisterToolRequest(tool=tool_pb()))
     # Swap in a store with a short busy timeout, then hold the write lock from
     # another connection: the registration must fail cleanly and store nothing.
-    r.app.registry._store = Store(data, busy_timeout_ms=200)
-    blocker = sqlite3.connect(data / "toolreg.db", isolation_level=None)
+    r.app.registry._store = SqliteStore(data / "toolreg.db", busy_timeout_ms=200)
+    blocker = store_file.connect(data)
     blocker.execute("BEGIN EXCLUSIVE")
     try:
         err = rpc_error(

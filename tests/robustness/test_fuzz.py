@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
+from registry_server.api.app import App
 from registry_server.api.config import ServerConfig
-from registry_server.api.server import App, create_server
+from registry_server.api.server import create_server
 from registry_server.domain.models import parse_definition
 from registry_server.signing.keys import generate_keypair
 from registry_server.wire import convert

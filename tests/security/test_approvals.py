@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sqlite3
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -26,6 +25,7 @@ from registry_server.domain.models import parse_definition
 from registry_server.signing.keys import generate_keypair, load_private_key
 from registry_server.signing.tokens import mint
 from registry_server.wire import convert
+from tests import store_file
 from tests.certs import CertificateAuthority
 from tests.integration.conftest import Running, StartServer
 from tests.security.conftest import approvers_of, list_over_mtls, rpc_code, wait_until_gone
@@ -345,8 +345,7 @@ def test_role_boundaries(deployment: Deployment) -> None:
 
 
 def _audit_rows(d: Deployment) -> list[tuple[Any, ...]]:
-    with sqlite3.connect(d.data_dir / "toolreg.db") as db:
-        return list(db.execute("SELECT seq, kind, record FROM audit ORDER BY seq"))
+    return list(store_file.audit_rows(d.data_dir))
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -389,8 +388,7 @@ def test_audit_records_every_attempt_and_detects_tampering(
     assert len(tail.stdout.splitlines()) == 3
 
     d.running.stop()
-    db_path = d.data_dir / "toolreg.db"
-    with sqlite3.connect(db_path) as db:  # edit one record: the approvers of the approved run
+    with store_file.connect(d.data_dir) as db:  # edit one record: the approvers of the approved run
         seq, record = next(
             (s, r)
             for s, k, r in db.execute("SELECT seq, kind, record FROM audit")
@@ -413,7 +411,7 @@ def test_audit_detects_deleted_and_reordered_records(deployment: Deployment, tam
     for _ in range(3):
         d.stub("agent").ExecuteTool(pb.ExecuteToolRequest(name="nope"))
     d.running.stop()
-    with sqlite3.connect(d.data_dir / "toolreg.db") as db:
+    with store_file.connect(d.data_dir) as db:
         last = db.execute("SELECT MAX(seq) FROM audit").fetchone()[0]
         if tamper == "delete":
             db.execute("DELETE FROM audit WHERE seq = ?", (last - 1,))

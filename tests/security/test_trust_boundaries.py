@@ -41,6 +41,7 @@ from registry_server.domain.models import parse_definition
 from registry_server.signing.keys import generate_keypair, load_private_key
 from registry_server.signing.tokens import mint, mint_for
 from registry_server.wire import convert
+from tests import store_file
 from tests.security.conftest import approvers_of, labelled, list_over_mtls, rpc_code
 
 pytestmark = pytest.mark.docker
@@ -105,11 +106,7 @@ class Deployment:
         return stub.SubmitApproval(pb.SubmitApprovalRequest(request_id=request_id, token=token))
 
     def audit_rows(self) -> int:
-        import sqlite3
-
-        with sqlite3.connect(self.data_dir / "toolreg.db") as db:
-            (count,) = db.execute("SELECT COUNT(*) FROM audit").fetchone()
-        return int(count)
+        return len(store_file.audit_rows(self.data_dir))
 
     def metrics(self) -> str:
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"

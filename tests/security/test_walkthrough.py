@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from registry_server.api.app import build_app
 from registry_server.api.config import ServerConfig
-from registry_server.api.server import build_app
 from registry_server.client.launcher import spawn_server
 from registry_server.domain.errors import ConfigError
 

@@ -4,7 +4,6 @@ container per call, never shared, nothing left behind."""
 from __future__ import annotations
 
 import json
-import sqlite3
 import threading
 import time
 from collections.abc import Iterator
@@ -19,6 +18,7 @@ from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server.domain.models import parse_definition
 from registry_server.signing.keys import generate_keypair
 from registry_server.wire import convert
+from tests import store_file
 from tests.integration.conftest import Running, StartServer
 from tests.security import conftest as sec
 from tests.security.conftest import containers_of, execute, wait_until_gone
@@ -77,9 +77,9 @@ def wait_warm(running: Running, name: str, count: int) -> None:
 
 def executions(running: Running) -> list[dict[str, Any]]:
     running.app.runner.flush()
-    with sqlite3.connect(running.app.store.path) as db:
-        rows = db.execute("SELECT record FROM audit WHERE kind = 'execution' ORDER BY seq")
-        return [json.loads(record) for (record,) in rows]
+    return [
+        json.loads(r) for _, _, r in store_file.audit_rows(running.app.config.data_dir, "execution")
+    ]
 
 
 ARGS = {

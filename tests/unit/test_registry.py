@@ -9,13 +9,14 @@ import pytest
 from registry_server.catalog.registry import RegisterOutcome, Registry
 from registry_server.domain.errors import AlreadyExists, NotFound
 from registry_server.domain.models import SafetyLevel
+from registry_server.store.memory import MemoryStore
 from tests.factories import tool
 
 pytestmark = pytest.mark.unit
 
 
 def filled() -> Registry:
-    reg = Registry()
+    reg = Registry(MemoryStore())
     reg.register(tool(name="read_a", safety_level="safe", categories=["files"]))
     reg.register(tool(name="calc", safety_level="safe", categories=["math"]))
     reg.register(tool(name="shell", safety_level="cautious", categories=["code", "files"]))
@@ -28,7 +29,7 @@ def names(tools: list) -> list[str]:  # type: ignore[type-arg]
 
 
 def test_identical_registration_is_idempotent() -> None:
-    reg = Registry()
+    reg = Registry(MemoryStore())
     assert reg.register(tool()) is RegisterOutcome.CREATED
     version = reg.version
     assert reg.register(tool()) is RegisterOutcome.UNCHANGED
@@ -36,7 +37,7 @@ def test_identical_registration_is_idempotent() -> None:
 
 
 def test_different_definition_under_same_name_fails_unless_replace() -> None:
-    reg = Registry()
+    reg = Registry(MemoryStore())
     reg.register(tool())
     with pytest.raises(AlreadyExists, match="already exists"):
         reg.register(tool(description="changed"))
@@ -47,11 +48,11 @@ def test_different_definition_under_same_name_fails_unless_replace() -> None:
 
 def test_get_missing_is_not_found_with_the_name() -> None:
     with pytest.raises(NotFound, match="Tool 'nope' not found"):
-        Registry().get("nope")
+        Registry(MemoryStore()).get("nope")
 
 
 def test_empty_registry_lists_nothing() -> None:
-    reg = Registry()
+    reg = Registry(MemoryStore())
     assert reg.list() == [] and reg.names() == []
 
 
@@ -85,7 +86,7 @@ def test_listing_is_a_copy() -> None:
 
 
 def test_listener_sees_old_and_new() -> None:
-    reg = Registry()
+    reg = Registry(MemoryStore())
     seen: list[tuple[str | None, str]] = []
     reg.add_listener(
         lambda old, new: seen.append((old.description if old else None, new.description))
@@ -97,7 +98,7 @@ def test_listener_sees_old_and_new() -> None:
 
 
 def test_concurrent_registration_keeps_every_tool_once() -> None:
-    reg = Registry()
+    reg = Registry(MemoryStore())
     errors: list[BaseException] = []
     outcomes: list[RegisterOutcome] = []
     lock = threading.Lock()

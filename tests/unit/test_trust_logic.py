@@ -18,6 +18,7 @@ from registry_server.domain.errors import AtCapacity, PermissionDenied, Unauthen
 from registry_server.domain.models import OPERATOR_OWNER, ToolDefinition, parse_definition
 from registry_server.execution.admission import Admission, Cancelled
 from registry_server.policy.model import UNRESTRICTED, RegisterGrant
+from registry_server.store.memory import MemoryStore
 
 pytestmark = pytest.mark.unit
 
@@ -45,7 +46,7 @@ ADMIN = Registrant("admin", admin=True, grant=UNRESTRICTED)
 
 
 def test_a_tool_belongs_to_its_registrant() -> None:
-    registry = Registry()
+    registry = Registry(MemoryStore())
     registry.register(tool(), by=TEAM_A)
     assert registry.get("t").owner == "team_a"
     # identical again, by anyone: idempotent, and the owner stays
@@ -54,7 +55,7 @@ def test_a_tool_belongs_to_its_registrant() -> None:
 
 
 def test_only_the_owner_or_an_admin_replaces() -> None:
-    registry = Registry()
+    registry = Registry(MemoryStore())
     registry.register(tool(), by=TEAM_A)
     changed = tool(description="other")
     with pytest.raises(PermissionDenied, match="belongs to 'team_a'"):
@@ -66,7 +67,7 @@ def test_only_the_owner_or_an_admin_replaces() -> None:
 
 
 def test_operator_tools_need_an_admin() -> None:
-    registry = Registry()
+    registry = Registry(MemoryStore())
     registry.register(tool("echo"), by=OPERATOR)
     assert registry.get("echo").owner == OPERATOR_OWNER
     with pytest.raises(PermissionDenied, match=r"belongs to '\[operator\]'"):
@@ -85,7 +86,7 @@ def test_operator_tools_need_an_admin() -> None:
     ],
 )
 def test_register_grant(grant: RegisterGrant, definition: ToolDefinition, allowed: bool) -> None:
-    registry = Registry()
+    registry = Registry(MemoryStore())
     who = Registrant("c", grant=grant)
     if allowed:
         registry.register(definition, by=who)
@@ -97,7 +98,7 @@ def test_register_grant(grant: RegisterGrant, definition: ToolDefinition, allowe
 
 def test_the_grant_is_checked_before_the_image() -> None:
     checked: list[str] = []
-    registry = Registry(image_check=lambda t: checked.append(t.name))
+    registry = Registry(MemoryStore(), image_check=lambda t: checked.append(t.name))
     with pytest.raises(PermissionDenied):
         registry.register(tool(level="dangerous"), by=TEAM_A)
     assert checked == []  # no engine work for a refused client
@@ -244,8 +245,8 @@ def test_escape_keeps_newlines_when_asked() -> None:
 
 
 def test_a_ceiling_larger_than_the_memory_budget_stops_the_server(tmp_path: Any) -> None:
+    from registry_server.api.app import _ceilings
     from registry_server.api.config import ServerConfig
-    from registry_server.api.server import _ceilings
     from registry_server.domain.errors import ConfigError
     from registry_server.policy.model import development_policy
 

@@ -6,13 +6,14 @@ import pytest
 
 from registry_server.catalog.registry import Registry
 from registry_server.catalog.views import MAX_CACHED_ANSWERS, RegistryViews
+from registry_server.store.memory import MemoryStore
 from tests.factories import tool
 
 pytestmark = pytest.mark.unit
 
 
 def test_answer_is_reused_until_a_registration() -> None:
-    registry = Registry()
+    registry = Registry(MemoryStore())
     views = RegistryViews(registry)
     builds: list[int] = []
 
@@ -30,7 +31,7 @@ def test_answer_is_reused_until_a_registration() -> None:
 
 
 def test_keys_are_separate_and_bounded() -> None:
-    views = RegistryViews(Registry())
+    views = RegistryViews(Registry(MemoryStore()))
     for i in range(MAX_CACHED_ANSWERS + 5):
         assert views.get(i, lambda i=i: i) == i
     rebuilt: list[int] = []

@@ -1,0 +1,164 @@
+"""The store interface: everything the server keeps across restarts.
+
+Four kinds of data: tool definitions, approval requests (with the approvers'
+tokens), the ids (`jti`) of spent approval tokens, and the hash-chained audit
+log. Reads go through ``Store.reading()``; every change goes through
+``Store.unit_of_work()``, one atomic transaction: all of it is stored, or
+none of it. That is what lets a call spend its approval tokens and write its
+audit record together (docs/approvals.md), so a crash can never let the same
+tokens run a call twice, nor leave a call that ran without its record.
+
+Implementations: ``sqlite.SqliteStore`` (the server's store) and
+``memory.MemoryStore`` (unit tests). Another database implements these two
+protocols; ``api/app.py`` picks one from ``TOOLREG_STORE_URL``.
+Implementations raise ``StoreError`` when the database fails.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+# Request states as stored. EXPIRED is never stored: a PENDING or APPROVED
+# request whose expires_at has passed reads as EXPIRED.
+PENDING, APPROVED, CONSUMED, EXPIRED = "PENDING", "APPROVED", "CONSUMED", "EXPIRED"
+REQUEST_STATES = (PENDING, APPROVED, CONSUMED, EXPIRED)
+# What a listing shows instead of a request's parameters schema.
+LISTED_PARAMETERS: dict[str, Any] = {"type": "object"}
+
+
+@dataclass(frozen=True)
+class StoredTool:
+    name: str
+    manifest_json: str  # the definition in manifest shape, JSON
+    digest: str
+    owner: str
+
+
+@dataclass(frozen=True)
+class ApprovalRequestRecord:
+    id: str
+    tool_name: str
+    tool_digest: str
+    arguments_json: str  # "" in listings
+    arguments_digest: str
+    requested_by: str
+    approvals_required: int
+    state: str  # PENDING, APPROVED or CONSUMED (EXPIRED is derived)
+    created_at: float  # time.time()
+    expires_at: float
+    tool_manifest: str  # the definition it was made for; parameters left out in listings
+    tool_owner: str
+
+    def state_at(self, now: float) -> str:
+        if self.state != CONSUMED and self.expires_at <= now:
+            return EXPIRED
+        return self.state
+
+    def listed(self) -> ApprovalRequestRecord:
+        """The form listings carry: without the arguments or the tool's parameters
+        (an answer of 500 requests must not carry 500 MiB)."""
+        manifest = self.tool_manifest
+        if manifest:
+            manifest = json.dumps({**json.loads(manifest), "parameters": LISTED_PARAMETERS})
+        return replace(self, arguments_json="", tool_manifest=manifest)
+
+
+@dataclass(frozen=True)
+class AuditEntry:
+    seq: int  # 1, 2, 3, ... in append order
+    at: float
+    kind: str  # execution, approval, registration
+    record: str  # the record, canonical JSON (RFC 8785)
+    prev_hash: str  # hash of entry seq-1 (64 zeros for the first)
+    hash: str  # audit_chain.entry_hash of the fields above
+
+
+class StoreReads(Protocol):
+    def tools(self) -> list[StoredTool]:
+        """Every stored tool, by name."""
+        ...
+
+    def jti_used(self, jti: str) -> bool: ...
+
+    def request(self, request_id: str) -> ApprovalRequestRecord | None: ...
+
+    def requests(self, *, state: str, now: float, limit: int) -> list[ApprovalRequestRecord]:
+        """Newest first, in their listed form (``ApprovalRequestRecord.listed``);
+        ``state``: "" for all, else one of REQUEST_STATES as ``state_at(now)``
+        tells it."""
+        ...
+
+    def open_request_for(
+        self, *, tool_name: str, tool_digest: str, arguments_digest: str, requested_by: str,
+        now: float,
+    ) -> str | None:  # fmt: skip
+        """The id of the newest PENDING, unexpired request for exactly this call."""
+        ...
+
+    def open_requests_of(self, requested_by: str, now: float) -> int:
+        """How many PENDING, unexpired requests this client has."""
+        ...
+
+    def approvers_of(self, request_id: str) -> list[str]:
+        """Ids of the approvers whose tokens the request holds, sorted."""
+        ...
+
+    def tokens_of(self, request_id: str) -> list[str]:
+        """The tokens the request holds, by approver id."""
+        ...
+
+    def audit_entries(self) -> list[AuditEntry]:
+        """The whole audit log, by seq."""
+        ...
+
+    def audit_tail(self, count: int) -> list[AuditEntry]:
+        """The last ``count`` entries, by seq."""
+        ...
+
+
+class UnitOfWork(StoreReads, Protocol):
+    """Reads and writes inside one transaction."""
+
+    def put_tool(self, tool: StoredTool, now: float) -> None:
+        """Create or replace the tool of this name."""
+        ...
+
+    def add_audit_entry(self, entry: AuditEntry) -> None:
+        """Append an entry (audit_chain.append makes it)."""
+        ...
+
+    def use_jti(self, jti: str, approver: str, execution_id: str, now: float) -> bool:
+        """Mark a token spent; False when it already was."""
+        ...
+
+    def add_request(self, request: ApprovalRequestRecord) -> None: ...
+
+    def consume_request(self, request_id: str, now: float) -> bool:
+        """PENDING or APPROVED and unexpired -> CONSUMED; False when it was not usable."""
+        ...
+
+    def put_approval_token(
+        self, request_id: str, approver: str, jti: str, token: str, expires_at: float
+    ) -> None:
+        """Attach an approver's token to a request, replacing that approver's earlier one."""
+        ...
+
+    def mark_approved(self, request_id: str) -> None:
+        """PENDING -> APPROVED (no change in any other state)."""
+        ...
+
+
+class Store(Protocol):
+    @property
+    def location(self) -> str:
+        """Where the data lives, for messages (a path, or a URL without secrets)."""
+        ...
+
+    def reading(self) -> AbstractContextManager[StoreReads]: ...
+
+    def unit_of_work(self) -> AbstractContextManager[UnitOfWork]: ...
+
+    def close(self) -> None: ...

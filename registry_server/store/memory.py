@@ -1,0 +1,149 @@
+"""An in-memory store for the unit tests of the decision logic: the same
+interface as the SQLite store (store/base.py), nothing kept across restarts.
+
+Not offered by ``TOOLREG_STORE_URL``: a server that forgets which approval
+tokens it spent would accept them again after a restart.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+
+from registry_server.domain.errors import StoreError
+from registry_server.store.base import (
+    APPROVED,
+    CONSUMED,
+    PENDING,
+    ApprovalRequestRecord,
+    AuditEntry,
+    StoredTool,
+)
+
+
+@dataclass
+class _Data:
+    tools: dict[str, StoredTool] = field(default_factory=dict)
+    requests: dict[str, ApprovalRequestRecord] = field(default_factory=dict)
+    tokens: dict[str, dict[str, str]] = field(default_factory=dict)  # request -> approver -> token
+    spent: dict[str, str] = field(default_factory=dict)  # jti -> execution id
+    audit: list[AuditEntry] = field(default_factory=list)
+
+
+class _Reads:
+    def __init__(self, data: _Data) -> None:
+        self._data = data
+
+    def tools(self) -> list[StoredTool]:
+        return [self._data.tools[name] for name in sorted(self._data.tools)]
+
+    def jti_used(self, jti: str) -> bool:
+        return jti in self._data.spent
+
+    def request(self, request_id: str) -> ApprovalRequestRecord | None:
+        return self._data.requests.get(request_id)
+
+    def requests(self, *, state: str, now: float, limit: int) -> list[ApprovalRequestRecord]:
+        found = [r for r in self._data.requests.values() if not state or r.state_at(now) == state]
+        found.sort(key=lambda r: r.created_at, reverse=True)
+        return [r.listed() for r in found[:limit]]
+
+    def open_request_for(
+        self, *, tool_name: str, tool_digest: str, arguments_digest: str, requested_by: str,
+        now: float,
+    ) -> str | None:  # fmt: skip
+        wanted = (tool_name, tool_digest, arguments_digest, requested_by)
+        found = [
+            r for r in self._data.requests.values()
+            if (r.tool_name, r.tool_digest, r.arguments_digest, r.requested_by) == wanted
+            and r.state_at(now) == PENDING
+        ]  # fmt: skip
+        return max(found, key=lambda r: r.created_at).id if found else None
+
+    def open_requests_of(self, requested_by: str, now: float) -> int:
+        return sum(
+            1
+            for r in self._data.requests.values()
+            if r.requested_by == requested_by and r.state_at(now) == PENDING
+        )
+
+    def approvers_of(self, request_id: str) -> list[str]:
+        return sorted(self._data.tokens.get(request_id, {}))
+
+    def tokens_of(self, request_id: str) -> list[str]:
+        held = self._data.tokens.get(request_id, {})
+        return [held[approver] for approver in sorted(held)]
+
+    def audit_entries(self) -> list[AuditEntry]:
+        return list(self._data.audit)
+
+    def audit_tail(self, count: int) -> list[AuditEntry]:
+        return self._data.audit[-count:] if count > 0 else []
+
+
+class _Writes(_Reads):
+    def put_tool(self, tool: StoredTool, now: float) -> None:
+        self._data.tools[tool.name] = tool
+
+    def add_audit_entry(self, entry: AuditEntry) -> None:
+        self._data.audit.append(entry)
+
+    def use_jti(self, jti: str, approver: str, execution_id: str, now: float) -> bool:
+        if jti in self._data.spent:
+            return False
+        self._data.spent[jti] = execution_id
+        return True
+
+    def add_request(self, request: ApprovalRequestRecord) -> None:
+        if request.id in self._data.requests:
+            raise StoreError(f"approval request {request.id} exists")  # a primary key
+        self._data.requests[request.id] = request
+
+    def consume_request(self, request_id: str, now: float) -> bool:
+        request = self._data.requests.get(request_id)
+        if request is None or request.state_at(now) not in (PENDING, APPROVED):
+            return False
+        self._data.requests[request_id] = replace(request, state=CONSUMED)
+        return True
+
+    def put_approval_token(
+        self, request_id: str, approver: str, jti: str, token: str, expires_at: float
+    ) -> None:
+        self._data.tokens.setdefault(request_id, {})[approver] = token
+
+    def mark_approved(self, request_id: str) -> None:
+        request = self._data.requests.get(request_id)
+        if request is not None and request.state == PENDING:
+            self._data.requests[request_id] = replace(request, state=APPROVED)
+
+
+class MemoryStore:
+    def __init__(self) -> None:
+        self._data = _Data()
+        self._lock = threading.RLock()
+        self.units_of_work = 0  # committed ones; tests count writes with it
+
+    @property
+    def location(self) -> str:
+        return "memory"
+
+    @contextmanager
+    def reading(self) -> Iterator[_Reads]:
+        with self._lock:
+            yield _Reads(self._data)
+
+    @contextmanager
+    def unit_of_work(self) -> Iterator[_Writes]:
+        """Works on a copy, published only when the block ends without an
+        exception: all of it, or none of it."""
+        with self._lock:
+            draft = copy.deepcopy(self._data)
+            yield _Writes(draft)
+            self._data = draft
+            self.units_of_work += 1
+
+    def close(self) -> None:
+        pass
