@@ -30,7 +30,7 @@ from bench.common import (
     summary,
 )
 from sandbox_runner import SAFE_LIMITS, SandboxSpec
-from sandbox_runner.docker_backend import DockerRunner
+from sandbox_runner.docker_backend import DockerBackend
 from sandbox_runner.spec import INIT_BINARY
 
 WARM_POOL = 4  # warm_pool registered for the warm rows
@@ -50,7 +50,7 @@ LLM_POOLED = f"llm-sandbox pooled ({LLM_POOL})"
 LLM_POOLED_SINGLE = f"llm-sandbox pooled ({LLM_POOL}), single-use"
 
 
-def runner_call(runner: DockerRunner) -> Callable[[], bytes]:
+def runner_call(runner: DockerBackend) -> Callable[[], bytes]:
     spec = SandboxSpec(
         image=IMAGE, command=tuple(COMMAND), env=(), limits=SAFE_LIMITS, input=PAYLOAD
     )
@@ -110,7 +110,7 @@ def run(runs: int, warmup: int, run_id: str, engine: docker.DockerClient) -> dic
 
     client = docker.from_env(max_pool_size=4)
     # The real configuration: every container held by the init until its call (make init).
-    runner = DockerRunner(instance_id=f"bench-{run_id}", init_path=INIT_BINARY)
+    runner = DockerBackend(instance_id=f"bench-{run_id}", init_path=INIT_BINARY)
     with server(engine) as srv:
         add("docker run --rm", lambda: baselines.docker_run(run_id))
         add(

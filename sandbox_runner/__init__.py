@@ -4,8 +4,8 @@ The Docker backend lives in `sandbox_runner.docker_backend` (the only module imp
 `docker`), so importing the domain types stays cheap.
 """
 
+from .backend import OutputSink, PreparedSandbox, SandboxBackend
 from .profiles import CAUTIOUS_LIMITS, DANGEROUS_LIMITS, SAFE_LIMITS, profile_for, runtime_for
-from .runner import OutputSink, PreparedSandbox, Runner
 from .spec import EngineUnavailable, Limits, Mount, SandboxError, SandboxResult, SandboxSpec
 
 __all__ = [
@@ -17,7 +17,7 @@ __all__ = [
     "Mount",
     "OutputSink",
     "PreparedSandbox",
-    "Runner",
+    "SandboxBackend",
     "SandboxError",
     "SandboxResult",
     "SandboxSpec",

@@ -6,7 +6,7 @@ Input and output travel over the single attach connection (hijacked HTTP), read 
 written with poll() so the wall-clock deadline, the caller's cancel event and the output
 caps are enforced by this thread while the tool runs, without helper threads.
 
-With an init (``DockerRunner(init_path=...)``, built by ``make init`` from
+With an init (``DockerBackend(init_path=...)``, built by ``make init`` from
 init/toolreg_init.c), every container's process is that init, bind-mounted read-only at
 INIT_TARGET; it holds the tool until ``Prepared.finish`` sends GO_BYTE ahead of the call's
 input, so a container started ahead of its call (warm pools) runs nothing of the tool
@@ -37,6 +37,7 @@ import docker.errors
 import docker.types
 import requests.exceptions
 
+from .backend import OutputSink
 from .framing import STDERR, STDOUT, CappedBuffer, FrameDemuxer, FramingError
 from .ownership import (
     LABEL_DEADLINE,
@@ -47,7 +48,6 @@ from .ownership import (
     OwnerIdentity,
     orphan_reason,
 )
-from .runner import OutputSink
 from .spec import INIT_BINARY, EngineUnavailable, SandboxError, SandboxResult, SandboxSpec
 
 __all__ = [
@@ -56,7 +56,7 @@ __all__ = [
     "INIT_NOT_RELEASED_EXIT",
     "INIT_PROTOCOL",
     "INIT_TARGET",
-    "DockerRunner",
+    "DockerBackend",
     "Prepared",
 ]
 
@@ -407,6 +407,19 @@ def _close_attached(attached: Any) -> None:
             response.close()
 
 
+def _final_state(api: Any, container_id: str, pump: _Pump) -> tuple[int | None, bool]:
+    with _engine_call("container inspect"):
+        state = api.inspect_container(container_id).get("State") or {}
+        if state.get("Running") and pump.ended:
+            # The stream can end a moment before the engine records the exit.
+            api.wait(container_id, timeout=KILL_GRACE_S)
+            state = api.inspect_container(container_id).get("State") or {}
+    if state.get("Running"):
+        return None, bool(state.get("OOMKilled"))
+    code = state.get("ExitCode")
+    return (code if isinstance(code, int) else None), bool(state.get("OOMKilled"))
+
+
 class Prepared:
     """A started container waiting on stdin: used for exactly one call (``finish``), or
     thrown away (``discard``). Never both, never twice.
@@ -416,10 +429,10 @@ class Prepared:
     reading stdin (or not: nothing stops a command that does not read it)."""
 
     def __init__(
-        self, runner: DockerRunner, api: Any, container_id: str, attached: Any,
+        self, backend: DockerBackend, api: Any, container_id: str, attached: Any,
         sock: socket.socket, spec: SandboxSpec, release: bytes,
     ) -> None:  # fmt: skip
-        self._runner = runner
+        self._backend = backend
         self._api = api
         self.container_id = container_id
         self._attached = attached
@@ -477,7 +490,7 @@ class Prepared:
                 pump.join_killer()
                 _close_attached(self._attached)
             duration_ms = int((time.monotonic() - started) * 1000)
-            exit_code, oom_killed = self._runner._final_state(self._api, self.container_id, pump)
+            exit_code, oom_killed = _final_state(self._api, self.container_id, pump)
             return SandboxResult(
                 exit_code=exit_code,
                 stdout=pump.buffers[STDOUT].getvalue(),
@@ -491,7 +504,7 @@ class Prepared:
                 cancelled=pump.cancelled,
             )
         finally:
-            self._runner._remove_soon(self._api, self.container_id)
+            self._backend.remove(self.container_id)
 
     def discard(self) -> None:
         """Remove it unused (pool drained, too old, tool replaced). With an init the
@@ -503,10 +516,10 @@ class Prepared:
                 return
             self._used = True
         _close_attached(self._attached)
-        self._runner._remove_soon(self._api, self.container_id)
+        self._backend.remove(self.container_id)
 
 
-class DockerRunner:
+class DockerBackend:
     """Runs each SandboxSpec in a fresh, locked-down container on a Docker engine."""
 
     def __init__(
@@ -604,6 +617,12 @@ class DockerRunner:
             if self._docker is not None:
                 self._docker.close()
                 self._docker = None
+
+    def health(self) -> bool:
+        if not self.ping():
+            return False
+        self.retry_removals()  # what an engine outage kept us from removing
+        return True
 
     def ping(self) -> bool:
         try:
@@ -800,19 +819,8 @@ class DockerRunner:
         release = GO_BYTE if self.init_path is not None else b""
         return Prepared(self, api, container_id, attached, sock, spec, release)
 
-    def _final_state(self, api: Any, container_id: str, pump: _Pump) -> tuple[int | None, bool]:
-        with _engine_call("container inspect"):
-            state = api.inspect_container(container_id).get("State") or {}
-            if state.get("Running") and pump.ended:
-                # The stream can end a moment before the engine records the exit.
-                api.wait(container_id, timeout=KILL_GRACE_S)
-                state = api.inspect_container(container_id).get("State") or {}
-        if state.get("Running"):
-            return None, bool(state.get("OOMKilled"))
-        code = state.get("ExitCode")
-        return (code if isinstance(code, int) else None), bool(state.get("OOMKilled"))
-
-    def _remove_soon(self, api: Any, container_id: str) -> None:
+    def remove(self, container_id: str) -> None:
+        api = self._client().api
         if self._removals is None:
             self._remove(api, container_id)
         else:

@@ -34,8 +34,8 @@ from registry_server.policy.model import Policy, PolicyError, development_policy
 from registry_server.store import audit_chain as audit
 from registry_server.store.base import Store
 from registry_server.store.sqlite import SqliteStore
-from sandbox_runner import Limits, SandboxError
-from sandbox_runner.docker_backend import DockerRunner
+from sandbox_runner import Limits, SandboxBackend, SandboxError
+from sandbox_runner.docker_backend import DockerBackend
 from sandbox_runner.profiles import profile_for
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class App:
     registry: Registry
     executor: Executor
     health: health.HealthServicer
-    runner: DockerRunner
+    backend: SandboxBackend
     approvals: Approvals
     dev_mode: bool = False
     pools: WarmPools | None = None
@@ -71,32 +71,22 @@ def build_app(config: ServerConfig) -> App:
     _check_exposure(config)
     policy, dev_mode = _load_policy(config)
     require_gvisor = config.require_gvisor if config.require_gvisor is not None else not dev_mode
-    try:
-        runner = DockerRunner(
-            instance_id=f"toolreg-{uuid.uuid4().hex[:12]}",
-            base_url=config.docker_url,
-            # one engine connection per running sandbox, plus reaping and pings
-            max_pool_size=config.max_sandboxes + 4,
-            remove_in_background=True,  # answer first; the container goes right after
-            init_path=config.init_path,
-        )
-    except ValueError as exc:  # the sandbox init is missing or unusable
-        raise ConfigError(f"{exc} (or set TOOLREG_INIT_PATH)") from None
+    backend = open_backend(config)
     store = open_store(config.store)
     try:
         _check_audit_chain(config, store)
-        registry = Registry(store, image_check=_image_check(runner))
+        registry = Registry(store, image_check=_image_check(backend))
         if config.tools_dir is not None:
             _register_operator_tools(registry, config.tools_dir)
     except BaseException:
         store.close()
-        runner.close()
+        backend.close()
         raise
-    _start_sandboxes(config, runner, require_gvisor)
+    _start_sandboxes(config, backend, require_gvisor)
     approvals = Approvals(store, policy, registry)
     executor = Executor(
         registry,
-        runner,
+        backend,
         admission=Admission(config.max_sandboxes, config.max_queued, config.sandbox_memory_mb),
         policy=SandboxPolicy(
             ceilings=_ceilings(config, policy),
@@ -107,13 +97,13 @@ def build_app(config: ServerConfig) -> App:
         store=store,
         approvals=approvals,
     )
-    app = App(config, store, registry, executor, health.HealthServicer(), runner, approvals)
+    app = App(config, store, registry, executor, health.HealthServicer(), backend, approvals)
     app.dev_mode = dev_mode
-    app.closers.append(runner.close)
+    app.closers.append(backend.close)
     executor.observe(app.metrics.observe_execution)
     if config.max_warm > 0:
         pools = WarmPools(
-            runner,
+            backend,
             executor.warm_spec,
             executor.admission,
             default_size=config.warm_pool_default,
@@ -125,18 +115,18 @@ def build_app(config: ServerConfig) -> App:
         for tool in registry.list():
             pools.track(tool)
         app.pools = pools
-        app.closers.insert(0, pools.close)  # before the runner's engine connection goes
+        app.closers.insert(0, pools.close)  # before the backend's engine connection goes
     app.metrics.watch(executor.admission, app.pools.stats if app.pools else None)
     return app
 
 
-def _image_check(runner: DockerRunner) -> ImageCheck:
+def _image_check(backend: SandboxBackend) -> ImageCheck:
     """Refuse images that declare a VOLUME: Docker gives each such path an
     anonymous volume, writable and unbounded despite the read-only root."""
 
     def check(tool: ToolDefinition) -> None:
         try:
-            volumes = runner.image_volumes(tool.sandbox.image)
+            volumes = backend.image_volumes(tool.sandbox.image)
         except SandboxError as exc:
             raise EngineUnavailable(f"cannot check image '{tool.sandbox.image}': {exc}") from exc
         if volumes:
@@ -235,14 +225,14 @@ def _ceilings(config: ServerConfig, policy: Policy) -> dict[SafetyLevel, Limits]
     return ceilings
 
 
-def _start_sandboxes(config: ServerConfig, runner: DockerRunner, require_gvisor: bool) -> None:
+def _start_sandboxes(config: ServerConfig, backend: SandboxBackend, require_gvisor: bool) -> None:
     """Reap leftovers and say what isolation dangerous tools will get."""
     try:
         if config.reap_on_start:
-            removed = runner.reap()
+            removed = backend.reap()
             if removed:
                 log.info("removed %d containers left behind by dead toolreg servers", removed)
-        runtimes = runner.runtimes()
+        runtimes = backend.runtimes()
     except SandboxError as exc:
         # Serve the registry anyway; executions answer UNAVAILABLE until it returns.
         log.error("container engine unavailable at start-up: %s", exc)
@@ -280,3 +270,27 @@ def open_store(url: str, *, must_exist: bool = False) -> Store:
             raise StoreError(f"no toolreg store at {path}")
         return SqliteStore(path)
     raise ConfigError("store_url: unsupported store URL; use sqlite:///<path> (TOOLREG_STORE_URL)")
+
+
+def open_backend(config: ServerConfig, *, reaper: bool = False) -> SandboxBackend:
+    """The sandbox backend that ``TOOLREG_SANDBOX_BACKEND`` names (Docker is the
+    only one). ``reaper``: one that only removes leftovers (`toolreg reap`)."""
+    if config.sandbox_backend != "docker":
+        raise ConfigError(
+            f"sandbox_backend: unknown backend {config.sandbox_backend!r}; use docker"
+        )
+    if reaper:
+        return DockerBackend(
+            instance_id=f"reaper-{uuid.uuid4().hex[:12]}", base_url=config.docker_url
+        )
+    try:
+        return DockerBackend(
+            instance_id=f"toolreg-{uuid.uuid4().hex[:12]}",
+            base_url=config.docker_url,
+            # one engine connection per running sandbox, plus reaping and pings
+            max_pool_size=config.max_sandboxes + 4,
+            remove_in_background=True,  # answer first; the container goes right after
+            init_path=config.init_path,
+        )
+    except ValueError as exc:  # the sandbox init is missing or unusable
+        raise ConfigError(f"{exc} (or set TOOLREG_INIT_PATH)") from None

@@ -7,6 +7,7 @@ variables, CLI flags (passed in as keyword arguments by the CLI).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -44,6 +45,7 @@ class ServerConfig(BaseSettings):
     # MiB: running and warm sandboxes' memory limits add up to at most this.
     sandbox_memory_mb: int = Field(DEFAULT_SANDBOX_MEMORY_MB, ge=64, le=1024 * 1024)
     init_path: Path = INIT_BINARY  # the sandbox init, as `make init` builds it
+    sandbox_backend: Literal["docker"] = "docker"  # where sandboxes run (api/app.py)
     docker_url: str | None = None  # default: DOCKER_HOST or the local socket
     # Dangerous tools run under gVisor (runsc). Without it: refuse them (True)
     # or run them under runc with a warning at start-up (False). Unset: True

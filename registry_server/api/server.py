@@ -87,13 +87,7 @@ def _start_health_monitor(app: App) -> None:
         app.health.set(SERVICE_NAME, status)
         app.metrics.engine_up.set(1 if healthy else 0)
 
-    def engine_answers() -> bool:
-        if not app.runner.ping():
-            return False
-        app.runner.retry_removals()  # what an engine outage kept us from removing
-        return True
-
-    monitor = HealthMonitor(engine_answers, on_change, app.config.health_interval_s)
+    monitor = HealthMonitor(app.backend.health, on_change, app.config.health_interval_s)
     monitor.start()
     app.closers.insert(0, monitor.stop)
 

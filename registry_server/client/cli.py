@@ -389,18 +389,17 @@ def reap(
 ) -> None:
     """Remove sandbox containers left behind by toolreg servers that are gone.
     Containers of running servers are never touched."""
-    import uuid
-
+    from registry_server.api.app import open_backend
+    from registry_server.api.config import ServerConfig
     from sandbox_runner import SandboxError
-    from sandbox_runner.docker_backend import DockerRunner
 
-    runner = DockerRunner(instance_id=f"reaper-{uuid.uuid4().hex[:12]}", base_url=docker_url)
+    backend = open_backend(ServerConfig(docker_url=docker_url), reaper=True)
     try:
-        removed = runner.reap()
+        removed = backend.reap()
     except SandboxError as exc:
         fail(str(exc))
     finally:
-        runner.close()
+        backend.close()
     typer.echo(f"removed {removed} leftover container{'s' if removed != 1 else ''}")
 
 

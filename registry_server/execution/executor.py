@@ -24,7 +24,6 @@ from registry_server.domain.errors import (
     NotFound,
     PermissionDenied,
     ToolregError,
-    Unimplemented,
     Violation,
 )
 from registry_server.domain.models import NAME_PATTERN, SafetyLevel, ToolDefinition, valid_tool_name
@@ -38,7 +37,7 @@ from sandbox_runner import (
     Limits,
     Mount,
     PreparedSandbox,
-    Runner,
+    SandboxBackend,
     SandboxError,
     SandboxResult,
     SandboxSpec,
@@ -89,7 +88,7 @@ class Executor:
     def __init__(
         self,
         registry: Registry,
-        runner: Runner | None,
+        backend: SandboxBackend,
         *,
         admission: Admission,
         policy: SandboxPolicy,
@@ -97,7 +96,7 @@ class Executor:
         approvals: Approvals,
     ) -> None:
         self._registry = registry
-        self._runner = runner
+        self._backend = backend
         self._admission = admission
         self._policy = policy
         self._store = store
@@ -128,9 +127,9 @@ class Executor:
 
     def runtime_for(self, level: SafetyLevel) -> str | None:
         """The OCI runtime a level runs under here, or None if it may not run."""
-        if self._runtimes is None and self._runner is not None:
+        if self._runtimes is None:
             try:
-                self._runtimes = self._runner.runtimes()
+                self._runtimes = self._backend.runtimes()
             except SandboxError:
                 return FALLBACK_RUNTIME if level is not SafetyLevel.DANGEROUS else None
         chosen = runtime_for(level.value, self._runtimes or frozenset())
@@ -171,8 +170,6 @@ class Executor:
             if isinstance(gate, Outcome):
                 return gate
             approved = record.approved = gate
-        if self._runner is None:
-            raise Unimplemented("this server has no sandbox runner")
         runtime = self.runtime_for(tool.safety_level)
         if runtime is None:
             return self._refuse(
@@ -217,7 +214,6 @@ class Executor:
         """Admission, a container (warm or cold), then the approval is spent and
         the tool started. Refused for capacity, cancelled, or failing in the
         engine before the tool starts: the approval is kept for a retry."""
-        assert self._runner is not None
         execution_id = record.execution_id
         warm = self._pools.take(tool, spec) if self._pools is not None else None
         try:
@@ -235,7 +231,7 @@ class Executor:
                 with self._admission.slot(cancel, spec.limits.memory_mb):
                     if cancel is not None and cancel.is_set():
                         raise Cancelled()
-                    prepared = self._runner.prepare(spec, execution_id=execution_id)
+                    prepared = self._backend.prepare(spec, execution_id=execution_id)
                     record.container_id = prepared.container_id
                     result = self._start(record, prepared, spec, approved, on_output, cancel)
         except Cancelled:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from registry_server.domain.models import ToolDefinition
 from registry_server.execution.admission import Admission, Reservation
-from sandbox_runner import PreparedSandbox, Runner, SandboxError, SandboxSpec
+from sandbox_runner import PreparedSandbox, SandboxBackend, SandboxError, SandboxSpec
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ def _without_input(spec: SandboxSpec) -> SandboxSpec:
 class WarmPools:
     def __init__(
         self,
-        runner: Runner,
+        backend: SandboxBackend,
         spec_for: SpecFor,
         admission: Admission,
         *,
@@ -92,7 +92,7 @@ class WarmPools:
     ) -> None:
         if not 0 < max_age_s <= MAX_AGE_LIMIT_S:
             raise ValueError(f"max_age_s must be in (0, {MAX_AGE_LIMIT_S}] seconds")
-        self._runner = runner
+        self._backend = backend
         self._spec_for = spec_for
         self._admission = admission
         self._default_size = default_size
@@ -249,7 +249,7 @@ class WarmPools:
                 pool.refill_after = time.monotonic() + NO_ROOM_RETRY_S
             return
         try:
-            prepared = self._runner.prepare(
+            prepared = self._backend.prepare(
                 pool.spec, execution_id=f"warm-{uuid.uuid4().hex}", lifetime_s=self._max_age_s
             )
         except SandboxError as exc:

@@ -1,4 +1,4 @@
-"""Real-engine fixtures: one DockerRunner per test session, scoped by a run label.
+"""Real-engine fixtures: one DockerBackend per test session, scoped by a run label.
 
 Every container a test creates carries `io.toolreg.test-run=<run id>`; after each test
 none may be left, and the session removes (and reports) anything that still is. Nothing
@@ -17,7 +17,7 @@ import docker.errors
 import pytest
 
 from sandbox_runner import SAFE_LIMITS, Limits, Mount, SandboxSpec
-from sandbox_runner.docker_backend import DockerRunner
+from sandbox_runner.docker_backend import DockerBackend
 from sandbox_runner.spec import INIT_BINARY
 
 RUN_LABEL = "io.toolreg.test-run"
@@ -75,8 +75,8 @@ def init_path() -> str:
 @pytest.fixture(scope="session")
 def runner(
     run_id: str, docker_client: docker.DockerClient, init_path: str
-) -> Iterator[DockerRunner]:
-    r = DockerRunner(
+) -> Iterator[DockerBackend]:
+    r = DockerBackend(
         instance_id=f"test-{run_id}",
         extra_labels={RUN_LABEL: run_id},
         max_pool_size=32,

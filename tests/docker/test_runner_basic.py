@@ -12,7 +12,7 @@ import docker
 import pytest
 
 from sandbox_runner import EngineUnavailable, Mount, SandboxError, SandboxSpec
-from sandbox_runner.docker_backend import DockerRunner
+from sandbox_runner.docker_backend import DockerBackend
 
 pytestmark = pytest.mark.docker
 
@@ -21,7 +21,7 @@ SpecFactory = Callable[..., SandboxSpec]
 
 
 def test_cat_round_trip_delivers_stdin_and_eof(
-    runner: DockerRunner, make_spec: SpecFactory, eid: Eid
+    runner: DockerBackend, make_spec: SpecFactory, eid: Eid
 ) -> None:
     payload = b'{"text": "hello", "n": 1}'
     # `cat` only exits after EOF on stdin: returning at all proves stdin was closed.
@@ -35,14 +35,14 @@ def test_cat_round_trip_delivers_stdin_and_eof(
 
 
 def test_empty_input_is_immediate_eof(
-    runner: DockerRunner, make_spec: SpecFactory, eid: Eid
+    runner: DockerBackend, make_spec: SpecFactory, eid: Eid
 ) -> None:
     res = runner.run(make_spec("wc -c"), execution_id=eid())
     assert (res.exit_code, res.stdout.strip()) == (0, b"0")
 
 
 def test_input_larger_than_pipe_buffers_is_interleaved_with_output(
-    runner: DockerRunner, make_spec: SpecFactory, eid: Eid
+    runner: DockerBackend, make_spec: SpecFactory, eid: Eid
 ) -> None:
     payload = os.urandom(3 * 1024 * 1024)
     spec = make_spec("cat", input=payload, output_bytes=4 * 1024 * 1024)
@@ -53,14 +53,14 @@ def test_input_larger_than_pipe_buffers_is_interleaved_with_output(
 
 
 def test_tool_that_never_reads_stdin_still_finishes(
-    runner: DockerRunner, make_spec: SpecFactory, eid: Eid
+    runner: DockerBackend, make_spec: SpecFactory, eid: Eid
 ) -> None:
     res = runner.run(make_spec("echo done", input=b"x" * (2 * 1024 * 1024)), execution_id=eid())
     assert (res.exit_code, res.stdout, res.timed_out) == (0, b"done\n", False)
 
 
 def test_nonzero_exit_reports_stderr(
-    runner: DockerRunner, make_spec: SpecFactory, eid: Eid
+    runner: DockerBackend, make_spec: SpecFactory, eid: Eid
 ) -> None:
     res = runner.run(make_spec("echo partial; echo boom >&2; exit 3"), execution_id=eid())
     assert res.exit_code == 3
@@ -69,14 +69,14 @@ def test_nonzero_exit_reports_stderr(
     assert not (res.timed_out or res.oom_killed)
 
 
-def test_env_and_workdir(runner: DockerRunner, make_spec: SpecFactory, eid: Eid) -> None:
+def test_env_and_workdir(runner: DockerBackend, make_spec: SpecFactory, eid: Eid) -> None:
     spec = make_spec('echo "$GREETING"; pwd', env=(("GREETING", "hi there"),), workdir="/tmp")
     res = runner.run(spec, execution_id=eid())
     assert res.stdout == b"hi there\n/tmp\n"
 
 
 def test_output_streams_as_it_is_produced(
-    runner: DockerRunner, make_spec: SpecFactory, eid: Eid
+    runner: DockerBackend, make_spec: SpecFactory, eid: Eid
 ) -> None:
     seen: list[tuple[float, str, bytes]] = []
 
@@ -96,7 +96,7 @@ def test_output_streams_as_it_is_produced(
 
 
 def test_sink_exception_propagates_and_container_is_removed(
-    runner: DockerRunner, make_spec: SpecFactory, eid: Eid
+    runner: DockerBackend, make_spec: SpecFactory, eid: Eid
 ) -> None:
     def sink(stream: str, chunk: bytes) -> None:
         raise RuntimeError("client went away")
@@ -106,7 +106,7 @@ def test_sink_exception_propagates_and_container_is_removed(
     # no_container_left checks the removal
 
 
-def test_missing_image_is_a_clear_sandbox_error(runner: DockerRunner, eid: Eid) -> None:
+def test_missing_image_is_a_clear_sandbox_error(runner: DockerBackend, eid: Eid) -> None:
     from sandbox_runner import SAFE_LIMITS
 
     spec = SandboxSpec(
@@ -117,7 +117,7 @@ def test_missing_image_is_a_clear_sandbox_error(runner: DockerRunner, eid: Eid) 
 
 
 def test_unknown_runtime_is_a_sandbox_error(
-    runner: DockerRunner, make_spec: SpecFactory, eid: Eid
+    runner: DockerBackend, make_spec: SpecFactory, eid: Eid
 ) -> None:
     with pytest.raises(SandboxError, match="create failed") as info:
         runner.run(make_spec("true", runtime="no-such-runtime"), execution_id=eid())
@@ -125,7 +125,7 @@ def test_unknown_runtime_is_a_sandbox_error(
 
 
 def test_reused_execution_id_fails_without_touching_the_running_one(
-    runner: DockerRunner, make_spec: SpecFactory, eid: Eid
+    runner: DockerBackend, make_spec: SpecFactory, eid: Eid
 ) -> None:
     same = eid()
     results: list[object] = []
@@ -142,7 +142,7 @@ def test_reused_execution_id_fails_without_touching_the_running_one(
 
 
 def test_no_engine_is_engine_unavailable(make_spec: SpecFactory, eid: Eid) -> None:
-    r = DockerRunner(instance_id="nowhere", base_url="unix:///nonexistent/docker.sock")
+    r = DockerBackend(instance_id="nowhere", base_url="unix:///nonexistent/docker.sock")
     assert r.ping() is False
     with pytest.raises(EngineUnavailable):
         r.run(make_spec("true"), execution_id=eid())
@@ -151,7 +151,7 @@ def test_no_engine_is_engine_unavailable(make_spec: SpecFactory, eid: Eid) -> No
 
 
 def test_concurrent_runs_do_not_mix_outputs(
-    runner: DockerRunner, make_spec: SpecFactory, eid: Eid
+    runner: DockerBackend, make_spec: SpecFactory, eid: Eid
 ) -> None:
     n = 12
     outputs: dict[int, bytes] = {}
@@ -176,7 +176,7 @@ def test_concurrent_runs_do_not_mix_outputs(
 
 
 def test_bind_mounts_exactly_as_given(
-    runner: DockerRunner, make_spec: SpecFactory, eid: Eid, tmp_path: Path
+    runner: DockerBackend, make_spec: SpecFactory, eid: Eid, tmp_path: Path
 ) -> None:
     rw = tmp_path / "rw"
     ro = tmp_path / "ro"
@@ -195,13 +195,13 @@ def test_bind_mounts_exactly_as_given(
     assert not (ro / "new.txt").exists()
 
 
-def test_ping_and_runtimes(runner: DockerRunner, docker_client: docker.DockerClient) -> None:
+def test_ping_and_runtimes(runner: DockerBackend, docker_client: docker.DockerClient) -> None:
     assert runner.ping() is True
     assert "runc" in runner.runtimes()
 
 
 def test_missing_bind_source_is_a_sandbox_error(
-    runner: DockerRunner, make_spec: SpecFactory, eid: Eid, tmp_path: Path
+    runner: DockerBackend, make_spec: SpecFactory, eid: Eid, tmp_path: Path
 ) -> None:
     spec = make_spec("true", mounts=(Mount(str(tmp_path / "absent"), "/work"),))
     with pytest.raises(SandboxError, match="create failed"):

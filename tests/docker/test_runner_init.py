@@ -24,7 +24,7 @@ from sandbox_runner.docker_backend import (
     GO_BYTE,
     INIT_NOT_RELEASED_EXIT,
     INIT_TARGET,
-    DockerRunner,
+    DockerBackend,
     _ImageFacts,
     _ImageFactsCache,
 )
@@ -65,7 +65,7 @@ def with_command(spec: SandboxSpec, *command: str) -> SandboxSpec:
 
 @pytest.mark.parametrize("runtime", RUNTIMES)
 def test_prepared_container_runs_nothing_until_finish(
-    runner: DockerRunner, make_spec: SpecFactory, eid: Eid, shared_dir: Path, runtime: str
+    runner: DockerBackend, make_spec: SpecFactory, eid: Eid, shared_dir: Path, runtime: str
 ) -> None:
     prepared = runner.prepare(
         marking_spec(make_spec, shared_dir, runtime), execution_id=eid(), lifetime_s=30
@@ -83,7 +83,7 @@ def test_prepared_container_runs_nothing_until_finish(
 
 @pytest.mark.parametrize("runtime", RUNTIMES)
 def test_discarded_container_never_runs_the_tool(
-    runner: DockerRunner, make_spec: SpecFactory, eid: Eid, shared_dir: Path, runtime: str
+    runner: DockerBackend, make_spec: SpecFactory, eid: Eid, shared_dir: Path, runtime: str
 ) -> None:
     prepared = runner.prepare(
         marking_spec(make_spec, shared_dir, runtime), execution_id=eid(), lifetime_s=30
@@ -98,7 +98,7 @@ def test_without_init_prepare_starts_the_tool_at_once(
     run_id: str, make_spec: SpecFactory, eid: Eid, shared_dir: Path
 ) -> None:
     # The hazard the init closes, shown with a runner that has none (as a reaper has).
-    bare = DockerRunner(instance_id=f"bare-{run_id}", extra_labels={RUN_LABEL: run_id})
+    bare = DockerBackend(instance_id=f"bare-{run_id}", extra_labels={RUN_LABEL: run_id})
     try:
         prepared = bare.prepare(marking_spec(make_spec, shared_dir, "runc"), execution_id=eid())
         try:
@@ -113,7 +113,7 @@ def test_without_init_prepare_starts_the_tool_at_once(
 
 
 def test_cold_run_holds_too(
-    runner: DockerRunner, make_spec: SpecFactory, eid: Eid, shared_dir: Path
+    runner: DockerBackend, make_spec: SpecFactory, eid: Eid, shared_dir: Path
 ) -> None:
     # run() is prepare + finish: the same go byte, then the input, on one stream.
     spec = dataclasses.replace(marking_spec(make_spec, shared_dir, "runc"), input=b"")
@@ -127,7 +127,7 @@ def test_cold_run_holds_too(
 
 @pytest.mark.parametrize("runtime", RUNTIMES)
 def test_missing_program_is_127_with_a_message(
-    runner: DockerRunner, make_spec: SpecFactory, eid: Eid, runtime: str
+    runner: DockerBackend, make_spec: SpecFactory, eid: Eid, runtime: str
 ) -> None:
     spec = with_command(make_spec("", runtime=runtime), "no-such-program", "--flag")
     res = runner.run(spec, execution_id=eid())
@@ -138,7 +138,7 @@ def test_missing_program_is_127_with_a_message(
 
 @pytest.mark.parametrize("runtime", RUNTIMES)
 def test_program_that_is_not_executable_is_126(
-    runner: DockerRunner, make_spec: SpecFactory, eid: Eid, runtime: str
+    runner: DockerBackend, make_spec: SpecFactory, eid: Eid, runtime: str
 ) -> None:
     res = runner.run(
         with_command(make_spec("", runtime=runtime), "/etc/passwd"), execution_id=eid()
@@ -150,7 +150,7 @@ def test_program_that_is_not_executable_is_126(
 @pytest.mark.parametrize("runtime", RUNTIMES)
 def test_init_given_eof_exits_125_and_runs_nothing(
     docker_client: docker.DockerClient,
-    runner: DockerRunner,
+    runner: DockerBackend,
     image: str,
     run_id: str,
     eid: Eid,
@@ -194,7 +194,7 @@ def test_init_given_eof_exits_125_and_runs_nothing(
 
 @pytest.mark.parametrize("runtime", RUNTIMES)
 def test_init_is_read_only_inside(
-    runner: DockerRunner, make_spec: SpecFactory, eid: Eid, runtime: str
+    runner: DockerBackend, make_spec: SpecFactory, eid: Eid, runtime: str
 ) -> None:
     assert runner.init_path is not None
     before = hashlib.sha256(runner.init_path.read_bytes()).hexdigest()
@@ -248,17 +248,17 @@ def test_init_path_is_checked_at_construction(tmp_path: Path) -> None:
     plain.chmod(0o744)  # owner only: uid 65534 could not run it
     for bad in (tmp_path / "missing", tmp_path, plain):
         with pytest.raises(ValueError, match=re.escape(str(bad))):
-            DockerRunner(instance_id="x", init_path=bad)
+            DockerBackend(instance_id="x", init_path=bad)
 
 
-def test_an_init_needs_a_command(runner: DockerRunner, make_spec: SpecFactory, eid: Eid) -> None:
+def test_an_init_needs_a_command(runner: DockerBackend, make_spec: SpecFactory, eid: Eid) -> None:
     with pytest.raises(ValueError, match=r"non-empty SandboxSpec\.command"):
         runner.prepare(with_command(make_spec("")), execution_id=eid())
 
 
 @pytest.mark.parametrize("target", ["/.toolreg", "/.toolreg/init", "/.toolreg/x", "//.toolreg"])
 def test_no_mount_may_cover_the_init(
-    runner: DockerRunner, make_spec: SpecFactory, eid: Eid, tmp_path: Path, target: str
+    runner: DockerBackend, make_spec: SpecFactory, eid: Eid, tmp_path: Path, target: str
 ) -> None:
     spec = make_spec("true", mounts=(Mount(str(tmp_path), target),))
     with pytest.raises(ValueError, match="overlap the init"):
@@ -306,7 +306,7 @@ def derived_images(
 
 
 def test_image_volumes(
-    runner: DockerRunner, image: str, derived_images: dict[str, str], run_id: str
+    runner: DockerBackend, image: str, derived_images: dict[str, str], run_id: str
 ) -> None:
     assert runner.image_volumes(image) == ()
     assert runner.image_volumes(derived_images["volume"]) == ("/data",)
@@ -314,7 +314,7 @@ def test_image_volumes(
 
 
 def test_image_with_a_volume_is_refused(
-    runner: DockerRunner, make_spec: SpecFactory, eid: Eid, derived_images: dict[str, str]
+    runner: DockerBackend, make_spec: SpecFactory, eid: Eid, derived_images: dict[str, str]
 ) -> None:
     spec = dataclasses.replace(make_spec("true"), image=derived_images["volume"])
     pattern = re.escape(f"image '{derived_images['volume']}' declares VOLUME /data")
@@ -325,7 +325,7 @@ def test_image_with_a_volume_is_refused(
 
 
 def test_image_entrypoint_runs_only_after_the_go_byte(
-    runner: DockerRunner,
+    runner: DockerBackend,
     make_spec: SpecFactory,
     eid: Eid,
     shared_dir: Path,

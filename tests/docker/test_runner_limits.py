@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 
 from sandbox_runner import CAUTIOUS_LIMITS, SandboxResult, SandboxSpec
-from sandbox_runner.docker_backend import DockerRunner
+from sandbox_runner.docker_backend import DockerBackend
 
 pytestmark = pytest.mark.docker
 
@@ -28,7 +28,7 @@ def timed(fn: Callable[[], SandboxResult]) -> tuple[SandboxResult, float]:
 
 
 def test_tool_that_never_exits_is_killed_at_the_deadline(
-    runner: DockerRunner, make_spec: SpecFactory, eid: Eid
+    runner: DockerBackend, make_spec: SpecFactory, eid: Eid
 ) -> None:
     spec = make_spec("sleep 60", timeout_ms=1500)
     res, elapsed = timed(lambda: runner.run(spec, execution_id=eid()))
@@ -39,7 +39,7 @@ def test_tool_that_never_exits_is_killed_at_the_deadline(
 
 
 def test_tool_ignoring_sigterm_still_dies(
-    runner: DockerRunner, make_spec: SpecFactory, eid: Eid
+    runner: DockerBackend, make_spec: SpecFactory, eid: Eid
 ) -> None:
     spec = make_spec("trap '' TERM INT HUP; echo trapped; while :; do :; done", timeout_ms=1500)
     res, elapsed = timed(lambda: runner.run(spec, execution_id=eid()))
@@ -57,7 +57,7 @@ def test_tool_ignoring_sigterm_still_dies(
     ],
 )
 def test_output_flood_is_cut_at_the_cap(
-    runner: DockerRunner, make_spec: SpecFactory, eid: Eid, script: str, stream: str
+    runner: DockerBackend, make_spec: SpecFactory, eid: Eid, script: str, stream: str
 ) -> None:
     cap = 64 * 1024
     spec = make_spec(script, output_bytes=cap, timeout_ms=20_000)
@@ -69,7 +69,7 @@ def test_output_flood_is_cut_at_the_cap(
 
 
 def test_output_exactly_at_the_cap_is_not_truncated(
-    runner: DockerRunner, make_spec: SpecFactory, eid: Eid
+    runner: DockerBackend, make_spec: SpecFactory, eid: Eid
 ) -> None:
     spec = make_spec("head -c 5000 /dev/zero", output_bytes=5000)
     res = runner.run(spec, execution_id=eid())
@@ -77,7 +77,7 @@ def test_output_exactly_at_the_cap_is_not_truncated(
 
 
 def test_streamed_chunks_respect_the_cap(
-    runner: DockerRunner, make_spec: SpecFactory, eid: Eid
+    runner: DockerBackend, make_spec: SpecFactory, eid: Eid
 ) -> None:
     got: list[bytes] = []
     spec = make_spec("yes", output_bytes=10_000)
@@ -95,7 +95,7 @@ def test_streamed_chunks_respect_the_cap(
     ids=["dd-buffer", "string-doubling"],
 )
 def test_memory_bomb_is_oom_killed(
-    runner: DockerRunner, make_spec: SpecFactory, eid: Eid, script: str
+    runner: DockerBackend, make_spec: SpecFactory, eid: Eid, script: str
 ) -> None:
     spec = make_spec(script, memory_mb=64, timeout_ms=20_000)
     res = runner.run(spec, execution_id=eid())
@@ -105,7 +105,7 @@ def test_memory_bomb_is_oom_killed(
 
 
 def test_fork_bomb_is_contained_and_the_engine_stays_responsive(
-    runner: DockerRunner, make_spec: SpecFactory, eid: Eid
+    runner: DockerBackend, make_spec: SpecFactory, eid: Eid
 ) -> None:
     bomb = make_spec("f(){ f|f& }; f; sleep 30", limits=CAUTIOUS_LIMITS, timeout_ms=4000)
     results: list[SandboxResult] = []
@@ -125,7 +125,7 @@ def test_fork_bomb_is_contained_and_the_engine_stays_responsive(
 
 
 def test_filling_tmp_stops_at_the_tmpfs_cap(
-    runner: DockerRunner, make_spec: SpecFactory, eid: Eid
+    runner: DockerBackend, make_spec: SpecFactory, eid: Eid
 ) -> None:
     spec = make_spec(
         "dd if=/dev/zero of=/tmp/fill bs=1M count=64; wc -c < /tmp/fill",
@@ -137,7 +137,7 @@ def test_filling_tmp_stops_at_the_tmpfs_cap(
     assert int(res.stdout) <= 8 * 1024 * 1024
 
 
-def test_file_size_ulimit(runner: DockerRunner, make_spec: SpecFactory, eid: Eid) -> None:
+def test_file_size_ulimit(runner: DockerBackend, make_spec: SpecFactory, eid: Eid) -> None:
     spec = make_spec(
         "dd if=/dev/zero of=/tmp/big bs=1M count=4; echo rc=$?; wc -c < /tmp/big",
         tmpfs_mb=64,
@@ -150,14 +150,14 @@ def test_file_size_ulimit(runner: DockerRunner, make_spec: SpecFactory, eid: Eid
 
 
 def test_root_filesystem_is_read_only(
-    runner: DockerRunner, make_spec: SpecFactory, eid: Eid
+    runner: DockerBackend, make_spec: SpecFactory, eid: Eid
 ) -> None:
     res = runner.run(make_spec("echo x > /x || echo x > /bin/x"), execution_id=eid())
     assert res.exit_code != 0
     assert b"Read-only file system" in res.stderr
 
 
-def test_tmp_is_noexec(runner: DockerRunner, make_spec: SpecFactory, eid: Eid) -> None:
+def test_tmp_is_noexec(runner: DockerBackend, make_spec: SpecFactory, eid: Eid) -> None:
     res = runner.run(
         make_spec("cat /bin/busybox > /tmp/bb && chmod +x /tmp/bb && /tmp/bb echo ran"),
         execution_id=eid(),
@@ -167,7 +167,7 @@ def test_tmp_is_noexec(runner: DockerRunner, make_spec: SpecFactory, eid: Eid) -
 
 
 def test_cancel_event_kills_promptly(
-    runner: DockerRunner, make_spec: SpecFactory, eid: Eid
+    runner: DockerBackend, make_spec: SpecFactory, eid: Eid
 ) -> None:
     cancel = threading.Event()
     threading.Timer(0.5, cancel.set).start()
@@ -181,7 +181,7 @@ def test_cancel_event_kills_promptly(
 
 
 def test_cancel_before_start_creates_nothing(
-    runner: DockerRunner, make_spec: SpecFactory, eid: Eid
+    runner: DockerBackend, make_spec: SpecFactory, eid: Eid
 ) -> None:
     cancel = threading.Event()
     cancel.set()

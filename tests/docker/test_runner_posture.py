@@ -10,7 +10,7 @@ import docker
 import pytest
 
 from sandbox_runner import SandboxSpec
-from sandbox_runner.docker_backend import INIT_TARGET, DockerRunner
+from sandbox_runner.docker_backend import INIT_TARGET, DockerBackend
 
 pytestmark = pytest.mark.docker
 
@@ -33,7 +33,7 @@ def interfaces(proc_net_dev: bytes) -> list[str]:
 
 
 def test_capabilities_no_new_privs_seccomp(
-    runner: DockerRunner, make_spec: SpecFactory, eid: Eid
+    runner: DockerBackend, make_spec: SpecFactory, eid: Eid
 ) -> None:
     res = runner.run(make_spec("cat /proc/self/status"), execution_id=eid())
     status = status_fields(res.stdout)
@@ -48,17 +48,17 @@ def root_mount_options(proc_mounts: bytes) -> list[str]:
     return roots[-1][3].split(",")
 
 
-def test_root_is_mounted_read_only(runner: DockerRunner, make_spec: SpecFactory, eid: Eid) -> None:
+def test_root_is_mounted_read_only(runner: DockerBackend, make_spec: SpecFactory, eid: Eid) -> None:
     res = runner.run(make_spec("cat /proc/mounts"), execution_id=eid())
     assert "ro" in root_mount_options(res.stdout)
 
 
-def test_runs_as_nobody(runner: DockerRunner, make_spec: SpecFactory, eid: Eid) -> None:
+def test_runs_as_nobody(runner: DockerBackend, make_spec: SpecFactory, eid: Eid) -> None:
     res = runner.run(make_spec("id -u; id -g"), execution_id=eid())
     assert res.stdout.split() == [b"65534", b"65534"]
 
 
-def test_only_loopback_interface(runner: DockerRunner, make_spec: SpecFactory, eid: Eid) -> None:
+def test_only_loopback_interface(runner: DockerBackend, make_spec: SpecFactory, eid: Eid) -> None:
     res = runner.run(make_spec("cat /proc/net/dev"), execution_id=eid())
     assert interfaces(res.stdout) == ["lo"]
 
@@ -74,7 +74,7 @@ def test_only_loopback_interface(runner: DockerRunner, make_spec: SpecFactory, e
     ids=["ping", "wget", "dns", "tcp"],
 )
 def test_network_is_unreachable(
-    runner: DockerRunner, make_spec: SpecFactory, eid: Eid, script: str
+    runner: DockerBackend, make_spec: SpecFactory, eid: Eid, script: str
 ) -> None:
     res = runner.run(make_spec(script, timeout_ms=8000), execution_id=eid())
     assert res.exit_code not in (0, None), res.stdout
@@ -82,7 +82,7 @@ def test_network_is_unreachable(
 
 
 def test_cannot_see_host_processes_or_devices(
-    runner: DockerRunner, make_spec: SpecFactory, eid: Eid
+    runner: DockerBackend, make_spec: SpecFactory, eid: Eid
 ) -> None:
     res = runner.run(make_spec("ls /proc; echo ---; ls /dev"), execution_id=eid())
     procs, _, devs = res.stdout.decode().partition("---")
@@ -93,7 +93,7 @@ def test_cannot_see_host_processes_or_devices(
 
 
 def test_engine_side_host_config(
-    runner: DockerRunner,
+    runner: DockerBackend,
     make_spec: SpecFactory,
     eid: Eid,
     docker_client: docker.DockerClient,
@@ -149,7 +149,7 @@ def test_engine_side_host_config(
 
 
 def test_many_threads_share_one_runner(
-    runner: DockerRunner, make_spec: SpecFactory, eid: Eid
+    runner: DockerBackend, make_spec: SpecFactory, eid: Eid
 ) -> None:
     # A slow tool on one thread must not hold up another thread's quick one.
     slow_done = threading.Event()

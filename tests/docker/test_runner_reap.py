@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import docker
 import pytest
 
-from sandbox_runner.docker_backend import DockerRunner
+from sandbox_runner.docker_backend import DockerBackend
 from sandbox_runner.ownership import (
     LABEL_DEADLINE,
     LABEL_INSTANCE,
@@ -44,7 +44,7 @@ def dead_pid() -> tuple[int, int]:
 
 
 def test_reap_removes_dead_owners_and_keeps_live_ones(
-    runner: DockerRunner,
+    runner: DockerBackend,
     docker_client: docker.DockerClient,
     image: str,
     run_id: str,
@@ -120,7 +120,7 @@ def test_reap_removes_dead_owners_and_keeps_live_ones(
 
 
 def test_reap_is_scoped_by_the_runner_labels(
-    runner: DockerRunner, docker_client: docker.DockerClient, image: str, run_id: str
+    runner: DockerBackend, docker_client: docker.DockerClient, image: str, run_id: str
 ) -> None:
     pid, ticks = dead_pid()
     me = OwnerIdentity.current()
@@ -131,7 +131,7 @@ def test_reap_is_scoped_by_the_runner_labels(
         RUN_LABEL: run_id,
     }
     cid = docker_client.api.create_container(image, ["true"], labels=orphan_labels)["Id"]
-    other_scope = DockerRunner(instance_id="scoped", extra_labels={RUN_LABEL: f"not-{run_id}"})
+    other_scope = DockerBackend(instance_id="scoped", extra_labels={RUN_LABEL: f"not-{run_id}"})
     try:
         assert other_scope.reap() == 0  # not in its scope, even though the owner is dead
     finally:

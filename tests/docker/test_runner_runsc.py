@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from sandbox_runner import CAUTIOUS_LIMITS, SandboxSpec
-from sandbox_runner.docker_backend import DockerRunner
+from sandbox_runner.docker_backend import DockerBackend
 
 pytestmark = pytest.mark.docker
 
@@ -21,17 +21,17 @@ def gvisor(make_spec: SpecFactory) -> SpecFactory:
     return lambda script, **kw: make_spec(script, runtime="runsc", limits=CAUTIOUS_LIMITS, **kw)
 
 
-def test_engine_offers_runsc(runner: DockerRunner) -> None:
+def test_engine_offers_runsc(runner: DockerBackend) -> None:
     assert "runsc" in runner.runtimes()
 
 
-def test_runsc_round_trip(runner: DockerRunner, gvisor: SpecFactory, eid: Eid) -> None:
+def test_runsc_round_trip(runner: DockerBackend, gvisor: SpecFactory, eid: Eid) -> None:
     res = runner.run(gvisor("cat; echo err >&2; exit 4", input=b"via gvisor"), execution_id=eid())
     assert (res.exit_code, res.stdout, res.stderr) == (4, b"via gvisor", b"err\n")
 
 
 def test_runsc_is_really_gvisor_and_locked_down(
-    runner: DockerRunner, gvisor: SpecFactory, eid: Eid
+    runner: DockerBackend, gvisor: SpecFactory, eid: Eid
 ) -> None:
     res = runner.run(
         gvisor("dmesg | head -1; id -u; grep CapEff /proc/self/status; cat /proc/net/dev"),
@@ -45,27 +45,27 @@ def test_runsc_is_really_gvisor_and_locked_down(
     assert devs == ["lo"]
 
 
-def test_runsc_timeout(runner: DockerRunner, gvisor: SpecFactory, eid: Eid) -> None:
+def test_runsc_timeout(runner: DockerBackend, gvisor: SpecFactory, eid: Eid) -> None:
     start = time.monotonic()
     res = runner.run(gvisor("trap '' TERM; sleep 60", timeout_ms=1500), execution_id=eid())
     assert res.timed_out
     assert time.monotonic() - start < 1.5 + 3.0
 
 
-def test_runsc_memory_bomb(runner: DockerRunner, gvisor: SpecFactory, eid: Eid) -> None:
+def test_runsc_memory_bomb(runner: DockerBackend, gvisor: SpecFactory, eid: Eid) -> None:
     res = runner.run(
         gvisor("dd if=/dev/zero of=/dev/null bs=256M count=1", memory_mb=64), execution_id=eid()
     )
     assert res.oom_killed and res.exit_code == 137
 
 
-def test_runsc_output_flood(runner: DockerRunner, gvisor: SpecFactory, eid: Eid) -> None:
+def test_runsc_output_flood(runner: DockerBackend, gvisor: SpecFactory, eid: Eid) -> None:
     res = runner.run(gvisor("yes", output_bytes=32 * 1024), execution_id=eid())
     assert res.output_truncated and len(res.stdout) == 32 * 1024
 
 
 def test_runsc_tmpfs_cap_and_read_only_root(
-    runner: DockerRunner, gvisor: SpecFactory, eid: Eid
+    runner: DockerBackend, gvisor: SpecFactory, eid: Eid
 ) -> None:
     res = runner.run(
         gvisor(

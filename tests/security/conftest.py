@@ -46,7 +46,7 @@ def labelled(engine: docker.DockerClient, label: str) -> list[str]:
 
 
 def containers_of(engine: docker.DockerClient, running: Running) -> list[str]:
-    return labelled(engine, f"{INSTANCE_LABEL}={running.app.runner.instance_id}")
+    return labelled(engine, f"{INSTANCE_LABEL}={running.app.backend.instance_id}")
 
 
 def wait_until_gone(

@@ -243,7 +243,7 @@ def test_invalid_arguments_start_no_container(
         filters={
             "type": "container",
             "event": "create",
-            "label": f"io.toolreg.instance={sandbox_server.app.runner.instance_id}",
+            "label": f"io.toolreg.instance={sandbox_server.app.backend.instance_id}",
         },
     )
     assert list(created) == []

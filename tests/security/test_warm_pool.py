@@ -76,7 +76,7 @@ def wait_warm(running: Running, name: str, count: int) -> None:
 
 
 def executions(running: Running) -> list[dict[str, Any]]:
-    running.app.runner.flush()
+    running.app.backend.flush()
     return [
         json.loads(r) for _, _, r in store_file.audit_rows(running.app.config.data_dir, "execution")
     ]
@@ -167,7 +167,7 @@ def test_replacing_a_tool_drains_its_pool(pooled: Running, engine: docker.Docker
     old = set(containers_of(engine, pooled))
     register(pooled, shell_tool("changing", "cat; echo v2", 2))
     wait_warm(pooled, "changing", 2)
-    pooled.app.runner.flush()
+    pooled.app.backend.flush()
     now = set(containers_of(engine, pooled))
     assert old.isdisjoint(now)  # every container made from the old definition is gone
     assert execute(pooled, "changing", "{}").content == "{}v2\n"

@@ -1,4 +1,11 @@
-"""The runner protocol: the only surface the server codes against."""
+"""The sandbox backend interface: the only surface the server codes against.
+
+A backend runs each call in a fresh sandbox and removes it after: ``run`` for
+a call made now, ``prepare`` + ``PreparedSandbox.finish`` for a sandbox made
+ahead of its call (warm pools), ``remove``/``reap`` for cleaning up, and
+``health`` for the server's health check. Docker (docker_backend.py) is the
+one implementation; the server picks it in registry_server/api/app.py.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +15,7 @@ from typing import Protocol, runtime_checkable
 
 from .spec import SandboxResult, SandboxSpec
 
-__all__ = ["OutputSink", "PreparedSandbox", "Runner"]
+__all__ = ["OutputSink", "PreparedSandbox", "SandboxBackend"]
 
 # ("stdout" | "stderr", chunk), called on the runner's thread as output arrives. Chunks are
 # already within the caps: the concatenation of a stream's chunks equals that stream in
@@ -49,7 +56,7 @@ class PreparedSandbox(Protocol):
 
 
 @runtime_checkable
-class Runner(Protocol):
+class SandboxBackend(Protocol):
     def run(
         self,
         spec: SandboxSpec,
@@ -72,8 +79,22 @@ class Runner(Protocol):
         ``finish``; ``lifetime_s``: how long it may wait for that call."""
         ...
 
-    def ping(self) -> bool:
-        """True when the engine answers."""
+    def health(self) -> bool:
+        """True when the engine answers; then also removes again what an outage
+        kept it from removing (``retry_removals``). Cheap: called every few seconds."""
+        ...
+
+    def remove(self, container_id: str) -> None:
+        """Remove a sandbox, whatever state it is in (in the background when the
+        backend removes in the background); a failure is retried by ``health``."""
+        ...
+
+    def flush(self) -> None:
+        """Wait until every sandbox handed to background removal is gone."""
+        ...
+
+    def close(self) -> None:
+        """Finish queued removals and let go of the engine."""
         ...
 
     def runtimes(self) -> frozenset[str]:
