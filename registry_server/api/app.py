@@ -27,7 +27,8 @@ from registry_server.domain.errors import (
 from registry_server.domain.manifests import load_manifests
 from registry_server.domain.models import SafetyLevel, ToolDefinition
 from registry_server.execution.admission import Admission
-from registry_server.execution.executor import Executor, SandboxPolicy
+from registry_server.execution.executor import Executor
+from registry_server.execution.sandbox_plan import SandboxPolicy
 from registry_server.execution.warm_pool import WarmPools
 from registry_server.policy.loader import load_policy
 from registry_server.policy.model import Policy, PolicyError, development_policy

@@ -19,7 +19,8 @@ from registry_server.catalog.views import RegistryViews
 from registry_server.domain import schemas
 from registry_server.domain.errors import InvalidArgument, Unimplemented, Violation
 from registry_server.domain.models import NAME_PATTERN, valid_tool_name
-from registry_server.execution.executor import CallRequest, Executor
+from registry_server.execution.call_request import CallRequest
+from registry_server.execution.executor import Executor
 from registry_server.policy.model import Role
 from registry_server.wire import convert
 

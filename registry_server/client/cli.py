@@ -19,7 +19,7 @@ from registry_server.client import registry_client as client_mod
 from registry_server.client.registry_client import RegistryClient, describe_rpc_error, open_channel
 from registry_server.client.terminal import escape
 from registry_server.domain.errors import ToolregError
-from registry_server.domain.models import SafetyLevel
+from registry_server.domain.models import LIMIT_FIELDS, SafetyLevel
 from registry_server.domain.schemas import SchemaFormat, tool_belt
 from registry_server.wire import convert
 
@@ -440,10 +440,7 @@ def _tool_lines(req: Any) -> list[str]:
     tool = req.tool
     matches = _definition_matches(req)
     limits = tool.sandbox.limits
-    asked = ", ".join(
-        f"{name} {getattr(limits, name) or 'level default'}"
-        for name in ("memory_mb", "cpu_millis", "pids", "timeout_ms", "output_bytes")
-    )
+    asked = ", ".join(f"{name} {getattr(limits, name) or 'level default'}" for name in LIMIT_FIELDS)
     env = ", ".join(f"{k}={v!r}" for k, v in sorted(tool.sandbox.env.items())) or "none"
     return [
         f"level     {convert.level_name(tool.safety_level)}",

@@ -10,6 +10,7 @@ copying and without anyone mutating the registry's state through it.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import hashlib
 import json
@@ -90,13 +91,12 @@ class ToolLimits:
     output_bytes: int = 0
 
     def as_dict(self) -> dict[str, int]:
-        return {
-            "memory_mb": self.memory_mb,
-            "cpu_millis": self.cpu_millis,
-            "pids": self.pids,
-            "timeout_ms": self.timeout_ms,
-            "output_bytes": self.output_bytes,
-        }
+        return {name: getattr(self, name) for name in LIMIT_FIELDS}
+
+
+# The limits a tool may ask for, in manifest and message order: the one list
+# that conversions, the CLI and the sandbox plan iterate.
+LIMIT_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(ToolLimits))
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,23 +1,26 @@
-"""Executing one tool call: look-up, argument checks, admission, the sandbox,
-and the execution record. Every outcome of the call itself is an ``Outcome``;
-only problems of the request or the server (capacity, no engine) raise."""
+"""Executing one tool call, as a pipeline of named steps:
+
+    look up -> check arguments -> approval gate -> plan the sandbox
+            -> run (admission, a warm or cold sandbox, spend the approval, start)
+            -> record (the audit log, the execution log, observers)
+
+A step that refuses the call ends it with an ``Outcome`` that is recorded like
+every other attempt. Only problems of the request or the server (a caller above
+its level, a malformed request id, capacity, no engine) raise.
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import re
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Callable
 
 from registry_server.approvals.service import Approvals, Approved, Call, Denied, Required
 from registry_server.catalog.registry import Registry
-from registry_server.domain import strict_json
-from registry_server.domain.arguments import parse_arguments
+from registry_server.domain.arguments import ParsedArguments, parse_arguments
 from registry_server.domain.errors import (
     EngineUnavailable,
     InvalidArgument,
@@ -29,59 +32,37 @@ from registry_server.domain.errors import (
 from registry_server.domain.models import NAME_PATTERN, SafetyLevel, ToolDefinition, valid_tool_name
 from registry_server.domain.outcome import ApprovalRequestView, Outcome, Status
 from registry_server.execution.admission import Admission, Cancelled
+from registry_server.execution.audit_record import AuditRecord, decision_of
+from registry_server.execution.call_request import CallRequest
+from registry_server.execution.results import outcome_of
+from registry_server.execution.sandbox_plan import SandboxPlanner, SandboxPolicy, within_deadline
 from registry_server.execution.warm_pool import WarmPools
-from registry_server.store import audit_chain as audit
+from registry_server.store import audit_chain
 from registry_server.store.base import Store
-from sandbox_runner import EngineUnavailable as RunnerEngineUnavailable
+from sandbox_runner import EngineUnavailable as BackendEngineUnavailable
 from sandbox_runner import (
-    Limits,
-    Mount,
     PreparedSandbox,
     SandboxBackend,
     SandboxError,
     SandboxResult,
     SandboxSpec,
 )
-from sandbox_runner.profiles import FALLBACK_RUNTIME, profile_for, runtime_for
 
 log = logging.getLogger(__name__)
 execution_log = logging.getLogger("toolreg.executions")
 
 OutputSink = Callable[[str, bytes], None]
-MAX_ERROR_CHARS = 4_096  # characters of stderr repeated in `error` for the model
-WORKSPACE_TARGET = "/workspace"  # where a workspace tool sees its directory
-TOOL_WORKSPACE_ENV = "TOOLREG_WORKSPACE"  # tells the tool where its workspace is
+Observer = Callable[[dict[str, object], Outcome], None]
 NOT_A_NAME = f"Tool not found: tool names match {NAME_PATTERN}"
 REQUEST_ID_PATTERN = re.compile(r"^[0-9a-f]{32}$")  # what Approvals issues (uuid4 hex)
 
 
-@dataclass(frozen=True)
-class CallRequest:
-    name: str
-    arguments_json: str
-    caller: str = "anonymous"
-    approval_tokens: tuple[str, ...] = ()
-    approval_request_id: str = ""
-    # time.monotonic() by which the client stops waiting (its gRPC deadline)
-    deadline: float | None = None
-    # the most dangerous level this caller may run (None = any)
-    max_level: SafetyLevel | None = None
+class _Refused(Exception):
+    """A step ended the call before any sandbox; ``outcome`` says how."""
 
-
-@dataclass(frozen=True)
-class SandboxPolicy:
-    """What the server (not the tool) decides about sandboxes."""
-
-    ceilings: Mapping[SafetyLevel, Limits] = field(
-        default_factory=lambda: {lvl: profile_for(lvl.value) for lvl in SafetyLevel}
-    )
-    # Dangerous tools run under gVisor; without it, refuse (True) or fall back
-    # to runc with a warning at start-up (False).
-    require_gvisor: bool = False
-    workspace_dir: Path | None = None
-    # Tools that get workspace_dir mounted read-write. Only dangerous tools
-    # qualify: a file that outlives the call is a permanent effect.
-    workspace_tools: frozenset[str] = frozenset()
+    def __init__(self, outcome: Outcome) -> None:
+        super().__init__(outcome.error)
+        self.outcome = outcome
 
 
 class Executor:
@@ -98,14 +79,13 @@ class Executor:
         self._registry = registry
         self._backend = backend
         self._admission = admission
-        self._policy = policy
+        self._planner = SandboxPlanner(backend, policy)
         self._store = store
         self._approvals = approvals
         self._pools: WarmPools | None = None
-        self._observers: list[Callable[[dict[str, object], Outcome], None]] = []
-        self._runtimes: frozenset[str] | None = None
+        self._observers: list[Observer] = []
 
-    def observe(self, observer: Callable[[dict[str, object], Outcome], None]) -> None:
+    def observe(self, observer: Observer) -> None:
         """Called with each attempt's audit record and outcome (metrics)."""
         self._observers.append(observer)
 
@@ -114,8 +94,7 @@ class Executor:
 
     def warm_spec(self, tool: ToolDefinition) -> SandboxSpec | None:
         """What a warm container of ``tool`` is made from (None: it may not run here)."""
-        runtime = self.runtime_for(tool.safety_level)
-        return None if runtime is None else self.sandbox_spec(tool, b"{}", runtime)
+        return self._planner.warm_spec(tool)
 
     @property
     def admission(self) -> Admission:
@@ -123,19 +102,7 @@ class Executor:
 
     @property
     def require_gvisor(self) -> bool:
-        return self._policy.require_gvisor
-
-    def runtime_for(self, level: SafetyLevel) -> str | None:
-        """The OCI runtime a level runs under here, or None if it may not run."""
-        if self._runtimes is None:
-            try:
-                self._runtimes = self._backend.runtimes()
-            except SandboxError:
-                return FALLBACK_RUNTIME if level is not SafetyLevel.DANGEROUS else None
-        chosen = runtime_for(level.value, self._runtimes or frozenset())
-        if chosen is None and not (level is SafetyLevel.DANGEROUS and self._policy.require_gvisor):
-            return FALLBACK_RUNTIME
-        return chosen
+        return self._planner.policy.require_gvisor
 
     def execute(
         self,
@@ -148,59 +115,81 @@ class Executor:
             # log line, an audit row or a metric label.
             return Outcome(Status.TOOL_NOT_FOUND, error=NOT_A_NAME)
         _check_request_id(call.approval_request_id)
-        execution_id = uuid.uuid4().hex
-        record = AuditRecord(execution_id, call)
+        record = AuditRecord(uuid.uuid4().hex, call)
+        try:
+            tool = self._look_up(record)
+            arguments = self._check_arguments(record, tool)
+            approved = self._approval_gate(record, tool, arguments)
+            spec = self._plan_sandbox(record, tool, arguments)
+        except _Refused as refused:
+            return self._record(record, refused.outcome)
+        return self._record(record, self._run(record, tool, spec, approved, on_output, cancel))
+
+    # -- the steps before any sandbox ---------------------------------------------------
+
+    def _look_up(self, record: AuditRecord) -> ToolDefinition:
+        call = record.call
         tool = self._registry.find(call.name)
         if tool is None:
-            return self._refuse(record, Status.TOOL_NOT_FOUND, f"Tool '{call.name}' not found")
+            raise _refusal(record, Status.TOOL_NOT_FOUND, f"Tool '{call.name}' not found")
         record.tool = tool
         if call.max_level is not None and not tool.safety_level.at_most(call.max_level):
             raise PermissionDenied(
                 f"client '{call.caller}' may run tools up to {call.max_level.value};"
                 f" '{tool.name}' is {tool.safety_level.value}"
             )
+        return tool
+
+    def _check_arguments(self, record: AuditRecord, tool: ToolDefinition) -> ParsedArguments:
         try:
-            arguments = parse_arguments(tool, call.arguments_json)
+            arguments = parse_arguments(tool, record.call.arguments_json)
         except InvalidArgument as exc:
-            return self._refuse(record, Status.INVALID_ARGUMENTS, exc.message)
+            raise _refusal(record, Status.INVALID_ARGUMENTS, exc.message) from None
         record.args_digest = arguments.digest
-        approved: Approved | None = None
-        if tool.safety_level is SafetyLevel.DANGEROUS:
-            gate = self._approval_gate(record, tool, arguments.canonical.decode())
-            if isinstance(gate, Outcome):
-                return gate
-            approved = record.approved = gate
-        runtime = self.runtime_for(tool.safety_level)
-        if runtime is None:
-            return self._refuse(
-                record,
-                Status.SANDBOX_ERROR,
-                f"Tool '{tool.name}' needs gVisor (runsc), which this engine lacks",
-            )
-        spec = self.sandbox_spec(tool, arguments.canonical, runtime)
-        record.runtime, record.limits = runtime, spec.limits
-        return self._finish(record, self._run(record, tool, spec, approved, on_output, cancel))
+        return arguments
 
     def _approval_gate(
-        self, record: AuditRecord, tool: ToolDefinition, arguments_json: str
-    ) -> Approved | Outcome:
-        """Whether enough valid approvals exist (checked, not yet spent)."""
+        self, record: AuditRecord, tool: ToolDefinition, arguments: ParsedArguments
+    ) -> Approved | None:
+        """Dangerous tools: whether enough valid approvals exist (checked, not yet
+        spent: ``_start`` spends them). None for other levels."""
+        if tool.safety_level is not SafetyLevel.DANGEROUS:
+            return None
         call = record.call
         try:
             decision = self._approvals.decide(
-                Call(tool, arguments_json, record.args_digest, call.caller),
+                Call(tool, arguments.canonical.decode(), arguments.digest, call.caller),
                 call.approval_tokens,
                 call.approval_request_id,
             )
         except Denied as exc:
-            return self._refuse(record, Status.APPROVAL_DENIED, f"approval denied: {exc.reason}")
+            raise _refusal(
+                record, Status.APPROVAL_DENIED, f"approval denied: {exc.reason}"
+            ) from None
         except NotFound as exc:
-            return self._refuse(record, Status.APPROVAL_DENIED, f"approval denied: {exc.message}")
+            raise _refusal(
+                record, Status.APPROVAL_DENIED, f"approval denied: {exc.message}"
+            ) from None
         if isinstance(decision, Required):
-            return self._refuse(
-                record, Status.APPROVAL_REQUIRED, decision.message, decision.request
-            )
+            raise _refusal(record, Status.APPROVAL_REQUIRED, decision.message, decision.request)
+        record.approved = decision
         return decision
+
+    def _plan_sandbox(
+        self, record: AuditRecord, tool: ToolDefinition, arguments: ParsedArguments
+    ) -> SandboxSpec:
+        runtime = self._planner.runtime_for(tool.safety_level)
+        if runtime is None:
+            raise _refusal(
+                record,
+                Status.SANDBOX_ERROR,
+                f"Tool '{tool.name}' needs gVisor (runsc), which this engine lacks",
+            )
+        spec = self._planner.spec(tool, arguments.canonical, runtime)
+        record.runtime, record.limits = runtime, spec.limits
+        return spec
+
+    # -- the sandbox --------------------------------------------------------------------
 
     def _run(
         self,
@@ -215,25 +204,8 @@ class Executor:
         the tool started. Refused for capacity, cancelled, or failing in the
         engine before the tool starts: the approval is kept for a retry."""
         execution_id = record.execution_id
-        warm = self._pools.take(tool, spec) if self._pools is not None else None
         try:
-            if warm is not None:
-                record.container_id, record.warm = warm.container_id, True
-                with self._admission.claim(warm.reservation):
-                    try:
-                        result = self._start(
-                            record, warm.prepared, spec, approved, on_output, cancel
-                        )
-                    finally:
-                        assert self._pools is not None
-                        self._pools.call_done()
-            else:
-                with self._admission.slot(cancel, spec.limits.memory_mb):
-                    if cancel is not None and cancel.is_set():
-                        raise Cancelled()
-                    prepared = self._backend.prepare(spec, execution_id=execution_id)
-                    record.container_id = prepared.container_id
-                    result = self._start(record, prepared, spec, approved, on_output, cancel)
+            result = self._run_warm_or_cold(record, tool, spec, approved, on_output, cancel)
         except Cancelled:
             return Outcome(
                 Status.SANDBOX_ERROR,
@@ -245,8 +217,8 @@ class Executor:
                 Status.APPROVAL_DENIED, error=f"approval denied: {exc.reason}",
                 execution_id=execution_id,
             )  # fmt: skip
-        except RunnerEngineUnavailable as exc:
-            self._finish(
+        except BackendEngineUnavailable as exc:
+            self._record(
                 record, Outcome(Status.SANDBOX_ERROR, error=str(exc), execution_id=execution_id)
             )
             raise EngineUnavailable(f"no container engine answers: {exc}") from exc
@@ -257,6 +229,32 @@ class Executor:
             )
         return outcome_of(tool, result, execution_id)
 
+    def _run_warm_or_cold(
+        self,
+        record: AuditRecord,
+        tool: ToolDefinition,
+        spec: SandboxSpec,
+        approved: Approved | None,
+        on_output: OutputSink | None,
+        cancel: threading.Event | None,
+    ) -> SandboxResult:
+        pools = self._pools
+        warm = pools.take(tool, spec) if pools is not None else None
+        if warm is not None:
+            assert pools is not None
+            record.container_id, record.warm = warm.container_id, True
+            with self._admission.claim(warm.reservation):
+                try:
+                    return self._start(record, warm.prepared, spec, approved, on_output, cancel)
+                finally:
+                    pools.call_done()
+        with self._admission.slot(cancel, spec.limits.memory_mb):
+            if cancel is not None and cancel.is_set():
+                raise Cancelled()
+            prepared = self._backend.prepare(spec, execution_id=record.execution_id)
+            record.container_id = prepared.container_id
+            return self._start(record, prepared, spec, approved, on_output, cancel)
+
     def _start(
         self,
         record: AuditRecord,
@@ -266,7 +264,7 @@ class Executor:
         on_output: OutputSink | None,
         cancel: threading.Event | None,
     ) -> SandboxResult:
-        """Spend the approval (with its audit record, in one transaction), then
+        """Spend the approval (with its audit record, in one unit of work), then
         hand the waiting container its call. The tool's command starts only
         here; a container whose call is refused is removed unused."""
         try:
@@ -283,68 +281,21 @@ class Executor:
             raise
         # The timeout counts from now, not from when the container was made, and
         # no container outlives the client's deadline: nobody would read it.
-        spec = _within_deadline(spec, record.call.deadline)
+        spec = within_deadline(spec, record.call.deadline)
         deadline = time.monotonic() + spec.limits.timeout_ms / 1000
         return prepared.finish(spec.input, deadline, on_output, cancel)
 
-    def sandbox_spec(self, tool: ToolDefinition, input_bytes: bytes, runtime: str) -> SandboxSpec:
-        """The tool's request merged into its level's ceiling (the tightest wins).
-        ``input_bytes``: the RFC 8785 canonical arguments, the very bytes an
-        approval's args_digest hashes (1 and 1.0 cannot differ on the way)."""
-        asked = tool.sandbox.limits
-        requested = Limits(
-            memory_mb=asked.memory_mb,
-            cpu_millis=asked.cpu_millis,
-            pids=asked.pids,
-            timeout_ms=asked.timeout_ms,
-            output_bytes=asked.output_bytes,
-            tmpfs_mb=0,
-            nofile=0,
-            fsize_mb=0,
-        )
-        limits = self._policy.ceilings[tool.safety_level].tightest(requested)
-        env = dict(tool.sandbox.env)
-        mounts: tuple[Mount, ...] = ()
-        workspace = self._policy.workspace_dir
-        if (
-            workspace is not None
-            and tool.name in self._policy.workspace_tools
-            and tool.safety_level is SafetyLevel.DANGEROUS
-        ):
-            mounts = (Mount(str(workspace.resolve()), WORKSPACE_TARGET, read_only=False),)
-            env[TOOL_WORKSPACE_ENV] = WORKSPACE_TARGET
-        return SandboxSpec(
-            image=tool.sandbox.image,
-            command=tool.sandbox.command,
-            env=tuple(sorted(env.items())),
-            limits=limits,
-            runtime=runtime,
-            input=input_bytes,
-            mounts=mounts,
-        )
+    # -- the record -----------------------------------------------------------------------
 
-    def _refuse(
-        self,
-        record: AuditRecord,
-        status: Status,
-        error: str,
-        request: ApprovalRequestView | None = None,
-    ) -> Outcome:
-        """An attempt that ends before any sandbox: recorded like every other."""
-        outcome = Outcome(
-            status, error=error, execution_id=record.execution_id, approval_request=request
-        )
-        return self._finish(record, outcome)
-
-    def _finish(self, record: AuditRecord, outcome: Outcome) -> Outcome:
+    def _record(self, record: AuditRecord, outcome: Outcome) -> Outcome:
         """Write the attempt's audit record, then hand the outcome back."""
-        entry = record.as_dict(decision=_decision(outcome, record), outcome=outcome)
+        entry = record.as_dict(decision=decision_of(outcome, record), outcome=outcome)
         execution_log.info("execution", extra={"fields": entry})
         for observer in self._observers:
             observer(entry, outcome)
         try:
             with self._store.unit_of_work() as uow:
-                audit.append(uow, "execution", entry)
+                audit_chain.append(uow, "execution", entry)
         except ToolregError as exc:
             # Cautious and dangerous calls are audited: no durable record, no
             # answer. A safe call's record is not worth failing a read for.
@@ -354,121 +305,13 @@ class Executor:
         return outcome
 
 
-class AuditRecord:
-    """What the audit log says about one execution attempt."""
-
-    def __init__(self, execution_id: str, call: CallRequest) -> None:
-        self.execution_id = execution_id
-        self.call = call
-        self.tool: ToolDefinition | None = None
-        self.args_digest = ""
-        self.approved: Approved | None = None
-        self.runtime = ""
-        self.limits: Limits | None = None
-        self.container_id = ""
-        self.warm = False
-
-    def as_dict(
-        self, *, decision: str, status: str = "", outcome: Outcome | None = None
-    ) -> dict[str, object]:
-        approvals = self.approved.approvals if self.approved else ()
-        return {
-            "execution_id": self.execution_id,
-            "caller": self.call.caller,
-            "tool": self.tool.name if self.tool else self.call.name,
-            "tool_digest": self.tool.digest if self.tool else "",
-            "level": self.tool.safety_level.value if self.tool else "",
-            "args_digest": self.args_digest,
-            "decision": decision,
-            "approvers": [a.approver for a in approvals],
-            "jtis": [a.jti for a in approvals],
-            "approval_request_id": (self.approved.request_id if self.approved else None)
-            or self.call.approval_request_id
-            or None,
-            "status": outcome.status.value if outcome else status,
-            "exit_code": outcome.exit_code
-            if outcome and outcome.status in (Status.OK, Status.TOOL_ERROR)
-            else None,
-            "duration_ms": outcome.duration_ms if outcome else 0,
-            "runtime": self.runtime,
-            "container_id": self.container_id,
-            "warm": self.warm,
-            "limits": dataclasses.asdict(self.limits) if self.limits else {},
-        }
-
-
-def _decision(outcome: Outcome, record: AuditRecord) -> str:
-    refused = {
-        Status.TOOL_NOT_FOUND: "not_found",
-        Status.INVALID_ARGUMENTS: "invalid_arguments",
-        Status.APPROVAL_REQUIRED: "approval_required",
-        Status.APPROVAL_DENIED: "approval_denied",
-    }
-    if outcome.status in refused:
-        return refused[outcome.status]
-    return "approved" if record.approved else "allowed"
-
-
-def _within_deadline(spec: SandboxSpec, deadline: float | None) -> SandboxSpec:
-    """No container outlives the client's deadline: nobody would read its result."""
-    if deadline is None:
-        return spec
-    remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))
-    if remaining_ms >= spec.limits.timeout_ms:
-        return spec
-    return dataclasses.replace(spec, limits=spec.limits.replace(timeout_ms=remaining_ms))
-
-
-def outcome_of(tool: ToolDefinition, result: SandboxResult, execution_id: str) -> Outcome:
-    """Map what the sandbox reported to what the model is told."""
-    content = result.stdout.decode("utf-8", errors="replace")
-    stderr = result.stderr.decode("utf-8", errors="replace")
-    status, error = _classify(tool.name, result, stderr)
-    return Outcome(
-        status,
-        content=content,
-        data_json=_json_or_empty(content) if status is Status.OK else "",
-        error=error,
-        exit_code=result.exit_code if result.exit_code is not None else -1,
-        stderr=stderr,
-        duration_ms=result.duration_ms,
-        output_truncated=result.output_truncated,
-        execution_id=execution_id,
+def _refusal(
+    record: AuditRecord, status: Status, error: str, request: ApprovalRequestView | None = None
+) -> _Refused:
+    """An attempt that ends before any sandbox: recorded like every other."""
+    return _Refused(
+        Outcome(status, error=error, execution_id=record.execution_id, approval_request=request)
     )
-
-
-def _classify(name: str, result: SandboxResult, stderr: str) -> tuple[Status, str]:
-    # Order matters: a killed tool also exits non-zero or times out, and a limit
-    # it hit on the way (memory, processes, output) is the cause to report.
-    if result.oom_killed:
-        return Status.RESOURCE_EXHAUSTED, f"Tool '{name}' ran out of memory and was stopped"
-    if result.pids_exhausted:
-        return Status.RESOURCE_EXHAUSTED, f"Tool '{name}' hit its process limit"
-    if result.output_truncated:
-        return (
-            Status.RESOURCE_EXHAUSTED,
-            f"Tool '{name}' wrote more output than allowed; it was stopped and its output cut",
-        )
-    if result.timed_out:
-        return Status.TIMEOUT, f"Tool '{name}' timed out and was stopped"
-    if result.cancelled:
-        return Status.SANDBOX_ERROR, "call cancelled"
-    if result.exit_code != 0:
-        return Status.TOOL_ERROR, stderr.strip()[
-            -MAX_ERROR_CHARS:
-        ] or f"exited with code {result.exit_code}"
-    return Status.OK, ""
-
-
-def _json_or_empty(text: str) -> str:
-    stripped = text.strip()
-    if not stripped:
-        return ""
-    try:
-        strict_json.loads(stripped, "stdout")
-    except InvalidArgument:
-        return ""
-    return stripped
 
 
 def _check_request_id(request_id: str) -> None:

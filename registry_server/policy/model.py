@@ -132,14 +132,13 @@ class EffectiveRule:
         return " and ".join(parts) or "no approval"
 
     def missing(self, approvers: Sequence[Approver]) -> int:
-        """How many more distinct approvers are needed at least, given these."""
-        return max(
-            (
-                r.approvals_required - sum(1 for a in approvers if r.admits(a.groups))
-                for r in self.requirements
-            ),
-            default=0,
+        """How many more distinct approvers are needed at least, given these
+        (0 when they are enough: more approvers than required never hurt)."""
+        shortfalls = (
+            r.approvals_required - sum(1 for a in approvers if r.admits(a.groups))
+            for r in self.requirements
         )
+        return max([0, *shortfalls])
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server.domain import strict_json
 from registry_server.domain.errors import InvalidArgument, InvalidDefinition, Violation
 from registry_server.domain.models import (
+    LIMIT_FIELDS,
     MAX_CATEGORIES,
     MAX_CATEGORY_CHARS,
     MAX_COMMAND_ARG_CHARS,
@@ -74,13 +75,7 @@ def tool_from_pb(msg: pb.Tool) -> ToolDefinition:
             "image": msg.sandbox.image,
             "command": list(msg.sandbox.command),
             "env": dict(msg.sandbox.env),
-            "limits": {
-                "memory_mb": limits.memory_mb,
-                "cpu_millis": limits.cpu_millis,
-                "pids": limits.pids,
-                "timeout_ms": limits.timeout_ms,
-                "output_bytes": limits.output_bytes,
-            },
+            "limits": {name: getattr(limits, name) for name in LIMIT_FIELDS},
         },
         "warm_pool": msg.warm_pool,
     }
@@ -149,13 +144,7 @@ def tool_to_pb(tool: ToolDefinition) -> pb.Tool:
             image=tool.sandbox.image,
             command=tool.sandbox.command,
             env=tool.sandbox.env_dict(),
-            limits=pb.ResourceLimits(
-                memory_mb=lim.memory_mb,
-                cpu_millis=lim.cpu_millis,
-                pids=lim.pids,
-                timeout_ms=lim.timeout_ms,
-                output_bytes=lim.output_bytes,
-            ),
+            limits=pb.ResourceLimits(**lim.as_dict()),
         ),
         digest=tool.digest,
         warm_pool=tool.warm_pool,

@@ -1,0 +1,20 @@
+"""One call as the executor receives it from the API edge."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from registry_server.domain.models import SafetyLevel
+
+
+@dataclass(frozen=True)
+class CallRequest:
+    name: str
+    arguments_json: str
+    caller: str = "anonymous"
+    approval_tokens: tuple[str, ...] = ()
+    approval_request_id: str = ""
+    # time.monotonic() by which the client stops waiting (its gRPC deadline)
+    deadline: float | None = None
+    # the most dangerous level this caller may run (None = any)
+    max_level: SafetyLevel | None = None

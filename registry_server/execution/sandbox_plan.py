@@ -1,0 +1,95 @@
+"""Planning one call's sandbox: which OCI runtime its level runs under here,
+and the spec (image, command, limits, mounts) its definition asks for merged
+into the server's ceiling for that level. The server decides; the tool only
+asks."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from registry_server.domain.models import SafetyLevel, ToolDefinition
+from sandbox_runner import Limits, Mount, SandboxBackend, SandboxError, SandboxSpec
+from sandbox_runner.profiles import FALLBACK_RUNTIME, profile_for, runtime_for
+
+WORKSPACE_TARGET = "/workspace"  # where a workspace tool sees its directory
+TOOL_WORKSPACE_ENV = "TOOLREG_WORKSPACE"  # tells the tool where its workspace is
+
+
+@dataclass(frozen=True)
+class SandboxPolicy:
+    """What the server (not the tool) decides about sandboxes."""
+
+    ceilings: Mapping[SafetyLevel, Limits] = field(
+        default_factory=lambda: {lvl: profile_for(lvl.value) for lvl in SafetyLevel}
+    )
+    # Dangerous tools run under gVisor; without it, refuse (True) or fall back
+    # to runc with a warning at start-up (False).
+    require_gvisor: bool = False
+    workspace_dir: Path | None = None
+    # Tools that get workspace_dir mounted read-write. Only dangerous tools
+    # qualify: a file that outlives the call is a permanent effect.
+    workspace_tools: frozenset[str] = frozenset()
+
+
+class SandboxPlanner:
+    def __init__(self, backend: SandboxBackend, policy: SandboxPolicy) -> None:
+        self._backend = backend
+        self.policy = policy
+        self._runtimes: frozenset[str] | None = None  # asked of the engine once
+
+    def runtime_for(self, level: SafetyLevel) -> str | None:
+        """The OCI runtime a level runs under here, or None if it may not run."""
+        if self._runtimes is None:
+            try:
+                self._runtimes = self._backend.runtimes()
+            except SandboxError:
+                return FALLBACK_RUNTIME if level is not SafetyLevel.DANGEROUS else None
+        chosen = runtime_for(level.value, self._runtimes)
+        if chosen is None and not (level is SafetyLevel.DANGEROUS and self.policy.require_gvisor):
+            return FALLBACK_RUNTIME
+        return chosen
+
+    def warm_spec(self, tool: ToolDefinition) -> SandboxSpec | None:
+        """What a warm container of ``tool`` is made from (None: it may not run here)."""
+        runtime = self.runtime_for(tool.safety_level)
+        return None if runtime is None else self.spec(tool, b"{}", runtime)
+
+    def spec(self, tool: ToolDefinition, input_bytes: bytes, runtime: str) -> SandboxSpec:
+        """The tool's request merged into its level's ceiling (the tightest wins).
+        ``input_bytes``: the RFC 8785 canonical arguments, the very bytes an
+        approval's args_digest hashes (1 and 1.0 cannot differ on the way)."""
+        requested = Limits(**tool.sandbox.limits.as_dict(), tmpfs_mb=0, nofile=0, fsize_mb=0)
+        limits = self.policy.ceilings[tool.safety_level].tightest(requested)
+        env = dict(tool.sandbox.env)
+        mounts: tuple[Mount, ...] = ()
+        workspace = self.policy.workspace_dir
+        if (
+            workspace is not None
+            and tool.name in self.policy.workspace_tools
+            and tool.safety_level is SafetyLevel.DANGEROUS
+        ):
+            mounts = (Mount(str(workspace.resolve()), WORKSPACE_TARGET, read_only=False),)
+            env[TOOL_WORKSPACE_ENV] = WORKSPACE_TARGET
+        return SandboxSpec(
+            image=tool.sandbox.image,
+            command=tool.sandbox.command,
+            env=tuple(sorted(env.items())),
+            limits=limits,
+            runtime=runtime,
+            input=input_bytes,
+            mounts=mounts,
+        )
+
+
+def within_deadline(spec: SandboxSpec, deadline: float | None) -> SandboxSpec:
+    """No container outlives the client's deadline: nobody would read its result."""
+    if deadline is None:
+        return spec
+    remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))
+    if remaining_ms >= spec.limits.timeout_ms:
+        return spec
+    return dataclasses.replace(spec, limits=spec.limits.replace(timeout_ms=remaining_ms))
