@@ -13,7 +13,7 @@ INIT_BIN := sandbox_runner/init/toolreg-init
 INIT_CC ?= gcc
 INIT_CFLAGS := -std=c11 -Os -static -s -Wall -Wextra -Werror
 
-.PHONY: help install init proto check check-proto lint typecheck engine images interop-deps test run bench reap clean
+.PHONY: help install init proto check check-proto lint typecheck engine images interop-deps unit test run bench reap clean
 
 help: ## Show the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -69,6 +69,9 @@ images: engine ## Build the local sandbox images (only when missing or changed)
 
 interop-deps: ## Install the Node.js interop test dependencies (tests/interop)
 	cd tests/interop && npm ci --no-audit --no-fund --silent
+
+unit: install ## The unit tier alone: decision logic, no engine, in seconds
+	$(BIN)/pytest tests/unit -q $(PYTEST_ARGS)
 
 test: install init check-proto images interop-deps ## Set up everything, then run the whole test suite
 	$(BIN)/pytest $(PYTEST_ARGS)

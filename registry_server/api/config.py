@@ -12,12 +12,16 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from registry_server.execution.warm_pool import (
+    DEFAULT_MAX_AGE_S,
+    DEFAULT_MAX_WARM,
+    MAX_AGE_LIMIT_S,
+)
+from registry_server.wire.endpoint import DEFAULT_HOST, DEFAULT_PORT
 from sandbox_runner.spec import INIT_BINARY
 
 DB_FILENAME = "toolreg.db"  # the SQLite store's file in the data directory
 
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 50051
 DEFAULT_DATA_DIR = Path.home() / ".local" / "state" / "toolreg"
 DEFAULT_MAX_SANDBOXES = 8  # containers running at once, server-wide
 DEFAULT_MAX_QUEUED = 32  # calls waiting for a sandbox slot before RESOURCE_EXHAUSTED
@@ -57,9 +61,9 @@ class ServerConfig(BaseSettings):
     # Warm pools: a tool's manifest `warm_pool: N` (or this default when it
     # says 0) keeps N started single-use containers ready.
     warm_pool_default: int = Field(0, ge=0, le=32)
-    max_warm: int = Field(16, ge=0, le=256)  # warm containers across all tools
+    max_warm: int = Field(DEFAULT_MAX_WARM, ge=0, le=256)  # warm containers across all tools
     # seconds before an unused one is replaced (an hour at most)
-    warm_max_age_s: float = Field(300.0, gt=0, le=3600)
+    warm_max_age_s: float = Field(DEFAULT_MAX_AGE_S, gt=0, le=MAX_AGE_LIMIT_S)
     # Prometheus metrics on their own HTTP port (None: off; 0: any free port).
     metrics_host: str = DEFAULT_HOST
     metrics_port: int | None = Field(None, ge=0, le=65535)

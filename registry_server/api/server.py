@@ -7,7 +7,6 @@ import logging
 import signal
 import threading
 from concurrent import futures
-from pathlib import Path
 from types import FrameType
 
 import grpc
@@ -25,6 +24,7 @@ from registry_server.api.servicer import ToolRegistryServicer
 from registry_server.domain.errors import (
     ConfigError,
 )
+from registry_server.domain.files import read_credential
 
 log = logging.getLogger(__name__)
 
@@ -100,15 +100,11 @@ def _tls_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
     if config.tls_cert is None or config.tls_key is None:
         raise ConfigError("TLS needs both --tls-cert and --tls-key")
 
-    def read(path: Path, what: str) -> bytes:
-        try:
-            return path.read_bytes()
-        except OSError as exc:
-            raise ConfigError(f"cannot read the {what} {path}: {exc.strerror}") from None
-
-    client_ca = read(config.tls_client_ca, "client CA") if config.tls_client_ca else None
+    ca_file = config.tls_client_ca
+    client_ca = read_credential(ca_file, "client CA") if ca_file else None
+    key = read_credential(config.tls_key, "TLS key")
     return grpc.ssl_server_credentials(
-        [(read(config.tls_key, "TLS key"), read(config.tls_cert, "TLS certificate"))],
+        [(key, read_credential(config.tls_cert, "TLS certificate"))],
         root_certificates=client_ca,
         require_client_auth=client_ca is not None,
     )

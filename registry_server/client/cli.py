@@ -19,6 +19,7 @@ from registry_server.client import registry_client as client_mod
 from registry_server.client.registry_client import RegistryClient, describe_rpc_error, open_channel
 from registry_server.client.terminal import escape
 from registry_server.domain.errors import ToolregError
+from registry_server.domain.files import read_credential
 from registry_server.domain.models import LIMIT_FIELDS, SafetyLevel
 from registry_server.domain.schemas import SchemaFormat, tool_belt
 from registry_server.wire import convert
@@ -109,17 +110,16 @@ def _client(ctx: typer.Context, address: str | None) -> RegistryClient:
         conn = Connection()
     target = address or client_mod.default_address()
 
-    def read(path: Path | None) -> bytes | None:
-        if path is None:
-            return None
+    def read(path: Path | None, what: str) -> bytes | None:
         try:
-            return path.read_bytes()
-        except OSError as exc:
-            fail(f"cannot read {path}: {exc.strerror}", 2)
+            return None if path is None else read_credential(path, what)
+        except ToolregError as exc:
+            fail(exc.message, 2)
 
     channel = open_channel(
-        target, token=conn.token, tls_ca=read(conn.tls_ca), tls_cert=read(conn.tls_cert),
-        tls_key=read(conn.tls_key), tls=conn.tls,
+        target, token=conn.token, tls_ca=read(conn.tls_ca, "TLS CA"),
+        tls_cert=read(conn.tls_cert, "client certificate"),
+        tls_key=read(conn.tls_key, "client key"), tls=conn.tls,
     )  # fmt: skip
     return RegistryClient(target, channel=channel)
 
@@ -525,8 +525,7 @@ def approvals_approve(
                 fail(f"request {request_id}: the definition shown does not match tool_digest;"
                      " refusing to sign")  # fmt: skip
             token = mint_for(
-                private_key, issuer=issuer, request=req, ttl_s=ttl or req.max_token_ttl_s or 900,
-                bind_request=True,
+                private_key, issuer=issuer, request=req, ttl_s=ttl, bind_request=True,
             )  # fmt: skip
             if print_only:
                 typer.echo(token)

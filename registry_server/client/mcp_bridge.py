@@ -31,14 +31,11 @@ stdout is the MCP channel: logs go to stderr only.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
-import os
 import sys
 from collections.abc import Sequence
 from importlib import metadata
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -51,8 +48,7 @@ from mcp.server.stdio import stdio_server
 from mcp.shared.exceptions import MCPError
 
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
-from registry_server.client import registry_client as client_mod
-from registry_server.client.registry_client import RegistryClient, describe_rpc_error, open_channel
+from registry_server.client.registry_client import RegistryClient, describe_rpc_error
 from registry_server.domain.models import SafetyLevel
 from registry_server.wire import convert
 
@@ -252,53 +248,3 @@ def configure_logging(level: str = "INFO") -> None:
     logging.basicConfig(
         stream=sys.stderr, level=level.upper(), format="%(asctime)s %(name)s %(message)s"
     )
-
-
-def _read(path: str | None) -> bytes | None:
-    return Path(path).read_bytes() if path else None
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="toolreg-mcp", description="Serve a toolreg registry as an MCP server over stdio."
-    )
-    parser.add_argument("--address", default=None, help="Server HOST:PORT (env TOOLREG_ADDRESS).")
-    parser.add_argument("--token", default=None, help="Bearer token (env TOOLREG_TOKEN).")
-    parser.add_argument("--tls", action="store_true", help="Use TLS (system CAs).")
-    parser.add_argument("--tls-ca", default=None, help="CA that signed the server.")
-    parser.add_argument("--tls-cert", default=None, help="Client certificate (mTLS).")
-    parser.add_argument("--tls-key", default=None, help="Client key (mTLS).")
-    parser.add_argument("--max-level", default=None, help="Only tools at or below this level.")
-    parser.add_argument(
-        "--category", action="append", default=[], help="Only tools in any of these (repeatable)."
-    )
-    parser.add_argument("--log-level", default="INFO")
-    args = parser.parse_args(argv)
-
-    try:
-        configure_logging(args.log_level)
-        level = SafetyLevel.parse(args.max_level) if args.max_level else None
-        tls_ca, tls_cert, tls_key = _read(args.tls_ca), _read(args.tls_cert), _read(args.tls_key)
-    except (ValueError, OSError) as exc:
-        print(f"toolreg mcp: {exc}", file=sys.stderr)
-        return 2
-
-    address = args.address or client_mod.default_address()
-    channel = open_channel(
-        address,
-        token=args.token or os.environ.get("TOOLREG_TOKEN"),
-        tls_ca=tls_ca,
-        tls_cert=tls_cert,
-        tls_key=tls_key,
-        tls=args.tls,
-    )
-    with RegistryClient(address, channel=channel) as client:
-        try:
-            serve(client, max_level=level, categories=args.category)
-        except KeyboardInterrupt:
-            return 130
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -35,28 +35,17 @@ from grpc_status import rpc_status
 
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
-from registry_server.api.config import DEFAULT_HOST, DEFAULT_PORT
+from registry_server.domain.files import read_credential
 from registry_server.domain.models import SafetyLevel, ToolDefinition
 from registry_server.domain.outcome import ApprovalRequestView, Status
 from registry_server.domain.schemas import SchemaFormat
 from registry_server.wire import convert
+from registry_server.wire.endpoint import DEFAULT_HOST, DEFAULT_PORT
 
 ADDRESS_ENV = "TOOLREG_ADDRESS"
 DEFAULT_ADDRESS = f"{DEFAULT_HOST}:{DEFAULT_PORT}"
 DEFAULT_TIMEOUT_S = 30.0  # seconds for registry calls; executions get their own
 DEFAULT_POLL_S = 1.0  # seconds between GetApprovalRequest polls while waiting
-
-_LEVEL_PB = {
-    None: pb.SAFETY_LEVEL_UNSPECIFIED,
-    SafetyLevel.SAFE: pb.SAFETY_LEVEL_SAFE,
-    SafetyLevel.CAUTIOUS: pb.SAFETY_LEVEL_CAUTIOUS,
-    SafetyLevel.DANGEROUS: pb.SAFETY_LEVEL_DANGEROUS,
-}
-_FORMAT_PB = {
-    SchemaFormat.OPENAI: pb.SCHEMA_FORMAT_OPENAI,
-    SchemaFormat.ANTHROPIC: pb.SCHEMA_FORMAT_ANTHROPIC,
-    SchemaFormat.MCP: pb.SCHEMA_FORMAT_MCP,
-}
 
 
 def default_address() -> str:
@@ -191,11 +180,11 @@ def _arguments_text(arguments: Mapping[str, Any] | str) -> str:
     return json.dumps(dict(arguments), ensure_ascii=False, separators=(",", ":"))
 
 
-def _pem(value: bytes | str | Path | None) -> bytes | None:
-    """PEM bytes as given, or read from a path."""
+def _pem(value: bytes | str | Path | None, what: str) -> bytes | None:
+    """PEM bytes as given, or read from a path (ConfigError naming it)."""
     if value is None or isinstance(value, bytes):
         return value
-    return Path(value).read_bytes()
+    return read_credential(Path(value), what)
 
 
 class RegistryClient:
@@ -243,9 +232,9 @@ class RegistryClient:
         channel = open_channel(
             target,
             token=token,
-            tls_ca=_pem(tls_ca),
-            tls_cert=_pem(tls_cert),
-            tls_key=_pem(tls_key),
+            tls_ca=_pem(tls_ca, "TLS CA"),
+            tls_cert=_pem(tls_cert, "client certificate"),
+            tls_key=_pem(tls_key, "client key"),
             tls=tls,
         )
         return cls(target, channel=channel)
@@ -378,7 +367,7 @@ class RegistryClient:
         self, max_level: SafetyLevel | None = None, categories: Iterable[str] = ()
     ) -> list[pb.Tool]:
         request = pb.ListToolsRequest(
-            max_safety_level=_LEVEL_PB[max_level], categories=list(categories)
+            max_safety_level=convert.max_level_to_pb(max_level), categories=list(categories)
         )
         return list(self.stub.ListTools(request, timeout=DEFAULT_TIMEOUT_S).tools)
 
@@ -389,8 +378,8 @@ class RegistryClient:
         categories: Iterable[str] = (),
     ) -> str:
         request = pb.GetToolSchemasRequest(
-            format=_FORMAT_PB[fmt],
-            max_safety_level=_LEVEL_PB[max_level],
+            format=convert.format_to_pb(fmt),
+            max_safety_level=convert.max_level_to_pb(max_level),
             categories=list(categories),
         )
         result: str = self.stub.GetToolSchemas(request, timeout=DEFAULT_TIMEOUT_S).schemas_json

@@ -26,7 +26,7 @@ SHA256_HEX_PATTERN = r"^[0-9a-fA-F]{64}$"
 # sha256 of the empty string: a client with this credential would accept "Bearer ".
 EMPTY_TOKEN_SHA256 = hashlib.sha256(b"").hexdigest()
 
-DEFAULT_TOKEN_TTL_S = 3_600  # seconds an approval token may live when a rule says nothing
+DEFAULT_MAX_TOKEN_TTL_S = 3_600  # seconds: a rule's max_token_ttl_s when it says nothing
 MAX_TOKEN_TTL_S = 86_400  # seconds (a day): an approval is for a call about to happen
 DEFAULT_APPROVAL_REQUEST_TTL_S = 3_600  # seconds a pending approval request waits
 MAX_APPROVAL_REQUEST_TTL_S = 7 * 86_400  # seconds
@@ -90,7 +90,7 @@ class ApprovalRule:
     match: RuleMatch
     approvals_required: int
     groups: tuple[str, ...] = ()  # empty: any approver
-    max_token_ttl_s: int = DEFAULT_TOKEN_TTL_S
+    max_token_ttl_s: int = DEFAULT_MAX_TOKEN_TTL_S
 
 
 @dataclass(frozen=True)
@@ -218,7 +218,7 @@ class Policy:
         approval from any approver. Only dangerous tools are gated by
         approvals (the executor decides)."""
         if level is not SafetyLevel.DANGEROUS:
-            return EffectiveRule((), DEFAULT_TOKEN_TTL_S)
+            return EffectiveRule((), DEFAULT_MAX_TOKEN_TTL_S)
         matches: Callable[[RuleMatch], bool] = lambda m: (  # noqa: E731
             (m.tool is not None and m.tool == tool_name)
             or (m.category is not None and m.category in categories)
@@ -227,7 +227,7 @@ class Policy:
         matched = [(n, r) for n, r in enumerate(self.rules, start=1) if matches(r.match)]
         if not matched:
             default = Requirement(1, (), "default for dangerous tools")
-            return EffectiveRule((default,), DEFAULT_TOKEN_TTL_S)
+            return EffectiveRule((default,), DEFAULT_MAX_TOKEN_TTL_S)
         return EffectiveRule(
             tuple(
                 Requirement(r.approvals_required, r.groups, f"rule {n} ({r.match.describe()})")

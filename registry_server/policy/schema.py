@@ -20,9 +20,9 @@ from registry_server.domain.models import (
 )
 from registry_server.policy.model import (
     DEFAULT_APPROVAL_REQUEST_TTL_S,
+    DEFAULT_MAX_TOKEN_TTL_S,
     DEFAULT_REGISTER_IMAGES,
     DEFAULT_REGISTER_LEVEL,
-    DEFAULT_TOKEN_TTL_S,
     EMPTY_TOKEN_SHA256,
     GROUP_PATTERN,
     ID_PATTERN,
@@ -130,7 +130,7 @@ class _RuleIn(_Strict):
     match: _MatchIn
     approvals_required: int = Field(ge=1)
     groups: list[str] = Field(default_factory=list)
-    max_token_ttl_s: int = Field(DEFAULT_TOKEN_TTL_S, ge=1, le=MAX_TOKEN_TTL_S)
+    max_token_ttl_s: int = Field(DEFAULT_MAX_TOKEN_TTL_S, ge=1, le=MAX_TOKEN_TTL_S)
 
     @field_validator("groups")
     @classmethod

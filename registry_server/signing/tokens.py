@@ -37,7 +37,9 @@ TOKEN_TYPE = "toolreg-approval+jwt"
 ALGORITHM = "EdDSA"
 MIN_JTI_BITS = 128  # bits of randomness a jti must carry to be unguessable and unique
 JTI_BYTES = MIN_JTI_BITS // 8  # bytes of randomness per minted jti
-DEFAULT_TTL_S = 300  # seconds: a token's lifetime when neither approver nor request says
+# seconds: a minted token's lifetime when neither the approver nor the request
+# (its rule's max_token_ttl_s) says
+DEFAULT_TTL_S = 300
 MIN_JTI_CHARS = 22  # base64url characters that hold MIN_JTI_BITS (6 bits each, rounded up)
 MAX_JTI_CHARS = 128  # characters; a jti is stored forever, so keep it small
 MAX_REQUEST_ID_CHARS = 128  # characters of the optional `req` claim (ids are 32 hex)

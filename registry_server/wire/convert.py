@@ -38,11 +38,14 @@ _LEVEL_TO_PB = {
     SafetyLevel.DANGEROUS: pb.SAFETY_LEVEL_DANGEROUS,
 }
 _LEVEL_FROM_PB: dict[int, SafetyLevel] = {int(v): k for k, v in _LEVEL_TO_PB.items()}
+_FORMAT_TO_PB = {
+    SchemaFormat.OPENAI: pb.SCHEMA_FORMAT_OPENAI,
+    SchemaFormat.ANTHROPIC: pb.SCHEMA_FORMAT_ANTHROPIC,
+    SchemaFormat.MCP: pb.SCHEMA_FORMAT_MCP,
+}
 _FORMAT_FROM_PB: dict[int, SchemaFormat] = {
     pb.SCHEMA_FORMAT_UNSPECIFIED: SchemaFormat.OPENAI,
-    pb.SCHEMA_FORMAT_OPENAI: SchemaFormat.OPENAI,
-    pb.SCHEMA_FORMAT_ANTHROPIC: SchemaFormat.ANTHROPIC,
-    pb.SCHEMA_FORMAT_MCP: SchemaFormat.MCP,
+    **{int(v): k for k, v in _FORMAT_TO_PB.items()},
 }
 _STATUS_TO_PB = {s: pb.ExecutionStatus.Value(f"EXECUTION_STATUS_{s.value}") for s in Status}
 
@@ -156,6 +159,15 @@ def level_name(value: int) -> str:
     """A wire safety level for people ("dangerous"); an unknown one by number."""
     level = _LEVEL_FROM_PB.get(int(value))
     return level.value if level is not None else f"level {value}"
+
+
+def max_level_to_pb(level: SafetyLevel | None) -> pb.SafetyLevel.ValueType:
+    """None (no limit) is SAFETY_LEVEL_UNSPECIFIED."""
+    return pb.SAFETY_LEVEL_UNSPECIFIED if level is None else _LEVEL_TO_PB[level]
+
+
+def format_to_pb(fmt: SchemaFormat) -> pb.SchemaFormat.ValueType:
+    return _FORMAT_TO_PB[fmt]
 
 
 def max_level_from_pb(value: int, field: str = "max_safety_level") -> SafetyLevel | None:

@@ -14,8 +14,6 @@ import pytest
 from sandbox_runner import EngineUnavailable, Mount, SandboxError, SandboxSpec
 from sandbox_runner.docker_backend import DockerBackend
 
-pytestmark = pytest.mark.docker
-
 Eid = Callable[[], str]
 SpecFactory = Callable[..., SandboxSpec]
 

@@ -29,8 +29,6 @@ from sandbox_runner.docker_backend import (
     _ImageFactsCache,
 )
 
-pytestmark = pytest.mark.docker
-
 RUN_LABEL = "io.toolreg.test-run"  # conftest's: every container and image we make has it
 
 Eid = Callable[[], str]

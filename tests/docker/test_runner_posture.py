@@ -12,8 +12,6 @@ import pytest
 from sandbox_runner import SandboxSpec
 from sandbox_runner.docker_backend import INIT_TARGET, DockerBackend
 
-pytestmark = pytest.mark.docker
-
 Eid = Callable[[], str]
 SpecFactory = Callable[..., SandboxSpec]
 

@@ -21,8 +21,6 @@ from sandbox_runner.ownership import (
     process_start_ticks,
 )
 
-pytestmark = pytest.mark.docker
-
 RUN_LABEL = "io.toolreg.test-run"
 
 

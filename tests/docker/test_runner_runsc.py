@@ -10,8 +10,6 @@ import pytest
 from sandbox_runner import CAUTIOUS_LIMITS, SandboxSpec
 from sandbox_runner.docker_backend import DockerBackend
 
-pytestmark = pytest.mark.docker
-
 Eid = Callable[[], str]
 SpecFactory = Callable[..., SandboxSpec]
 

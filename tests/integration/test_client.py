@@ -32,7 +32,6 @@ from registry_server.signing.keys import generate_keypair, load_private_key
 from registry_server.signing.tokens import mint_for
 from tests.factories import tool
 
-pytestmark = pytest.mark.docker
 ROOT = Path(__file__).resolve().parents[2]
 APPROVER = "tester"
 EXECUTION_TIMEOUT_S = 120.0  # seconds for one sandboxed call (first image start is slow)

@@ -15,7 +15,6 @@ import yaml
 from registry_server.client.launcher import spawn_server
 from registry_server.signing.keys import generate_keypair
 
-pytestmark = pytest.mark.docker
 ROOT = Path(__file__).resolve().parents[2]
 INTEROP = ROOT / "tests" / "interop"
 EXAMPLES = ROOT / "examples" / "tools"

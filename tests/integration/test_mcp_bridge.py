@@ -19,7 +19,6 @@ from mcp.client.stdio import StdioServerParameters, stdio_client
 
 from registry_server.client.launcher import ServerProcess, spawn_server
 
-pytestmark = [pytest.mark.integration, pytest.mark.docker]
 ROOT = Path(__file__).resolve().parents[2]
 TOOLS = ROOT / "examples" / "tools"
 CALL_TIMEOUT_S = 120  # a cold container start plus the call, generously
@@ -38,10 +37,16 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 
 
 def with_session(address: str, body: Callable[[ClientSession], Awaitable[T]], *extra: str) -> T:
-    """Start the bridge over stdio, initialize a session, run `body` in it."""
+    """Start the bridge (`toolreg [--token T] mcp --address A ...`) over stdio,
+    initialize a session, run `body` in it."""
+    root: list[str] = []
+    rest = list(extra)
+    if "--token" in rest:  # a root option of the command line
+        at = rest.index("--token")
+        root, rest = rest[at : at + 2], rest[:at] + rest[at + 2 :]
     params = StdioServerParameters(
         command=sys.executable,
-        args=["-m", "registry_server.client.mcp_bridge", "--address", address, *extra],
+        args=["-m", "registry_server.client.cli", *root, "mcp", "--address", address, *rest],
         cwd=str(ROOT),
     )
 

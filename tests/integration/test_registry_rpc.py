@@ -16,8 +16,6 @@ from registry_server.wire import convert
 from tests.factories import tool
 from tests.integration.conftest import Running, StartServer
 
-pytestmark = pytest.mark.integration
-
 
 def tool_pb(**overrides: object) -> pb.Tool:
     return convert.tool_to_pb(tool(**overrides))

@@ -18,7 +18,6 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from registry_server.client.launcher import ServerProcess, spawn_server
 
-pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 TOOLREG = [sys.executable, "-m", "registry_server.client.cli"]
 

@@ -28,7 +28,7 @@ from registry_server.wire import convert
 from tests.integration.conftest import StartServer, start_server  # noqa: F401
 from tests.security.conftest import engine, sign_request  # noqa: F401
 
-pytestmark = [pytest.mark.docker, pytest.mark.fault]
+pytestmark = pytest.mark.fault
 
 APPROVER = "crasher"
 WRITERS = 4  # client threads registering and executing at once

@@ -31,7 +31,7 @@ from registry_server.wire import convert
 from tests.integration.conftest import Running, StartServer, start_server  # noqa: F401
 from tests.security.conftest import containers_of, engine, wait_until_gone  # noqa: F401
 
-pytestmark = [pytest.mark.docker, pytest.mark.fault]
+pytestmark = pytest.mark.fault
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER_PIDFILE = Path("/var/run/docker.pid")

@@ -26,8 +26,6 @@ from registry_server.signing.keys import generate_keypair
 from registry_server.wire import convert
 from tests.security.conftest import sign_request
 
-pytestmark = pytest.mark.integration
-
 FUZZ = settings(
     max_examples=100,
     deadline=None,

@@ -22,7 +22,7 @@ from registry_server.domain.models import parse_definition
 from registry_server.wire import convert
 from tests.security.conftest import engine, labelled  # noqa: F401
 
-pytestmark = [pytest.mark.docker, pytest.mark.load]
+pytestmark = pytest.mark.load
 
 CLIENTS = 16
 DURATION_S = 60.0

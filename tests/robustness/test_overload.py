@@ -18,7 +18,7 @@ from registry_server.wire import convert
 from tests.integration.conftest import StartServer, start_server  # noqa: F401
 from tests.security.conftest import engine, wait_until_gone  # noqa: F401
 
-pytestmark = [pytest.mark.docker, pytest.mark.load]
+pytestmark = pytest.mark.load
 
 SLOTS, QUEUE, CALLS = 2, 2, 12
 REFUSAL_MAX_S = 1.0  # a refused call must come back within this

@@ -19,7 +19,6 @@ from registry_server.signing.tokens import mint_for
 from registry_server.wire import convert
 from tests.integration.conftest import Running, StartServer, start_server  # noqa: F401
 
-pytestmark = pytest.mark.docker
 INSTANCE_LABEL = "io.toolreg.instance"
 
 

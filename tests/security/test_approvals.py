@@ -30,7 +30,6 @@ from tests.certs import CertificateAuthority
 from tests.integration.conftest import Running, StartServer
 from tests.security.conftest import approvers_of, list_over_mtls, rpc_code, wait_until_gone
 
-pytestmark = pytest.mark.docker
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "tools"
 AUDIENCE = "toolreg-test"

@@ -16,8 +16,6 @@ from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from tests.integration.conftest import Running
 from tests.security.conftest import Register, execute
 
-pytestmark = pytest.mark.docker
-
 LEVELS = ["safe", "cautious", "dangerous"]  # dangerous: approved, under gVisor
 ATTACK_TIMEOUT_MS = 3_000  # milliseconds each attack tool may run
 ECHO_WHILE_ATTACKED_S = 5.0  # seconds an echo call may take while an attack runs

@@ -22,7 +22,6 @@ from registry_server.wire import convert
 from tests.integration.conftest import Running, StartServer
 from tests.security.conftest import Register, execute, labelled, rpc_code, wait_until_gone
 
-pytestmark = pytest.mark.docker
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -15,7 +15,6 @@ from registry_server.client.launcher import spawn_server
 from tests.integration.conftest import Running, StartServer
 from tests.security.conftest import execute
 
-pytestmark = pytest.mark.docker
 ROOT = Path(__file__).resolve().parents[2]
 
 

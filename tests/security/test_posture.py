@@ -7,8 +7,6 @@ import pytest
 from tests.integration.conftest import Running
 from tests.security.conftest import Register, execute
 
-pytestmark = pytest.mark.docker
-
 POSTURE = (
     "grep -E '^(CapEff|CapPrm|CapBnd|NoNewPrivs|Seccomp):' /proc/self/status; "
     "echo uid=$(id -u) gid=$(id -g); "

@@ -44,7 +44,6 @@ from registry_server.wire import convert
 from tests import store_file
 from tests.security.conftest import approvers_of, labelled, list_over_mtls, rpc_code
 
-pytestmark = pytest.mark.docker
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "tools"
 AUDIENCE = "toolreg-trust"

@@ -16,7 +16,6 @@ from registry_server.api.config import ServerConfig
 from registry_server.client.launcher import spawn_server
 from registry_server.domain.errors import ConfigError
 
-pytestmark = pytest.mark.docker
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 

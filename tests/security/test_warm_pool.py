@@ -23,7 +23,6 @@ from tests.integration.conftest import Running, StartServer
 from tests.security import conftest as sec
 from tests.security.conftest import containers_of, execute, wait_until_gone
 
-pytestmark = pytest.mark.docker
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "tools"
 WAIT_FOR_POOL_S = 30.0  # seconds a pool may take to fill on this machine
 

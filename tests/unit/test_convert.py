@@ -8,8 +8,6 @@ from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server.client.mcp_bridge import result_to_mcp
 from registry_server.wire import convert
 
-pytestmark = pytest.mark.unit
-
 
 @pytest.mark.parametrize(
     ("value", "name"),

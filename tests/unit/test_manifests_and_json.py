@@ -12,7 +12,6 @@ from registry_server.domain.errors import InvalidArgument, InvalidDefinition
 from registry_server.domain.manifests import load_manifest, load_manifests
 from tests.factories import manifest
 
-pytestmark = pytest.mark.unit
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "tools"
 
 

@@ -11,8 +11,6 @@ from registry_server.domain.errors import InvalidDefinition
 from registry_server.domain.models import SafetyLevel, parse_definition
 from tests.factories import manifest, tool
 
-pytestmark = pytest.mark.unit
-
 
 def violations(raw: Any) -> dict[str, str]:
     with pytest.raises(InvalidDefinition) as info:

@@ -5,12 +5,8 @@ from __future__ import annotations
 import json
 import logging
 
-import pytest
-
 from registry_server.api.health_monitor import HealthMonitor
 from registry_server.api.logs import JsonFormatter, TextFormatter
-
-pytestmark = pytest.mark.unit
 
 
 def test_health_reports_only_changes() -> None:

@@ -11,7 +11,7 @@ import pytest
 from registry_server.domain.models import SafetyLevel
 from registry_server.policy.loader import load_policy
 from registry_server.policy.model import (
-    DEFAULT_TOKEN_TTL_S,
+    DEFAULT_MAX_TOKEN_TTL_S,
     Client,
     EffectiveRule,
     Policy,
@@ -21,8 +21,6 @@ from registry_server.policy.model import (
     development_policy,
 )
 from registry_server.signing.keys import generate_keypair, public_key_from_text
-
-pytestmark = pytest.mark.unit
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "policy.yaml"
 KEY_A = generate_keypair()[1]
@@ -309,7 +307,7 @@ def test_rule_for_defaults(tmp_path: Path) -> None:
     policy = load_policy(write(tmp_path, "audience: x\n"))
     dangerous = policy.rule_for(tool_name="t", categories=[], level=DANGEROUS)
     assert dangerous == EffectiveRule(
-        (Requirement(1, (), "default for dangerous tools"),), DEFAULT_TOKEN_TTL_S
+        (Requirement(1, (), "default for dangerous tools"),), DEFAULT_MAX_TOKEN_TTL_S
     )
     for level in (SAFE, CAUTIOUS):
         assert policy.rule_for(tool_name="t", categories=[], level=level).approvals_required == 0

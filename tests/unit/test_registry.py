@@ -12,8 +12,6 @@ from registry_server.domain.models import SafetyLevel
 from registry_server.store.memory import MemoryStore
 from tests.factories import tool
 
-pytestmark = pytest.mark.unit
-
 
 def filled() -> Registry:
     reg = Registry(MemoryStore())

@@ -8,8 +8,6 @@ import pytest
 
 from sandbox_runner.framing import CappedBuffer, FrameDemuxer, FramingError
 
-pytestmark = pytest.mark.unit
-
 
 def frame(stream: int, payload: bytes) -> bytes:
     return struct.pack(">BxxxI", stream, len(payload)) + payload

@@ -19,8 +19,6 @@ from sandbox_runner.ownership import (
     process_start_ticks,
 )
 
-pytestmark = pytest.mark.unit
-
 ME = OwnerIdentity(pid=100, start_ticks=5000, boot_id="boot-a", host_id="host-a", pid_ns="ns-a")
 NOW_MS = 1_700_000_000_000
 ALIVE = {(200, 7000)}  # (pid, start ticks) of the one other live server

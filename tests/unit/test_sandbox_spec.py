@@ -17,8 +17,6 @@ from sandbox_runner import (
     runtime_for,
 )
 
-pytestmark = pytest.mark.unit
-
 UNSET = Limits(0, 0, 0, 0, 0, 0, 0, 0)
 
 

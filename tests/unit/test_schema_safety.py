@@ -18,8 +18,6 @@ from registry_server.domain.errors import InvalidArgument, InvalidDefinition
 from registry_server.domain.models import ToolDefinition, parse_definition
 from tests.factories import manifest, tool
 
-pytestmark = pytest.mark.unit
-
 # Generous: the backtracking version of each case takes minutes to hours.
 FAST_S = 5.0
 

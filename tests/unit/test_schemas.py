@@ -9,8 +9,6 @@ import pytest
 from registry_server.domain.schemas import SchemaFormat, export, export_json, tool_belt
 from tests.factories import tool
 
-pytestmark = pytest.mark.unit
-
 PARAMS = {
     "type": "object",
     "properties": {"q": {"type": "string", "description": "query"}},

@@ -34,8 +34,6 @@ from registry_server.signing.tokens import (
     verify,
 )
 
-pytestmark = pytest.mark.unit
-
 NOW = 1_700_000_000  # seconds since the epoch: the verifier's clock in every case
 AUDIENCE = "toolreg-test"
 TOOL = "write_file"

@@ -20,8 +20,6 @@ from registry_server.execution.admission import Admission, Cancelled
 from registry_server.policy.model import UNRESTRICTED, RegisterGrant
 from registry_server.store.memory import MemoryStore
 
-pytestmark = pytest.mark.unit
-
 
 def tool(
     name: str = "t", level: str = "safe", image: str = "toolreg/base", **more: Any

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import pytest
-
 from registry_server.catalog.registry import Registry
 from registry_server.catalog.views import MAX_CACHED_ANSWERS, RegistryViews
 from registry_server.store.memory import MemoryStore
 from tests.factories import tool
-
-pytestmark = pytest.mark.unit
 
 
 def test_answer_is_reused_until_a_registration() -> None:
