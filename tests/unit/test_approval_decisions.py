@@ -51,8 +51,6 @@ from registry_server.store.base import APPROVED, CONSUMED, EXPIRED, PENDING
 from registry_server.store.memory import MemoryStore
 from tests.factories import tool as make_tool
 
-pytestmark = pytest.mark.unit
-
 AUDIENCE = "toolreg-test"
 APPROVER_IDS = ("alice", "bob", "carol", "dave", "erin")
 _PAIRS = {name: generate_keypair() for name in APPROVER_IDS}
@@ -132,9 +130,7 @@ class Env:
     def tool(self, name: str) -> ToolDefinition:
         return self.registry.get(name)
 
-    def call(
-        self, name: str, args: dict[str, Any] | None = None, caller: str = "agent-1"
-    ) -> Call:
+    def call(self, name: str, args: dict[str, Any] | None = None, caller: str = "agent-1") -> Call:
         arguments = ARGS if args is None else args
         return Call(
             self.tool(name),
@@ -451,20 +447,20 @@ def test_spend_marks_the_jtis_and_writes_the_audit_record_in_one_unit_of_work(
 
 
 def test_a_failing_spend_stores_nothing(env: Env) -> None:
-    call = env.call("run_shell")
-    tokens = (env.token("alice", call), env.token("erin", call))
+    call = env.call("write_file")
+    tokens = (env.token("alice", call), env.token("bob", call))
     first = env.approvals.decide(call, tokens, "")
     second = env.approvals.decide(call, tokens, "")  # decided before the first spends
     assert isinstance(first, Approved) and isinstance(second, Approved)
-    alice, erin = first.approvals
-    # erin's token alone is spent by another call first
-    env.approvals.spend(dataclasses.replace(first, approvals=(erin,)), "exec-0", {"n": 0})
+    alice, bob = first.approvals
+    # bob's token alone is spent by another call first
+    env.approvals.spend(dataclasses.replace(first, approvals=(bob,)), "exec-0", {"n": 0})
     units, audit = env.store.units_of_work, env.audit()
 
     with pytest.raises(Replayed) as info:
         env.approvals.spend(second, "exec-1", {"n": 1})
 
-    assert info.value.reason == "token of 'erin' was already used (replayed jti)"
+    assert info.value.reason == "token of 'bob' was already used (replayed jti)"
     assert env.store.units_of_work == units
     assert env.audit() == audit
     assert not env.jti_used(alice.jti)  # marked in the draft, never committed
@@ -689,3 +685,34 @@ def test_listing_filters_by_state_and_leaves_arguments_out(env: Env) -> None:
     with pytest.raises(InvalidArgument) as info:
         env.approvals.list_requests("DONE")
     assert info.value.message == "state: unknown state; use PENDING, APPROVED, CONSUMED, EXPIRED"
+
+
+# ------------------------------------------------------------ surplus approvals
+# Regression: EffectiveRule.missing once went negative when every requirement had
+# more approvers than it needed, and Approvals compares it with `== 0`, so more
+# approvals than required read as "not enough" (and an over-approved request
+# could never run).
+
+
+def test_more_approvers_than_required_still_approve(env: Env) -> None:
+    call = env.call("run_shell")  # needs 1 from any approver
+    decision = env.approvals.decide(call, (env.token("alice", call), env.token("erin", call)), "")
+    assert isinstance(decision, Approved)
+    assert sorted(a.approver for a in decision.approvals) == ["alice", "erin"]
+    call = env.call("write_file")  # every requirement over-satisfied: 3 security, 2 ops
+    tokens = tuple(env.token(a, call) for a in ("alice", "bob", "carol", "dave"))
+    assert isinstance(env.approvals.decide(call, tokens, ""), Approved)
+
+
+def test_a_request_approved_by_more_approvers_than_required_stays_usable(env: Env) -> None:
+    call = env.call("run_shell")
+    request = env.required(call)
+    env.approvals.submit(request.id, env.token("alice", call), "alice")
+    assert isinstance(env.approvals.decide(call, (), request.id), Approved)
+    view = env.approvals.submit(request.id, env.token("erin", call), "erin")  # a second approver
+    assert (view.state, view.approved_by, view.approvals_missing) == (
+        APPROVED,
+        ("alice", "erin"),
+        0,
+    )
+    assert isinstance(env.approvals.decide(call, (), request.id), Approved)

@@ -5,6 +5,7 @@ in a cycle, and the store and the sandbox backend are picked in one place."""
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,6 +36,11 @@ def _sources() -> list[Path]:
     )
 
 
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text())
+
+
 def _module(path: Path) -> str:
     parts = path.relative_to(ROOT).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -43,7 +49,7 @@ def _module(path: Path) -> str:
 def _imports(path: Path) -> Iterator[str]:
     """Every module ``path`` imports, anywhere in it (function-level included)."""
     package = _module(path).rsplit(".", 1)[0] if path.name != "__init__.py" else _module(path)
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(_tree(path)):
         if isinstance(node, ast.Import):
             yield from (alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -117,7 +123,7 @@ def _files_mentioning(word: str) -> list[str]:
     return sorted(
         str(p.relative_to(ROOT))
         for p in _sources()
-        if any(word in _names(n) for n in ast.walk(ast.parse(p.read_text())))
+        if any(word in _names(n) for n in ast.walk(_tree(p)))
     )
 
 
@@ -126,7 +132,7 @@ def test_only_the_sqlite_store_speaks_sql() -> None:
     sql = [
         str(p.relative_to(ROOT))
         for p in _sources()
-        for n in ast.walk(ast.parse(p.read_text()))
+        for n in ast.walk(_tree(p))
         if isinstance(n, ast.Constant)
         and isinstance(n.value, str)
         and any(k in n.value for k in ("SELECT ", "INSERT INTO", "UPDATE ", "DELETE FROM"))
