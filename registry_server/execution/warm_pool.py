@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from registry_server.domain.models import ToolDefinition
 from registry_server.execution.admission import Admission, Reservation
-from sandbox_runner import PreparedSandbox, SandboxBackend, SandboxError, SandboxSpec
+from sandbox_runner import PreparedSandbox, SandboxBackend, SandboxSpec
 
 log = logging.getLogger(__name__)
 
@@ -252,7 +252,10 @@ class WarmPools:
             prepared = self._backend.prepare(
                 pool.spec, execution_id=f"warm-{uuid.uuid4().hex}", lifetime_s=self._max_age_s
             )
-        except SandboxError as exc:
+        except Exception as exc:  # whatever it is, the worker must live on
+            # SandboxError is the engine's; anything else (a spec the backend
+            # refuses) is logged the same way: never kill the worker, never
+            # keep the room.
             self._admission.release(reservation)
             log.warning(
                 "warm pool of %s cannot refill (calls run cold meanwhile): %s", pool.tool.name, exc
