@@ -1,0 +1,224 @@
+"""The SQL both SQL stores share (SQLite and PostgreSQL speak the same
+dialect for all of it): the queries behind ``StoreReads`` and ``UnitOfWork``
+(store/base.py), over any DB-API connection whose ``execute`` returns a
+cursor. A ``Dialect`` holds the few differences."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from registry_server.store.base import (
+    APPROVED,
+    CONSUMED,
+    EXPIRED,
+    PENDING,
+    ApprovalRequestRecord,
+    AuditEntry,
+    StoredTool,
+)
+
+
+class Connection(Protocol):
+    def execute(self, sql: Any, params: Any = ..., /) -> Any: ...
+
+
+@dataclass(frozen=True)
+class Dialect:
+    placeholder: str  # "?" (sqlite3) or "%s" (psycopg)
+    # SQL that replaces a manifest's parameters with {"type":"object"} (listings)
+    listed_manifest: str
+    # run first by a unit of work that appends to the audit chain: one writer at a time
+    lock_audit: str | None = None
+    # run first by a unit of work that attaches a token: one submission per request at a time
+    lock_request: str | None = None
+
+
+_REQUEST_COLUMNS = (
+    "id, tool_name, tool_digest, arguments_json, arguments_digest, requested_by,"
+    " approvals_required, state, created_at, expires_at, tool_manifest, tool_owner"
+)
+
+
+def _request(row: tuple[object, ...]) -> ApprovalRequestRecord:
+    (rid, tool, tdig, args, adig, by, need, state, created, expires, manifest, owner) = row
+    return ApprovalRequestRecord(
+        id=str(rid), tool_name=str(tool), tool_digest=str(tdig), arguments_json=str(args),
+        arguments_digest=str(adig), requested_by=str(by), approvals_required=int(str(need)),
+        state=str(state), created_at=float(str(created)), expires_at=float(str(expires)),
+        tool_manifest=str(manifest), tool_owner=str(owner),
+    )  # fmt: skip
+
+
+def _audit_entry(row: tuple[object, ...]) -> AuditEntry:
+    seq, at, kind, record, prev_hash, hash_ = row
+    return AuditEntry(
+        int(str(seq)), float(str(at)), str(kind), str(record), str(prev_hash), str(hash_)
+    )
+
+
+class SqlReads:
+    def __init__(self, db: Connection, dialect: Dialect) -> None:
+        self._db = db
+        self._dialect = dialect
+
+    def _run(self, sql: str, params: tuple[object, ...] = ()) -> Any:
+        if self._dialect.placeholder != "?":
+            sql = sql.replace("?", self._dialect.placeholder)
+        return self._db.execute(sql, params)
+
+    def _all(self, sql: str, params: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
+        return list(self._run(sql, params).fetchall())
+
+    def tools(self) -> list[StoredTool]:
+        rows = self._all("SELECT name, manifest, digest, owner FROM tools ORDER BY name")
+        return [StoredTool(str(n), str(m), str(d), str(o)) for n, m, d, o in rows]
+
+    def jti_used(self, jti: str) -> bool:
+        return bool(self._all("SELECT 1 FROM used_nonces WHERE jti = ?", (jti,)))
+
+    def request(self, request_id: str) -> ApprovalRequestRecord | None:
+        rows = self._all(
+            f"SELECT {_REQUEST_COLUMNS} FROM approval_requests WHERE id = ?", (request_id,)
+        )
+        return _request(rows[0]) if rows else None
+
+    def requests(self, *, state: str, now: float, limit: int) -> list[ApprovalRequestRecord]:
+        where = ""
+        params: tuple[object, ...] = ()
+        if state == EXPIRED:
+            where, params = f"WHERE state != '{CONSUMED}' AND expires_at <= ?", (now,)
+        elif state in (PENDING, APPROVED):
+            where, params = "WHERE state = ? AND expires_at > ?", (state, now)
+        elif state == CONSUMED:
+            where = f"WHERE state = '{CONSUMED}'"
+        # Listings read neither the arguments nor the schema from disk.
+        listed = _REQUEST_COLUMNS.replace("arguments_json", "''").replace(
+            "tool_manifest",
+            f"CASE tool_manifest WHEN '' THEN '' ELSE {self._dialect.listed_manifest} END",
+        )
+        rows = self._all(
+            f"SELECT {listed} FROM approval_requests {where} ORDER BY created_at DESC LIMIT ?",
+            (*params, limit),
+        )
+        return [_request(r) for r in rows]
+
+    def open_request_for(
+        self, *, tool_name: str, tool_digest: str, arguments_digest: str, requested_by: str,
+        now: float,
+    ) -> str | None:  # fmt: skip
+        rows = self._all(
+            "SELECT id FROM approval_requests WHERE tool_name = ? AND tool_digest = ?"
+            f" AND arguments_digest = ? AND requested_by = ? AND state = '{PENDING}'"
+            " AND expires_at > ? ORDER BY created_at DESC LIMIT 1",
+            (tool_name, tool_digest, arguments_digest, requested_by, now),
+        )
+        return str(rows[0][0]) if rows else None
+
+    def open_requests_of(self, requested_by: str, now: float) -> int:
+        ((count,),) = self._all(
+            "SELECT COUNT(*) FROM approval_requests WHERE requested_by = ?"
+            f" AND state = '{PENDING}' AND expires_at > ?",
+            (requested_by, now),
+        )
+        return int(str(count))
+
+    def approvers_of(self, request_id: str) -> list[str]:
+        rows = self._all(
+            "SELECT approver FROM approval_tokens WHERE request_id = ? ORDER BY approver",
+            (request_id,),
+        )
+        return [str(r[0]) for r in rows]
+
+    def tokens_of(self, request_id: str) -> list[str]:
+        rows = self._all(
+            "SELECT token FROM approval_tokens WHERE request_id = ? ORDER BY approver",
+            (request_id,),
+        )
+        return [str(r[0]) for r in rows]
+
+    def audit_entries(self) -> list[AuditEntry]:
+        rows = self._all("SELECT seq, at, kind, record, prev_hash, hash FROM audit ORDER BY seq")
+        return [_audit_entry(r) for r in rows]
+
+    def audit_tail(self, count: int) -> list[AuditEntry]:
+        rows = self._all(
+            "SELECT seq, at, kind, record, prev_hash, hash FROM audit ORDER BY seq DESC LIMIT ?",
+            (count,),
+        )
+        return [_audit_entry(r) for r in reversed(rows)]
+
+
+class SqlWrites(SqlReads):
+    """Used only inside a store's transaction."""
+
+    def audit_tail(self, count: int) -> list[AuditEntry]:
+        # Appending reads the head first: lock it, so concurrent appends line up.
+        if self._dialect.lock_audit:
+            self._run(self._dialect.lock_audit)
+        return super().audit_tail(count)
+
+    def put_tool(self, tool: StoredTool, now: float) -> None:
+        self._run(
+            "INSERT INTO tools (name, manifest, digest, owner, created_at, updated_at)"
+            " VALUES (?, ?, ?, ?, ?, ?)"
+            " ON CONFLICT(name) DO UPDATE SET manifest = excluded.manifest,"
+            " digest = excluded.digest, owner = excluded.owner,"
+            " updated_at = excluded.updated_at",
+            (tool.name, tool.manifest_json, tool.digest, tool.owner, now, now),
+        )
+
+    def add_audit_entry(self, entry: AuditEntry) -> None:
+        self._run(
+            "INSERT INTO audit (seq, at, kind, record, prev_hash, hash) VALUES (?, ?, ?, ?, ?, ?)",
+            (entry.seq, entry.at, entry.kind, entry.record, entry.prev_hash, entry.hash),
+        )
+
+    def use_jti(self, jti: str, approver: str, execution_id: str, now: float) -> bool:
+        # The primary key decides: of two transactions spending one jti, on any
+        # number of servers, the second inserts nothing.
+        inserted = self._run(
+            "INSERT INTO used_nonces (jti, approver, used_at, execution_id) VALUES (?, ?, ?, ?)"
+            " ON CONFLICT (jti) DO NOTHING",
+            (jti, approver, now, execution_id),
+        ).rowcount
+        return bool(inserted == 1)
+
+    def add_request(self, request: ApprovalRequestRecord) -> None:
+        r = request
+        self._run(
+            f"INSERT INTO approval_requests ({_REQUEST_COLUMNS})"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                r.id, r.tool_name, r.tool_digest, r.arguments_json, r.arguments_digest,
+                r.requested_by, r.approvals_required, r.state, r.created_at, r.expires_at,
+                r.tool_manifest, r.tool_owner,
+            ),
+        )  # fmt: skip
+
+    def consume_request(self, request_id: str, now: float) -> bool:
+        changed = self._run(
+            f"UPDATE approval_requests SET state = '{CONSUMED}'"
+            f" WHERE id = ? AND state IN ('{PENDING}', '{APPROVED}') AND expires_at > ?",
+            (request_id, now),
+        ).rowcount
+        return bool(changed == 1)
+
+    def put_approval_token(
+        self, request_id: str, approver: str, jti: str, token: str, expires_at: float
+    ) -> None:
+        if self._dialect.lock_request:
+            self._run(self._dialect.lock_request, (request_id,))
+        self._run(
+            "INSERT INTO approval_tokens (request_id, approver, jti, token, expires_at)"
+            " VALUES (?, ?, ?, ?, ?) ON CONFLICT (request_id, approver) DO UPDATE SET"
+            " jti = excluded.jti, token = excluded.token, expires_at = excluded.expires_at",
+            (request_id, approver, jti, token, expires_at),
+        )
+
+    def mark_approved(self, request_id: str) -> None:
+        self._run(
+            f"UPDATE approval_requests SET state = '{APPROVED}'"
+            f" WHERE id = ? AND state = '{PENDING}'",
+            (request_id,),
+        )
