@@ -118,6 +118,8 @@ def build_app(config: ServerConfig) -> App:
         app.pools = pools
         app.closers.insert(0, pools.close)  # before the backend's engine connection goes
     app.metrics.watch(executor.admission, app.pools.stats if app.pools else None)
+    # Tools stored by other servers on the same database: served here at once.
+    store.watch_tools(registry.reload)
     return app
 
 
@@ -260,11 +262,17 @@ def _prepare_workspace(path: Path) -> Path:
 
 
 SQLITE_URL_PREFIX = "sqlite:///"  # sqlite:///relative/path, sqlite:////absolute/path
+POSTGRES_URL_PREFIXES = ("postgresql://", "postgres://")
 
 
 def open_store(url: str, *, must_exist: bool = False) -> Store:
     """The store that ``TOOLREG_STORE_URL`` names; ``must_exist``: do not
     create an empty one (the audit commands read what a server wrote)."""
+    if url.startswith(POSTGRES_URL_PREFIXES):
+        # Imported here: an embedded server never loads the PostgreSQL driver.
+        from registry_server.store.postgres import PostgresStore
+
+        return PostgresStore(url, must_exist=must_exist)
     if url.startswith(SQLITE_URL_PREFIX) and len(url) > len(SQLITE_URL_PREFIX):
         path = Path(url[len(SQLITE_URL_PREFIX) :])
         if must_exist and not path.is_file():

@@ -51,6 +51,7 @@ class Metrics:
         self.engine_up = Gauge(
             "toolreg_engine_up", "1 when the container engine answers", registry=r
         )
+        self.store_up = Gauge("toolreg_store_up", "1 when the store answers", registry=r)
 
     def watch(self, admission: Admission, pool_stats: Callable[[], Any] | None) -> None:
         self.live.set_function(lambda: admission.running)

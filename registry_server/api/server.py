@@ -77,6 +77,15 @@ def create_server(config: ServerConfig, app: App | None = None) -> tuple[grpc.Se
 
 
 def _start_health_monitor(app: App) -> None:
+    """SERVING while both the container engine and the store answer: a load
+    balancer takes a server whose engine or database is gone out of rotation."""
+
+    def parts_answer() -> bool:
+        engine, store = app.backend.health(), app.store.healthy()
+        app.metrics.engine_up.set(1 if engine else 0)
+        app.metrics.store_up.set(1 if store else 0)
+        return engine and store
+
     def on_change(healthy: bool) -> None:
         status = (
             health_pb2.HealthCheckResponse.SERVING
@@ -85,9 +94,8 @@ def _start_health_monitor(app: App) -> None:
         )
         app.health.set("", status)
         app.health.set(SERVICE_NAME, status)
-        app.metrics.engine_up.set(1 if healthy else 0)
 
-    monitor = HealthMonitor(app.backend.health, on_change, app.config.health_interval_s)
+    monitor = HealthMonitor(parts_answer, on_change, app.config.health_interval_s)
     monitor.start()
     app.closers.insert(0, monitor.stop)
 

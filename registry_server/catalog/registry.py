@@ -82,13 +82,50 @@ class Registry:
         with store.reading() as reads:
             stored = reads.tools()
         for row in stored:
-            try:
-                tool = parse_definition(strict_json.loads(row.manifest_json, "manifest"))
-            except InvalidDefinition as exc:
-                # Kept in the store untouched; an operator can fix or replace it.
-                log.error("stored tool %r no longer validates and is not served: %s", row.name, exc)
-                continue
-            self._tools[tool.name] = dataclasses.replace(tool, owner=row.owner)
+            tool = self._parse(row)
+            if tool is not None:
+                self._tools[tool.name] = tool
+
+    @staticmethod
+    def _parse(row: StoredTool) -> ToolDefinition | None:
+        try:
+            tool = parse_definition(strict_json.loads(row.manifest_json, "manifest"))
+        except InvalidDefinition as exc:
+            # Kept in the store untouched; an operator can fix or replace it.
+            log.error("stored tool %r no longer validates and is not served: %s", row.name, exc)
+            return None
+        return dataclasses.replace(tool, owner=row.owner)
+
+    def reload(self, name: str | None = None) -> None:
+        """Another server stored tool ``name`` (None: perhaps any): serve what the
+        store holds now, and tell the listeners (cached listings, warm pools)."""
+        changed: list[tuple[ToolDefinition | None, ToolDefinition]] = []
+        # Read under the write lock: a registration here cannot interleave and
+        # be overwritten by the older row read just before it.
+        with self._write_lock:
+            with self._store.reading() as reads:
+                rows = [r for r in reads.tools() if name is None or r.name == name]
+            tools = dict(self._tools)
+            for row in rows:
+                current = tools.get(row.name)
+                if current is not None and (current.digest, current.owner) == (
+                    row.digest,
+                    row.owner,
+                ):
+                    continue
+                tool = self._parse(row)
+                if tool is None:
+                    continue
+                tools[tool.name] = tool
+                changed.append((current, tool))
+            if not changed:
+                return
+            self._tools = tools
+            self._version += 1
+        for old, new in changed:
+            log.info("tool %s %s by another server", new.name, "replaced" if old else "created")
+            for listener in self._listeners:
+                listener(old, new)
 
     @property
     def version(self) -> int:

@@ -163,6 +163,12 @@ def serve(
     metrics_port: Annotated[
         int | None, typer.Option("--metrics-port", help="Serve Prometheus metrics on this port.")
     ] = None,
+    store_url: Annotated[
+        str | None,
+        typer.Option(
+            "--store-url", help="sqlite:///PATH or postgresql://... (default: in --data-dir)."
+        ),
+    ] = None,
 ) -> None:
     """Run the gRPC server in the foreground until SIGTERM/SIGINT."""
     from pydantic import ValidationError
@@ -187,6 +193,7 @@ def serve(
             "tls_key": tls_key,
             "tls_client_ca": tls_client_ca,
             "metrics_port": metrics_port,
+            "store_url": store_url,
         }.items()
         if v is not None
     }

@@ -17,6 +17,7 @@ Implementations raise ``StoreError`` when the database fails.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -160,5 +161,15 @@ class Store(Protocol):
     def reading(self) -> AbstractContextManager[StoreReads]: ...
 
     def unit_of_work(self) -> AbstractContextManager[UnitOfWork]: ...
+
+    def healthy(self) -> bool:
+        """True when the database answers (the server's health check asks)."""
+        ...
+
+    def watch_tools(self, on_change: Callable[[str | None], None]) -> None:
+        """Call ``on_change(name)`` when another server stores tool ``name``, and
+        ``on_change(None)`` when everything must be re-read. A store only one
+        server uses never calls it."""
+        ...
 
     def close(self) -> None: ...

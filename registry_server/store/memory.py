@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
@@ -144,6 +144,12 @@ class MemoryStore:
             yield _Writes(draft)
             self._data = draft
             self.units_of_work += 1
+
+    def healthy(self) -> bool:
+        return True
+
+    def watch_tools(self, on_change: Callable[[str | None], None]) -> None:
+        """One process: nobody else changes its tools."""
 
     def close(self) -> None:
         pass

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -179,6 +179,17 @@ class SqliteStore:
                 yield SqlReads(self._db, SQLITE)
             except sqlite3.Error as exc:
                 raise StoreError(f"store {self.path}: {exc}") from exc
+
+    def healthy(self) -> bool:
+        try:
+            with self.reading() as reads:
+                reads.jti_used("")
+        except StoreError:
+            return False
+        return True
+
+    def watch_tools(self, on_change: Callable[[str | None], None]) -> None:
+        """One server per file: nobody else changes its tools."""
 
     def close(self) -> None:
         with self._lock:

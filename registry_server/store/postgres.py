@@ -1,0 +1,259 @@
+"""The PostgreSQL store: several registry servers on one database
+(docs/scaling.md). The queries are store/sql.py's; this module holds the
+connection pool, the schema and its migrations, and what makes N servers
+agree:
+
+* a spent token id is a primary key: of two servers spending one, the second
+  inserts nothing (``use_jti``), so it is spent once across all of them;
+* one audit chain: a unit of work that appends takes a transaction-level
+  advisory lock first, so appends from every server line up;
+* approvals submitted at once through two servers lock their request row;
+* a changed tool is announced with NOTIFY in the transaction that stores it,
+  and ``watch_tools`` LISTENs for it: every server reloads it at once.
+
+Messages name the database by its URL without the password.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from urllib.parse import urlsplit, urlunsplit
+
+import psycopg
+from psycopg_pool import ConnectionPool
+
+from registry_server.domain.errors import StoreError
+from registry_server.store.base import StoredTool
+from registry_server.store.sql import Dialect, SqlReads, SqlWrites
+
+log = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT_S = 5  # seconds to reach the database before a call fails
+POOL_TIMEOUT_S = 5.0  # seconds a call waits for a pooled connection
+TOOLS_CHANNEL = "toolreg_tools"  # NOTIFY channel: payload = the changed tool's name
+LISTEN_RETRY_S = 1.0  # seconds between reconnects of the listener
+_AUDIT_LOCK = 7_402_001  # advisory lock keys (any constants unique to toolreg)
+_MIGRATION_LOCK = 7_402_002
+
+POSTGRES = Dialect(
+    placeholder="%s",
+    listed_manifest=(
+        "jsonb_set(tool_manifest::jsonb, '{parameters}', '{\"type\":\"object\"}'::jsonb)::text"
+    ),
+    lock_audit=f"SELECT pg_advisory_xact_lock({_AUDIT_LOCK})",
+    lock_request="SELECT 1 FROM approval_requests WHERE id = %s FOR UPDATE",
+)
+
+_MIGRATIONS: list[str] = [
+    # 1: everything the SQLite store holds after its 4th migration
+    """
+    CREATE TABLE tools (
+        name        TEXT PRIMARY KEY,
+        manifest    TEXT NOT NULL,
+        digest      TEXT NOT NULL,
+        owner       TEXT NOT NULL,
+        created_at  DOUBLE PRECISION NOT NULL,
+        updated_at  DOUBLE PRECISION NOT NULL
+    );
+    CREATE TABLE audit (
+        seq        BIGINT PRIMARY KEY,
+        at         DOUBLE PRECISION NOT NULL,
+        kind       TEXT NOT NULL,
+        record     TEXT NOT NULL,
+        prev_hash  TEXT NOT NULL,
+        hash       TEXT NOT NULL
+    );
+    CREATE TABLE approval_requests (
+        id                  TEXT PRIMARY KEY,
+        tool_name           TEXT NOT NULL,
+        tool_digest         TEXT NOT NULL,
+        arguments_json      TEXT NOT NULL,
+        arguments_digest    TEXT NOT NULL,
+        requested_by        TEXT NOT NULL,
+        approvals_required  INTEGER NOT NULL,
+        state               TEXT NOT NULL,
+        created_at          DOUBLE PRECISION NOT NULL,
+        expires_at          DOUBLE PRECISION NOT NULL,
+        tool_manifest       TEXT NOT NULL DEFAULT '',
+        tool_owner          TEXT NOT NULL DEFAULT ''
+    );
+    CREATE INDEX approval_requests_created ON approval_requests (created_at);
+    CREATE INDEX approval_requests_requester ON approval_requests (requested_by, state);
+    CREATE TABLE approval_tokens (
+        request_id  TEXT NOT NULL REFERENCES approval_requests (id),
+        approver    TEXT NOT NULL,
+        jti         TEXT NOT NULL,
+        token       TEXT NOT NULL,
+        expires_at  DOUBLE PRECISION NOT NULL,
+        PRIMARY KEY (request_id, approver)
+    );
+    CREATE TABLE used_nonces (
+        jti           TEXT PRIMARY KEY,
+        approver      TEXT NOT NULL,
+        used_at       DOUBLE PRECISION NOT NULL,
+        execution_id  TEXT NOT NULL
+    );
+    """,
+]
+
+
+def redacted(url: str) -> str:
+    """The URL without its password (for every message and log line)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "postgresql://(unparseable URL)"
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+
+
+def _password(url: str) -> str | None:
+    try:
+        return urlsplit(url).password
+    except ValueError:
+        return None
+
+
+class _Writes(SqlWrites):
+    def put_tool(self, tool: StoredTool, now: float) -> None:
+        super().put_tool(tool, now)
+        # Delivered on commit only: no server reloads what was rolled back.
+        self._run("SELECT pg_notify(?, ?)", (TOOLS_CHANNEL, tool.name))
+
+
+class PostgresStore:
+    def __init__(self, url: str, *, max_connections: int = 16, must_exist: bool = False) -> None:
+        self.url = url
+        self._shown = redacted(url)
+        self._closed = threading.Event()
+        self._watchers: list[threading.Thread] = []
+        try:
+            # One plain connection first: a wrong URL, password or database is
+            # reported at once with libpq's reason (a pool would retry it).
+            psycopg.connect(url, connect_timeout=CONNECT_TIMEOUT_S).close()
+        except psycopg.Error as exc:
+            raise StoreError(f"cannot open the store {self._shown}: {self._cause(exc)}") from None
+        try:
+            self._pool = ConnectionPool(
+                url,
+                min_size=1,
+                max_size=max_connections,
+                kwargs={"autocommit": True, "connect_timeout": CONNECT_TIMEOUT_S},
+                # a connection broken by a database restart is replaced, not handed out
+                check=ConnectionPool.check_connection,
+                timeout=POOL_TIMEOUT_S,
+                open=False,
+                name="toolreg-store",
+            )
+            self._pool.open(wait=True, timeout=CONNECT_TIMEOUT_S + 1)
+        except Exception as exc:  # psycopg.Error, PoolTimeout, a malformed URL
+            self._pool.close()
+            raise StoreError(f"cannot open the store {self._shown}: {self._cause(exc)}") from None
+        try:
+            self._migrate(must_exist)
+        except BaseException:
+            self._pool.close()
+            raise
+
+    @property
+    def location(self) -> str:
+        return self._shown
+
+    def _migrate(self, must_exist: bool) -> None:
+        with self._connection() as conn, conn.transaction():
+            # Servers starting together migrate one at a time.
+            conn.execute(f"SELECT pg_advisory_xact_lock({_MIGRATION_LOCK})")
+            conn.execute("CREATE TABLE IF NOT EXISTS toolreg_schema (version INTEGER NOT NULL)")
+            row = conn.execute("SELECT version FROM toolreg_schema").fetchone()
+            version = int(str(row[0])) if row else 0
+            if must_exist and version == 0:
+                raise StoreError(f"no toolreg store at {self._shown}")
+            if version > len(_MIGRATIONS):
+                raise StoreError(
+                    f"{self._shown} was written by a newer toolreg (schema {version},"
+                    f" this server knows {len(_MIGRATIONS)}); upgrade toolreg"
+                )
+            for number, sql in enumerate(_MIGRATIONS[version:], start=version + 1):
+                conn.execute(sql.encode())
+                conn.execute("DELETE FROM toolreg_schema")
+                conn.execute("INSERT INTO toolreg_schema (version) VALUES (%s)", (number,))
+                log.info("store %s: schema migrated to version %d", self._shown, number)
+
+    @contextmanager
+    def _connection(self) -> Iterator[psycopg.Connection[tuple[object, ...]]]:
+        try:
+            with self._pool.connection() as conn:
+                yield conn
+        except psycopg.Error as exc:
+            raise StoreError(f"store {self._shown}: {self._cause(exc)}") from None
+
+    @contextmanager
+    def reading(self) -> Iterator[SqlReads]:
+        with self._connection() as conn:
+            yield SqlReads(conn, POSTGRES)
+
+    @contextmanager
+    def unit_of_work(self) -> Iterator[SqlWrites]:
+        """One transaction: all of it is committed, or none of it."""
+        with self._connection() as conn, conn.transaction():
+            yield _Writes(conn, POSTGRES)
+
+    def healthy(self) -> bool:
+        try:
+            with self._connection() as conn:
+                conn.execute("SELECT 1")
+        except StoreError:
+            return False
+        return True
+
+    def watch_tools(self, on_change: Callable[[str | None], None]) -> None:
+        """Call ``on_change(name)`` when any server stores tool ``name``, and
+        ``on_change(None)`` after every (re)connect: notifications sent while
+        the listener was away are lost, so reload everything then."""
+        thread = threading.Thread(
+            target=self._listen, args=(on_change,), name="store-listen", daemon=True
+        )
+        self._watchers.append(thread)
+        thread.start()
+
+    def _listen(self, on_change: Callable[[str | None], None]) -> None:
+        while not self._closed.is_set():
+            try:
+                with psycopg.connect(
+                    self.url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S
+                ) as conn:
+                    conn.execute(f"LISTEN {TOOLS_CHANNEL}")
+                    on_change(None)
+                    while not self._closed.is_set():
+                        # Wakes at least once a second to see close() and a dead socket.
+                        for note in conn.notifies(timeout=1.0):
+                            on_change(note.payload)
+                        conn.execute("SELECT 1")  # raises when the database went away
+            except psycopg.Error as exc:
+                if not self._closed.is_set():
+                    log.warning("store %s: listener lost (%s); reconnecting", self._shown,
+                                self._cause(exc))  # fmt: skip
+                    time.sleep(LISTEN_RETRY_S)
+            except Exception:
+                log.exception("store %s: tool change handler failed", self._shown)
+                time.sleep(LISTEN_RETRY_S)
+
+    def _cause(self, exc: BaseException) -> str:
+        """One line: the driver's first line, never the password."""
+        lines = str(exc).strip().splitlines()
+        text = lines[0] if lines else type(exc).__name__
+        password = _password(self.url)
+        return text.replace(password, "***") if password else text
+
+    def close(self) -> None:
+        self._closed.set()
+        for thread in self._watchers:
+            thread.join(timeout=5)
+        self._pool.close()
