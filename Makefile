@@ -13,7 +13,7 @@ INIT_BIN := sandbox_runner/init/toolreg-init
 INIT_CC ?= gcc
 INIT_CFLAGS := -std=c11 -Os -static -s -Wall -Wextra -Werror
 
-.PHONY: help install init proto check check-proto lint typecheck engine images interop-deps unit test run bench reap clean
+.PHONY: help install init proto check check-proto lint typecheck engine images interop-deps postgres haproxy unit test run bench reap clean
 
 help: ## Show the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -67,13 +67,19 @@ engine: ## Make sure a Docker engine answers (installs docker.io + runsc on Debi
 images: engine ## Build the local sandbox images (only when missing or changed)
 	@bash sandbox_runner/images/build.sh
 
+postgres: ## Start the tests' PostgreSQL (installs Debian's postgresql; not needed by make run)
+	@bash scripts/ensure_postgres.sh start
+
+haproxy: ## Install HAProxy for the multi-server tests (each test starts its own)
+	@bash scripts/ensure_haproxy.sh >/dev/null
+
 interop-deps: ## Install the Node.js interop test dependencies (tests/interop)
 	cd tests/interop && npm ci --no-audit --no-fund --silent
 
 unit: install ## The unit tier alone: decision logic, no engine, in seconds
 	$(BIN)/pytest tests/unit -q $(PYTEST_ARGS)
 
-test: install init check-proto images interop-deps ## Set up everything, then run the whole test suite
+test: install init check-proto images interop-deps postgres haproxy ## Set up everything, then run the whole test suite
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 run: install init images ## Set up everything, then serve the example tools on 127.0.0.1:50051

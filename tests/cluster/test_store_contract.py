@@ -1,0 +1,133 @@
+"""The store interface (registry_server/store/base.py) means the same in every
+implementation: the in-memory store, SQLite and PostgreSQL answer each
+question alike."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from registry_server.store import audit_chain
+from registry_server.store.base import (
+    APPROVED,
+    CONSUMED,
+    EXPIRED,
+    PENDING,
+    ApprovalRequestRecord,
+    Store,
+    StoredTool,
+)
+from registry_server.store.memory import MemoryStore
+from registry_server.store.postgres import PostgresStore
+from registry_server.store.sqlite import SqliteStore
+
+NOW = 1_000_000.0
+
+
+@pytest.fixture(params=["memory", "sqlite", "postgres"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
+    if request.param == "memory":
+        made: Store = MemoryStore()
+    elif request.param == "sqlite":
+        made = SqliteStore(tmp_path / "toolreg.db")
+    else:
+        made = PostgresStore(request.getfixturevalue("database"))
+    yield made
+    made.close()
+
+
+def record(rid: str, *, by: str = "agent", state: str = PENDING, created: float = NOW,
+           expires: float = NOW + 100) -> ApprovalRequestRecord:  # fmt: skip
+    manifest = json.dumps({"name": "t", "parameters": {"type": "object", "minProperties": 1}})
+    return ApprovalRequestRecord(
+        id=rid, tool_name="t", tool_digest="d", arguments_json='{"a":1}',
+        arguments_digest="ad", requested_by=by, approvals_required=1, state=state,
+        created_at=created, expires_at=expires, tool_manifest=manifest, tool_owner="o",
+    )  # fmt: skip
+
+
+def test_tools_are_stored_replaced_and_listed_by_name(store: Store) -> None:
+    with store.unit_of_work() as uow:
+        uow.put_tool(StoredTool("b", "{}", "d1", "o1"), NOW)
+        uow.put_tool(StoredTool("a", "{}", "d2", "o2"), NOW)
+    with store.unit_of_work() as uow:
+        uow.put_tool(StoredTool("b", '{"x":1}', "d3", "o3"), NOW + 1)
+    with store.reading() as reads:
+        assert reads.tools() == [
+            StoredTool("a", "{}", "d2", "o2"),
+            StoredTool("b", '{"x":1}', "d3", "o3"),
+        ]
+
+
+def test_a_failed_unit_of_work_stores_nothing(store: Store) -> None:
+    with pytest.raises(RuntimeError), store.unit_of_work() as uow:
+        uow.put_tool(StoredTool("a", "{}", "d", "o"), NOW)
+        audit_chain.append(uow, "registration", {"tool": "a"})
+        assert uow.use_jti("j", "alice", "e", NOW)
+        raise RuntimeError("after the writes")
+    with store.reading() as reads:
+        assert (reads.tools(), reads.audit_entries(), reads.jti_used("j")) == ([], [], False)
+
+
+def test_a_jti_is_spent_once(store: Store) -> None:
+    with store.unit_of_work() as uow:
+        assert uow.use_jti("j", "alice", "e1", NOW) is True
+    with store.unit_of_work() as uow:
+        assert uow.use_jti("j", "alice", "e2", NOW) is False
+    with store.reading() as reads:
+        assert reads.jti_used("j") and not reads.jti_used("k")
+
+
+def test_requests_states_listing_and_consumption(store: Store) -> None:
+    with store.unit_of_work() as uow:
+        uow.add_request(record("r1", created=NOW - 3))
+        uow.add_request(record("r2", created=NOW - 2, expires=NOW - 1))  # expired
+        uow.add_request(record("r3", created=NOW - 1, by="agent2"))
+        uow.put_approval_token("r1", "bob", "j1", "token-b", NOW + 50)
+        uow.put_approval_token("r1", "alice", "j2", "token-a", NOW + 50)
+        uow.put_approval_token("r1", "alice", "j3", "token-a2", NOW + 60)  # replaces
+        uow.mark_approved("r1")
+        uow.mark_approved("r2")
+    with store.reading() as reads:
+        assert reads.approvers_of("r1") == ["alice", "bob"]
+        assert reads.tokens_of("r1") == ["token-a2", "token-b"]
+        assert [r.id for r in reads.requests(state="", now=NOW, limit=10)] == ["r3", "r2", "r1"]
+        assert [r.id for r in reads.requests(state="", now=NOW, limit=2)] == ["r3", "r2"]
+        assert [r.id for r in reads.requests(state=APPROVED, now=NOW, limit=10)] == ["r1"]
+        assert [r.id for r in reads.requests(state=EXPIRED, now=NOW, limit=10)] == ["r2"]
+        assert [r.id for r in reads.requests(state=PENDING, now=NOW, limit=10)] == ["r3"]
+        listed = reads.requests(state=PENDING, now=NOW, limit=1)[0]
+        assert listed.arguments_json == ""
+        assert json.loads(listed.tool_manifest)["parameters"] == {"type": "object"}
+        full = reads.request("r3")
+        assert full is not None and full.arguments_json == '{"a":1}'
+        assert reads.open_requests_of("agent", NOW) == 0  # r1 approved, r2 expired
+        assert reads.open_requests_of("agent2", NOW) == 1
+        args = {"tool_name": "t", "tool_digest": "d", "arguments_digest": "ad", "now": NOW}
+        assert reads.open_request_for(requested_by="agent2", **args) == "r3"  # type: ignore[arg-type]
+        assert reads.open_request_for(requested_by="agent", **args) is None  # type: ignore[arg-type]
+    with store.unit_of_work() as uow:
+        assert uow.consume_request("r1", NOW) is True
+        assert uow.consume_request("r1", NOW) is False  # already consumed
+        assert uow.consume_request("r2", NOW) is False  # expired
+        assert uow.consume_request("nope", NOW) is False
+    with store.reading() as reads:
+        consumed = reads.request("r1")
+        assert consumed is not None and consumed.state_at(NOW) == CONSUMED
+        assert [r.id for r in reads.requests(state=CONSUMED, now=NOW, limit=10)] == ["r1"]
+
+
+def test_the_audit_chain_appends_and_verifies(store: Store) -> None:
+    for n in range(5):
+        with store.unit_of_work() as uow:
+            assert audit_chain.append(uow, "execution", {"n": n, "at": time.time()}) == n + 1
+    verdict = audit_chain.verify(store)
+    assert verdict.ok and verdict.records == 5
+    assert [e["record"]["n"] for e in audit_chain.tail(store, 2)] == [3, 4]
+    with store.reading() as reads:
+        assert reads.audit_tail(0) == []
+        assert [e.seq for e in reads.audit_entries()] == [1, 2, 3, 4, 5]
