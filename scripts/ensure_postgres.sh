@@ -44,8 +44,9 @@ PACKAGES=(postgresql)
 log() { printf 'ensure_postgres: %s\n' "$*" >&2; }
 die() { printf 'ensure_postgres: ERROR: %s\n' "$*" >&2; exit 1; }
 
-[[ "$PG_PORT" =~ ^[0-9]+$ ]] && ((PG_PORT > 0 && PG_PORT < 65536)) ||
+if ! [[ "$PG_PORT" =~ ^[0-9]+$ ]] || ((PG_PORT < 1 || PG_PORT > 65535)); then
     die "TOOLREG_PG_PORT must be a port number, not '${PG_PORT}'"
+fi
 [[ "$PG_CLUSTER" =~ ^[A-Za-z0-9_-]+$ ]] || die "TOOLREG_PG_CLUSTER '${PG_CLUSTER}' is not a valid name"
 [[ "$PG_WAIT" =~ ^[0-9]+$ ]] || die "TOOLREG_PG_WAIT must be a number of seconds, not '${PG_WAIT}'"
 

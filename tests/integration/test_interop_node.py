@@ -55,7 +55,9 @@ def write_policy(path: Path, public_keys: dict[str, str]) -> None:
     path.write_text(yaml.safe_dump(policy, sort_keys=False))
 
 
-def test_node_client_suite(tmp_path: Path) -> None:
+def run_node_suite(address: str, alice_private: bytes) -> subprocess.CompletedProcess[str]:
+    """The Node.js suite against ``address``, whose servers use ``write_policy``'s
+    clients and alice's key; fails the test when Node or its modules are missing."""
     node = shutil.which("node")
     if node is None:
         pytest.fail("node (>= 20) is not on PATH: the interop suite needs Node.js")
@@ -64,6 +66,22 @@ def test_node_client_suite(tmp_path: Path) -> None:
             "tests/interop/node_modules is missing: "
             "run `make test` (it installs the interop dependencies)"
         )
+    env = {
+        **os.environ,
+        "TOOLREG_ADDRESS": address,
+        "TOOLREG_AGENT_TOKEN": TOKENS["agent"],
+        "TOOLREG_ADMIN_TOKEN": TOKENS["admin"],
+        "TOOLREG_APPROVER_TOKEN": TOKENS["alice"],
+        "TOOLREG_APPROVER_ID": "alice",
+        "TOOLREG_APPROVER_KEY_PEM": alice_private.decode(),
+    }
+    return subprocess.run(
+        [node, "--test", "tests/interop/"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=NODE_TIMEOUT_S,
+    )  # fmt: skip
+
+
+def test_node_client_suite(tmp_path: Path) -> None:
     alice_private, alice_public = generate_keypair()
     _, bob_public = generate_keypair()
     policy = tmp_path / "policy.yaml"
@@ -72,19 +90,7 @@ def test_node_client_suite(tmp_path: Path) -> None:
         tmp_path / "data", "--policy", str(policy), "--tools", str(EXAMPLES), cwd=ROOT
     )
     try:
-        env = {
-            **os.environ,
-            "TOOLREG_ADDRESS": server.address,
-            "TOOLREG_AGENT_TOKEN": TOKENS["agent"],
-            "TOOLREG_ADMIN_TOKEN": TOKENS["admin"],
-            "TOOLREG_APPROVER_TOKEN": TOKENS["alice"],
-            "TOOLREG_APPROVER_ID": "alice",
-            "TOOLREG_APPROVER_KEY_PEM": alice_private.decode(),
-        }
-        done = subprocess.run(
-            [node, "--test", "tests/interop/"],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=NODE_TIMEOUT_S,
-        )  # fmt: skip
+        done = run_node_suite(server.address, alice_private)
     finally:
         code = server.stop()
     output = done.stdout + done.stderr
