@@ -13,7 +13,7 @@ INIT_BIN := sandbox_runner/init/toolreg-init
 INIT_CC ?= gcc
 INIT_CFLAGS := -std=c11 -Os -static -s -Wall -Wextra -Werror
 
-.PHONY: help install init proto check check-proto lint typecheck engine images interop-deps postgres haproxy unit test run bench reap clean
+.PHONY: help install init proto check check-proto lint typecheck check-k8s engine images interop-deps postgres haproxy unit test run bench reap clean
 
 help: ## Show the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -59,7 +59,10 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy registry_server sandbox_runner bench examples
 
-check: check-proto lint typecheck ## Proto drift, lint and type checks
+check-k8s: $(STAMP)
+	KUBERNETES_VALIDATE=$(BIN)/kubernetes-validate bash scripts/validate_k8s.sh
+
+check: check-proto lint typecheck check-k8s ## Proto drift, lint, type checks, Kubernetes manifests
 
 engine: ## Make sure a Docker engine answers (installs docker.io + runsc on Debian)
 	@bash scripts/ensure_docker.sh
