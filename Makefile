@@ -88,7 +88,7 @@ test: install init check-proto images interop-deps postgres haproxy ## Set up ev
 run: install init images ## Set up everything, then serve the example tools on 127.0.0.1:50051
 	$(BIN)/toolreg serve --tools examples/tools --data-dir $(DATA_DIR)
 
-bench: install init images ## Benchmarks (medians, ratios against baselines in the same run)
+bench: install init images postgres haproxy ## Benchmarks (medians, ratios against baselines in the same run)
 	$(BIN)/pip install --quiet -e '.[dev,bench]'
 	$(BIN)/python -m bench $(BENCH_ARGS)
 

@@ -163,6 +163,32 @@ def registry_md(sec: dict[str, Any]) -> list[str]:
     return lines
 
 
+def cluster_md(sec: dict[str, Any]) -> list[str]:
+    lines = [
+        "",
+        "## Several servers on PostgreSQL, through HAProxy",
+        "",
+        f"Reads: GetTool at concurrency {sec['read_concurrency']}. Approved calls: a dangerous"
+        f" tool with a fresh token each, at concurrency {sec['call_concurrency']}. Store cost:"
+        " p50 straight to one server of an audited refusal (one audit write, no sandbox) and of"
+        f" a safe call. All servers, HAProxy and PostgreSQL share {sec['cores']} cores here.",
+        "",
+        "| setup | reads/s | x | approved calls/s | x | errors | refusal p50 ms |"
+        " safe call p50 ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in sec["rows"]:
+        reads, calls, cost = r["reads"], r["approved_calls"], r["store_cost"]
+        lines.append(
+            f"| {r['setup']} | {_f(reads['calls_per_s'])} | {_f(reads.get('ratio'), 2)}"
+            f" | {_f(calls['calls_per_s'])} | {_f(calls.get('ratio'), 2)}"
+            f" | {reads['errors'] + calls['errors']}"
+            f" | {_f(cost['audited_refusal']['p50_ms'], 2)}"
+            f" | {_f(cost['safe_call']['p50_ms'], 1)} |"
+        )
+    return lines
+
+
 def memory_md(sec: dict[str, Any]) -> list[str]:
     tools = sec.get("tools", 1000)
     lines = [
@@ -328,6 +354,8 @@ def markdown(res: dict[str, Any]) -> str:
         lines += registry_md(res["registry"])
     if "memory" in res:
         lines += memory_md(res["memory"])
+    if "cluster" in res:
+        lines += cluster_md(res["cluster"])
     lines += targets_md(res["targets"])
     if res.get("errors"):
         lines += ["", "## Sections that failed", ""]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -21,12 +20,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from registry_server.client.launcher import ServerProcess, spawn_server
 from registry_server.client.registry_client import RegistryClient, open_channel
 from registry_server.signing.keys import generate_keypair
+from scripts import haproxy_config
 from tests.cluster.conftest import EXAMPLES, ROOT, wait_for
 from tests.factories import tool
 from tests.integration.test_interop_node import TOKENS, run_node_suite, write_policy
-
-sys.path.insert(0, str(ROOT / "scripts"))
-import haproxy_config
 
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE}  # what a client may see while a server goes away
 
