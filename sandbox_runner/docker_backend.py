@@ -10,7 +10,9 @@ With an init (``DockerBackend(init_path=...)``, built by ``make init`` from
 init/toolreg_init.c), every container's process is that init, bind-mounted read-only at
 INIT_TARGET; it holds the tool until ``Prepared.finish`` sends GO_BYTE ahead of the call's
 input, so a container started ahead of its call (warm pools) runs nothing of the tool
-before the call is admitted and approved.
+before the call is admitted and approved. The init then runs the tool and sends its
+output and exit status as frames (protocol v2): the call is answered on the exit frame,
+without waiting for the engine to notice the exit or inspecting the container.
 """
 
 from __future__ import annotations
@@ -38,7 +40,17 @@ import docker.types
 import requests.exceptions
 
 from .backend import OutputSink
-from .framing import STDERR, STDOUT, CappedBuffer, FrameDemuxer, FramingError
+from .framing import (
+    INIT_EXIT,
+    INIT_HELLO,
+    STDERR,
+    STDOUT,
+    CappedBuffer,
+    FrameDemuxer,
+    FramingError,
+    InitDecoder,
+    InitExit,
+)
 from .ownership import (
     LABEL_DEADLINE,
     LABEL_EXECUTION_ID,
@@ -74,8 +86,10 @@ NO_PIDS_LIMIT_RUNTIMES: Final = frozenset({"runsc"})
 # The init (init/toolreg_init.c). Docker creates the mountpoint in the container's own
 # layer, so this works on a read-only root, in a FROM scratch image, under runc and runsc.
 INIT_TARGET: Final = "/.toolreg/init"  # in-container path of the init (read-only bind)
-INIT_PROTOCOL: Final = 1  # version of the init's stdin protocol, below
-GO_BYTE: Final = b"G"  # protocol v1: the first stdin byte; it lets the init exec the tool
+INIT_PROTOCOL: Final = 2  # version of the init's protocol (init/toolreg_init.c)
+GO_BYTE: Final = b"G"  # the first stdin byte; it lets the init run the tool
+HELLO_TIMEOUT_S: Final = 10.0  # seconds for a started init to say which protocol it speaks
+SIGKILL_NUMBER: Final = 9  # a tool killed so may have met the memory limit: ask the engine
 INIT_NOT_RELEASED_EXIT: Final = 125  # exit code: the init got EOF/another byte, ran nothing
 _INIT_DIR: Final = posixpath.dirname(INIT_TARGET)  # reserved: no spec mount may touch it
 # The image config is read before each create (VOLUME refusal, ENTRYPOINT); one
@@ -249,6 +263,7 @@ class _Pump:
         cancel: threading.Event | None,
         on_output: OutputSink | None,
         check_pids: bool,
+        framed: bool = False,
     ) -> None:
         self.api = api
         self.container_id = container_id
@@ -266,6 +281,9 @@ class _Pump:
         self.pids_exhausted = False
         self.killed = False
         self.ended = False  # the stream reached EOF: the container has stopped
+        # With the init: its frames, and how the tool ended once the exit frame came.
+        self.init: InitDecoder | None = InitDecoder() if framed else None
+        self.exited: InitExit | None = None
         self._kill_deadline = math.inf
         self._killer: threading.Thread | None = None
 
@@ -372,12 +390,16 @@ class _Pump:
                             log.warning("%s: output ended mid-frame", self.container_id[:12])
                         return
                     self._deliver(demux, data)
+                    if self.exited is not None and self.exited.signal != SIGKILL_NUMBER:
+                        return  # answered by the init: the engine's exit is not awaited
 
     def _deliver(self, demux: FrameDemuxer, data: bytes) -> None:
         try:
             pieces = demux.feed(data)
         except FramingError as e:
             raise SandboxError(f"unexpected attach stream from the engine: {e}") from e
+        if self.init is not None:
+            pieces = self._unframe(pieces)
         for stream, piece in pieces:
             buf = self.buffers[stream]
             if buf.truncated:
@@ -387,6 +409,28 @@ class _Pump:
                 self.on_output(stream, stored)
             if buf.truncated:
                 self._kill("output")
+
+    def _unframe(self, pieces: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
+        """The init's stdout carries frames: the tool's output and its exit. Its own
+        stderr (diagnostics of the init itself) counts as the tool's stderr."""
+        assert self.init is not None
+        out: list[tuple[str, bytes]] = []
+        for stream, piece in pieces:
+            if stream == STDERR:
+                out.append((STDERR, piece))
+                continue
+            try:
+                events = self.init.feed(piece)
+            except FramingError as e:
+                raise SandboxError(f"the sandbox init broke its protocol: {e}") from e
+            for kind, value in events:
+                if kind == INIT_EXIT:
+                    assert isinstance(value, InitExit)
+                    self.exited = value
+                elif kind in (STDOUT, STDERR):
+                    assert isinstance(value, bytes)
+                    out.append((kind, value))
+        return out
 
     def _close_stdin(self) -> None:
         # Half-close: with StdinOnce the engine then closes the tool's stdin (EOF) while
@@ -407,7 +451,43 @@ def _close_attached(attached: Any) -> None:
             response.close()
 
 
+def _await_hello(sock: socket.socket, container_id: str) -> None:
+    """Read the init's hello frame, and nothing after it (nothing follows before the
+    go byte): the init runs and speaks this server's protocol. A stale init, built
+    before the protocol changed, fails here, before any call is handed to it."""
+    demux, decoder = FrameDemuxer(), InitDecoder()
+    deadline = time.monotonic() + HELLO_TIMEOUT_S
+    while True:
+        wait = deadline - time.monotonic()
+        if wait <= 0 or not select.select([sock], [], [], wait)[0]:
+            raise SandboxError(f"{container_id[:12]}: the sandbox init did not start")
+        data = sock.recv(64)
+        if not data:
+            raise SandboxError(f"{container_id[:12]}: the sandbox init exited at start")
+        try:
+            for stream, piece in demux.feed(data):
+                if stream == STDERR:
+                    continue
+                for kind, value in decoder.feed(piece):
+                    if kind != INIT_HELLO:
+                        raise FramingError(f"{kind} before hello")
+                    if value != INIT_PROTOCOL:
+                        raise SandboxError(
+                            f"the sandbox init speaks protocol v{value}, this server v"
+                            f"{INIT_PROTOCOL}: rebuild it (make init)"
+                        )
+                    return
+        except FramingError as e:
+            raise SandboxError(
+                f"the sandbox init does not speak protocol v{INIT_PROTOCOL} ({e}):"
+                " rebuild it (make init)"
+            ) from e
+
+
 def _final_state(api: Any, container_id: str, pump: _Pump) -> tuple[int | None, bool]:
+    exited = pump.exited
+    if exited is not None and not pump.killed and exited.signal != SIGKILL_NUMBER:
+        return exited.exit_code, False  # the init's word: no engine round trip
     with _engine_call("container inspect"):
         state = api.inspect_container(container_id).get("State") or {}
         if state.get("Running") and pump.ended:
@@ -483,6 +563,7 @@ class Prepared:
                 self._api, self.container_id, self._sock, spec, self._release + input_bytes,
                 deadline, cancel, on_output,
                 check_pids=spec.runtime not in NO_PIDS_LIMIT_RUNTIMES,
+                framed=bool(self._release),
             )  # fmt: skip
             try:
                 pump.run()  # handles its own socket errors; the sink's exceptions propagate
@@ -810,6 +891,8 @@ class DockerBackend:
                 sock = _raw_socket(attached)
                 with _engine_call("container start"):
                     api.start(container_id)
+                if self.init_path is not None:
+                    _await_hello(sock, container_id)
             except BaseException:
                 _close_attached(attached)
                 raise

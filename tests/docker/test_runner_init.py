@@ -23,11 +23,13 @@ from sandbox_runner import Mount, SandboxError, SandboxSpec
 from sandbox_runner.docker_backend import (
     GO_BYTE,
     INIT_NOT_RELEASED_EXIT,
+    INIT_PROTOCOL,
     INIT_TARGET,
     DockerBackend,
     _ImageFacts,
     _ImageFactsCache,
 )
+from sandbox_runner.framing import INIT_EXIT, INIT_HELLO, STDERR, STDOUT, InitDecoder, InitExit
 
 RUN_LABEL = "io.toolreg.test-run"  # conftest's: every container and image we make has it
 
@@ -38,6 +40,9 @@ RUNTIMES = ["runc", "runsc"]  # this engine has both: no skipping (see test_runn
 HOLD_S = 2.0  # seconds a prepared container is left alone before we look for side effects
 # Runs at once when started, whether or not it reads stdin; `cat` then echoes the input.
 MARK_THEN_CAT = "touch /w/ran; cat"
+HELLO = b"H\x00\x00\x00\x01" + bytes([INIT_PROTOCOL])  # the init's first frame
+# A tool's attempt to write the init's own 'exit 0' frame into the stream the server reads.
+FORGE_EXIT_0 = r"printf 'X\000\000\000\005\000\000\000\000\000' > /proc/1/fd/1"
 
 
 @pytest.fixture
@@ -186,7 +191,7 @@ def test_init_given_eof_exits_125_and_runs_nothing(
     finally:
         api.remove_container(created["Id"], force=True)
     assert status == INIT_NOT_RELEASED_EXIT
-    assert logs == b""  # EOF is the normal discard: silent
+    assert logs == HELLO  # only the hello: EOF is the normal discard, silent
     assert not (shared_dir / "ran").exists()
 
 
@@ -214,9 +219,47 @@ def run_init(init_path: str, stdin: bytes, *argv: str) -> subprocess.CompletedPr
     return subprocess.run([init_path, *argv], input=stdin, capture_output=True, timeout=10)
 
 
-def test_go_byte_hands_the_rest_of_stdin_to_the_program(init_path: str) -> None:
-    done = run_init(init_path, GO_BYTE + b'{"a": 1}', "cat")
-    assert (done.returncode, done.stdout, done.stderr) == (0, b'{"a": 1}', b"")
+def frames(stdout: bytes) -> list[tuple[str, object]]:
+    decoder = InitDecoder()
+    events = decoder.feed(stdout)
+    assert not decoder.mid_frame
+    return events
+
+
+def test_go_byte_runs_the_program_with_the_rest_of_stdin_and_frames_its_output(
+    init_path: str,
+) -> None:
+    done = run_init(init_path, GO_BYTE + b'{"a": 1}', "sh", "-c", "cat; echo oops >&2; exit 3")
+    assert (done.returncode, done.stderr) == (3, b"")
+    assert frames(done.stdout) == [
+        (INIT_HELLO, INIT_PROTOCOL),
+        (STDOUT, b'{"a": 1}'),
+        (STDERR, b"oops\n"),
+        (INIT_EXIT, InitExit(signal=0, status=3)),
+    ]
+
+
+def test_a_killed_program_is_reported_with_its_signal(init_path: str) -> None:
+    done = run_init(init_path, GO_BYTE, "sh", "-c", "kill -TERM $$")
+    assert done.returncode == 128 + 15
+    assert frames(done.stdout)[-1] == (INIT_EXIT, InitExit(signal=15, status=0))
+
+
+def test_the_tool_cannot_forge_a_frame(init_path: str) -> None:
+    """Whatever a tool writes travels inside frames: an exit frame in its output is
+    output, and the real exit comes last."""
+    forged = b"X\x00\x00\x00\x05\x00\x00\x00\x00\x00"  # 'exit 0', as the init writes it
+    done = run_init(init_path, GO_BYTE + forged, "sh", "-c", "cat; exit 7")
+    events = frames(done.stdout)
+    assert events[-1] == (INIT_EXIT, InitExit(signal=0, status=7))
+    assert b"".join(v for k, v in events if k == STDOUT) == forged  # type: ignore[misc]
+
+
+def test_the_exit_is_reported_while_a_grandchild_still_holds_the_output(init_path: str) -> None:
+    started = time.monotonic()
+    done = run_init(init_path, GO_BYTE, "sh", "-c", "(sleep 3; echo late) & echo now")
+    assert time.monotonic() - started < 2
+    assert frames(done.stdout)[-2:] == [(STDOUT, b"now\n"), (INIT_EXIT, InitExit(0, 0))]
 
 
 @pytest.mark.parametrize("stdin", [b"", b"X{}", b"g{}"], ids=["eof", "other", "lowercase"])
@@ -226,6 +269,7 @@ def test_anything_but_the_go_byte_runs_nothing(
     marker = tmp_path / "ran"
     done = run_init(init_path, stdin, "sh", "-c", f"touch {marker}")
     assert done.returncode == INIT_NOT_RELEASED_EXIT
+    assert done.stdout == HELLO
     assert not marker.exists()
     if stdin:
         assert b"expected the go byte" in done.stderr
@@ -353,3 +397,44 @@ def test_image_facts_cache_expires_and_stays_bounded() -> None:
     assert (cache.get("a"), cache.get("b"), cache.get("c")) == (None, facts, facts)
     time.sleep(0.25)
     assert cache.get("b") is None
+
+
+def test_under_runc_a_tool_cannot_write_frames_into_the_inits_stream(
+    runner: DockerBackend, make_spec: SpecFactory, eid: Eid
+) -> None:
+    """Same uid as the init, but the init is not dumpable: /proc/1/fd/1 (its stdout,
+    the stream the server reads) stays closed to the tool."""
+    spec = make_spec(f"({FORGE_EXIT_0}) 2>/dev/null && echo forged || echo blocked; exit 7")
+    res = runner.run(spec, execution_id=eid())
+    assert (res.exit_code, res.stdout) == (7, b"blocked\n")
+
+
+def test_under_gvisor_a_forged_exit_frame_gains_nothing(
+    runner: DockerBackend, make_spec: SpecFactory, eid: Eid
+) -> None:
+    """gVisor does not honour non-dumpable for /proc/1/fd: there a tool can write into
+    the init's stream. A frame claims nothing the tool could not do itself by exiting:
+    a forged 'exit 0' ends the call as an exit 0 would, and the sandbox goes with it,
+    however long the tool meant to run and write on."""
+    spec = make_spec(f"echo before; {FORGE_EXIT_0}; while :; do echo after; done", runtime="runsc")
+    started = time.monotonic()
+    res = runner.run(spec, execution_id=eid())
+    assert time.monotonic() - started < spec.limits.timeout_ms / 1000
+    # (what the init relayed of "before" may come after the forged frame: a race the
+    # tool sets up against itself)
+    assert res.exit_code == 0 and res.stdout in (b"", b"before\n")
+    assert not res.timed_out and not res.output_truncated
+
+
+def test_an_init_of_another_protocol_is_refused_before_any_call(
+    tmp_path: Path, make_spec: SpecFactory, eid: Eid, docker_client: docker.DockerClient
+) -> None:
+    stale = tmp_path / "stale-init"
+    stale.write_text('#!/bin/sh\nexec "$@"\n')  # no hello: speaks no framed protocol
+    stale.chmod(0o755)
+    backend = DockerBackend(instance_id=f"stale-{eid()}", init_path=stale)
+    try:
+        with pytest.raises(SandboxError, match=r"rebuild it \(make init\)|did not start"):
+            backend.prepare(make_spec("cat"), execution_id=eid())
+    finally:
+        backend.close()

@@ -6,7 +6,17 @@ import struct
 
 import pytest
 
-from sandbox_runner.framing import CappedBuffer, FrameDemuxer, FramingError
+from sandbox_runner.framing import (
+    INIT_EXIT,
+    INIT_HELLO,
+    STDERR,
+    STDOUT,
+    CappedBuffer,
+    FrameDemuxer,
+    FramingError,
+    InitDecoder,
+    InitExit,
+)
 
 
 def frame(stream: int, payload: bytes) -> bytes:
@@ -92,3 +102,56 @@ def test_capped_buffer_splits_the_crossing_chunk() -> None:
 def test_zero_cap() -> None:
     buf = CappedBuffer(0)
     assert buf.add(b"a") == b"" and buf.truncated and buf.getvalue() == b""
+
+
+# -- the init's frames (protocol v2) ---------------------------------------------------------
+
+
+def init_frame(kind: bytes, payload: bytes) -> bytes:
+    return kind + struct.pack(">I", len(payload)) + payload
+
+
+INIT_STREAM = (
+    init_frame(b"H", b"\x02")
+    + init_frame(b"O", b"out")
+    + init_frame(b"E", b"err")
+    + init_frame(b"O", b"")
+    + init_frame(b"X", b"\x01\x00\x00\x00\x09")
+)
+
+
+@pytest.mark.parametrize("step", [1, 2, 5, 7, len(INIT_STREAM)])
+def test_init_frames_decode_however_the_bytes_arrive(step: int) -> None:
+    decoder = InitDecoder()
+    events: list[tuple[str, object]] = []
+    for i in range(0, len(INIT_STREAM), step):
+        events += decoder.feed(INIT_STREAM[i : i + step])
+    out = b"".join(v for k, v in events if k == STDOUT)  # type: ignore[misc]
+    err = b"".join(v for k, v in events if k == STDERR)  # type: ignore[misc]
+    assert (out, err) == (b"out", b"err")
+    assert events[0] == (INIT_HELLO, 2)
+    assert events[-1] == (INIT_EXIT, InitExit(signal=9, status=0))
+    assert decoder.exited is not None and decoder.exited.exit_code == 137
+    assert not decoder.mid_frame
+
+
+@pytest.mark.parametrize(
+    ("stream", "problem"),
+    [
+        (b"Z\x00\x00\x00\x00", "bad init frame header"),
+        (b"O\x00\x20\x00\x00", "bad init frame header"),  # 2 MiB: above the frame cap
+        (init_frame(b"H", b"\x02\x02"), "bad hello frame"),
+        (init_frame(b"X", b"\x00\x00"), "bad exit frame"),
+        (init_frame(b"X", b"\x07\x00\x00\x00\x00"), "bad exit frame"),
+        (init_frame(b"X", b"\x00\x00\x00\x00\x00") + b"O", "after the exit frame"),
+    ],
+)
+def test_anything_but_init_frames_is_refused(stream: bytes, problem: str) -> None:
+    with pytest.raises(FramingError, match=problem):
+        InitDecoder().feed(stream)
+
+
+def test_a_cut_init_stream_is_mid_frame() -> None:
+    decoder = InitDecoder()
+    decoder.feed(init_frame(b"O", b"abcdef")[:-2])
+    assert decoder.mid_frame
