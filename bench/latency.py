@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import statistics
+import threading
 import time
 import traceback
 import uuid
@@ -153,6 +154,7 @@ def run(runs: int, warmup: int, run_id: str, engine: docker.DockerClient) -> dic
         print(f"latency: server holds {steady[0]} idle warm containers", flush=True)
         try:
             samples = _measure(methods, runs, warmup, unavailable)
+            burst = _burst(srv, steady[0], max(10, runs // 3)) if WARM in samples else {}
         finally:
             for m in methods:
                 m.close()
@@ -166,6 +168,7 @@ def run(runs: int, warmup: int, run_id: str, engine: docker.DockerClient) -> dic
         "rows": rows,
         "unavailable": unavailable,
         "warm_containers_idle": warm_seen,
+        "burst": burst,
         "leftover_server_containers": srv.leftovers,
         "samples_ms": {k: [round(v, 3) for v in vals] for k, vals in samples.items()},
     }
@@ -200,6 +203,30 @@ def _measure(
     for name, count in errors.items():
         unavailable.setdefault(f"{name} (errors)", f"{count} of {runs} calls failed")
     return samples
+
+
+def _burst(srv: Server, steady: int, bursts: int) -> dict[str, Any]:
+    """``bursts`` times: WARM_POOL calls of the warm tool at once, from a full pool
+    (the pool absorbs a burst of its size; refills then run in the background)."""
+    latencies: list[float] = []
+    for _ in range(bursts):
+        srv.settle(steady, SETTLE_TIMEOUT_S)
+        start = threading.Barrier(WARM_POOL)
+        got: list[float] = []
+
+        def call(start: threading.Barrier = start, got: list[float] = got) -> None:
+            start.wait()
+            t0 = time.perf_counter()
+            srv.run("bench_echo_warm")
+            got.append((time.perf_counter() - t0) * 1000)
+
+        threads = [threading.Thread(target=call) for _ in range(WARM_POOL)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        latencies += got
+    return {"bursts": bursts, "size": WARM_POOL, "calls": len(latencies), **summary(latencies)}
 
 
 def _once(m: Method) -> tuple[float, bytes]:

@@ -38,6 +38,7 @@ CLIENTS = {  # id -> (bearer token, roles, extra policy fields)
     "other-team": ("cluster-other-team", ["register"], {}),
     "alice": ("cluster-alice", ["approve"], {}),
 }
+STOP_TIMEOUT_S = 60  # seconds a server may take to stop after SIGTERM
 HEALTH_INTERVAL_S = "0.5"  # seconds between each server's engine and store checks
 
 
@@ -127,10 +128,20 @@ class Cluster:
         return mint_for(load_private_key(self.alice_key), issuer="alice", request=req)
 
     def stop(self) -> None:
+        """All at once: SIGTERM to every server, then wait (a server that will not
+        stop is killed and its log shown; clean shutdown is test_lifecycle's to prove)."""
         for channel in self.channels:
             channel.close()
         for server in self.servers:
-            server.stop()
+            if server.proc.poll() is None:
+                server.proc.terminate()
+        for server in self.servers:
+            try:
+                server.proc.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                print(f"server {server.address} did not stop in {STOP_TIMEOUT_S} s; killed:\n"
+                      + "".join(server.log[-30:]))  # fmt: skip
+                server.kill()
 
 
 def write_policy(path: Path, alice_public: str) -> None:
