@@ -2,7 +2,8 @@
 # Build the local sandbox images (README: The sandbox). Nothing is ever pulled.
 #
 #   toolreg/base:latest         scratch + Debian's busybox-static + examples/tools/*.sh
-#   toolreg/python-root:latest  debootstrap'ed Debian (minbase + python3), built only when missing
+#   toolreg/python-root:latest  python3 and what it loads, taken from a debootstrap'ed Debian
+#                               (minbase + python3 + busybox-static); no apt, dpkg or perl
 #   toolreg/python:latest       python-root + examples/tools/*.py
 #
 # base and python are rebuilt only when the sha256 of their build context (Dockerfile, staged
@@ -23,7 +24,10 @@ BASE_IMAGE=toolreg/base:latest
 ROOT_IMAGE=toolreg/python-root:latest  # python/Dockerfile names it in FROM
 PYTHON_IMAGE=toolreg/python:latest
 HASH_LABEL=io.toolreg.build-hash
-DEBOOTSTRAP_INCLUDE=python3
+DEBOOTSTRAP_INCLUDE=python3,busybox-static
+# Parts of the standard library no sandboxed tool uses (GUI, tests, installers, 2to3).
+STDLIB_LEFT_OUT=(test idlelib tkinter turtledemo ensurepip lib2to3 pydoc_data)
+SLIM_RECIPE_VERSION=2  # bump when slim_root changes: the root is rebuilt
 # The daemon may be older than the CLI (docker.io 20.10 vs CLI 28) and buildx is usually not
 # installed; the classic builder needs neither, and our builds have no RUN steps anyway.
 export DOCKER_BUILDKIT="${DOCKER_BUILDKIT:-0}"
@@ -146,17 +150,76 @@ detect_mirror() {
     echo http://deb.debian.org/debian
 }
 
+# Copy a file of the debootstrap root to the same path in the slim root, following symlinks
+# (the path a program asks for becomes a symlink to the real file when they differ).
+take() {
+    local from="$1" to="$2" path="$3" real
+    real="$(chroot "$from" readlink -f "$path")"
+    [[ -e "$to$real" ]] || { mkdir -p "$to$(dirname "$real")"; cp -a "$from$real" "$to$real"; }
+    if [[ "$path" != "$real" && ! -e "$to$path" && ! -L "$to$path" ]]; then
+        mkdir -p "$to$(dirname "$path")"
+        ln -s "$real" "$to$path"
+    fi
+}
+
+# The image root: python3, its standard library (less STDLIB_LEFT_OUT), the shared
+# libraries the interpreter and its extension modules load, busybox as /bin/sh and the
+# usual commands, time zones, and the users. No package manager, no perl, no docs.
+slim_root() {
+    local from="$1" to="$2" py lib applet top
+    mkdir -p "$to"
+    for top in bin sbin lib lib32 lib64 libx32; do  # the merged-/usr symlinks
+        if [[ -L "$from/$top" ]]; then
+            cp -a "$from/$top" "$to/$top"
+            mkdir -p "$to/$(readlink "$from/$top")"  # e.g. usr/lib64: the link must not dangle
+        fi
+    done
+    py="$(chroot "$from" readlink -f /usr/bin/python3)"
+    take "$from" "$to" /usr/bin/python3
+    local stdlib="/usr/lib/$(basename "$py")"
+    mkdir -p "$to$stdlib"
+    tar -C "$from$stdlib" "${STDLIB_LEFT_OUT[@]/#/--exclude=./}" --exclude='./config-*' -cf - . |
+        tar -C "$to$stdlib" -xf -
+    mkdir -p "$to/etc"
+    if [[ -d "$from/etc/$(basename "$py")" ]]; then  # Debian's sitecustomize
+        cp -a "$from/etc/$(basename "$py")" "$to/etc/"
+    fi
+    mkdir -p "$to/usr/lib/python3/dist-packages"
+    # shellcheck disable=SC2016
+    chroot "$from" sh -c 'ldd "$0" "$@" 2>/dev/null' "$py" "$stdlib"/lib-dynload/*.so |
+        awk '$2 == "=>" && $3 ~ /^\// {print $3} $1 ~ /^\// && $1 !~ /:$/ {print $1}' | sort -u |
+        while read -r lib; do take "$from" "$to" "$lib"; done
+    take "$from" "$to" /bin/busybox
+    for applet in $(chroot "$from" /bin/busybox --list); do
+        case "$applet" in dpkg | dpkg-deb | rpm | rpm2cpio) continue ;; esac  # no installers
+        [[ -e "$to/usr/bin/$applet" || -L "$to/usr/bin/$applet" ]] || ln -s busybox "$to/usr/bin/$applet"
+    done
+    mkdir -p "$to/usr/share" "$to/etc"
+    cp -a "$from/usr/share/zoneinfo" "$to/usr/share/" 2>/dev/null || true
+    cp -a "$from/etc/passwd" "$from/etc/group" "$to/etc/"
+    : >"$to/etc/resolv.conf"  # Docker mounts its own; do not ship the build host's
+    : >"$to/etc/hostname"
+    install -d -m 1777 "$to/tmp" "$to/var/tmp"
+    install -d -m 0755 "$to/dev" "$to/proc" "$to/sys" "$to/workspace" "$to/work" \
+        "$to/opt/toolreg/tools"
+    [[ -x "$to/usr/bin/python3" ]] || die "python3 missing from the slim root"
+    chroot "$to" /usr/bin/python3 -c 'import json, re, sqlite3, subprocess, zoneinfo' ||
+        die "python3 in the slim root cannot import its standard library"
+}
+
 build_python_root() {
     local root="$WORK/root" mirror arch recipe
-    if docker image inspect "$ROOT_IMAGE" >/dev/null 2>&1; then
-        log "$ROOT_IMAGE present (delete it to redo debootstrap)"
+    mirror="${TOOLREG_DEBIAN_MIRROR:-$(detect_mirror)}"
+    arch="$(dpkg --print-architecture)"
+    recipe="debootstrap --variant=minbase --include=$DEBOOTSTRAP_INCLUDE $SUITE $arch"
+    recipe+=" | slim v$SLIM_RECIPE_VERSION without ${STDLIB_LEFT_OUT[*]}"
+    if [[ "$(image_label "$ROOT_IMAGE")" == "$(printf '%s' "$recipe" | sha256sum | cut -d' ' -f1)" ]]
+    then
+        log "$ROOT_IMAGE up to date (delete it to redo debootstrap)"
         return 0
     fi
     [[ "$(id -u)" == 0 ]] || die "building $ROOT_IMAGE needs root (debootstrap)"
     ensure_pkg debootstrap
-    mirror="${TOOLREG_DEBIAN_MIRROR:-$(detect_mirror)}"
-    arch="$(dpkg --print-architecture)"
-    recipe="debootstrap --variant=minbase --include=$DEBOOTSTRAP_INCLUDE $SUITE $arch"
     log "building $ROOT_IMAGE: $recipe from $mirror (a few minutes) ..."
     local t0=$SECONDS
     if ! debootstrap --variant=minbase --include="$DEBOOTSTRAP_INCLUDE" --arch="$arch" \
@@ -170,17 +233,10 @@ build_python_root() {
         tail -n 30 "$WORK/debootstrap.log" >&2
         die "debootstrap did not finish"
     }
-    log "debootstrap took $((SECONDS - t0))s; stripping caches, docs and man pages"
-    rm -rf "$root"/var/cache/apt/* "$root"/var/lib/apt/lists/* "$root"/var/cache/debconf/*-old \
-        "$root"/usr/share/doc/* "$root"/usr/share/man/* "$root"/usr/share/info/* \
-        "$root"/usr/share/locale/* "$root"/usr/share/lintian "$root"/var/log/* \
-        "$root"/tmp/* "$root"/var/tmp/* "$root"/root/.cache
-    find "$root/dev" -mindepth 1 -delete  # Docker provides /dev
-    # Docker mounts its own; do not ship the build host's.
-    : >"$root/etc/resolv.conf"
-    : >"$root/etc/hostname"
-    install -d -m 0755 "$root/workspace" "$root/work" "$root/opt/toolreg/tools"
-    [[ -x "$root/usr/bin/python3" ]] || die "python3 missing from the debootstrap root"
+    log "debootstrap took $((SECONDS - t0))s; taking python3 and what it loads"
+    slim_root "$root" "$WORK/slim"
+    rm -rf "$root"
+    root="$WORK/slim"
 
     log "importing $ROOT_IMAGE ..."
     tar -C "$root" --numeric-owner -cf - . |
