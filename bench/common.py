@@ -361,7 +361,9 @@ class Server:
         filters: dict[str, Any] = {"label": f"{LABEL_OWNER_PID}={self.pid}"}
         if status:
             filters["status"] = status
-        return list(self.engine.containers.list(all=status is None, filters=filters))
+        # The low-level list: the high-level one inspects each container and fails on one
+        # removed meanwhile (calls end and are removed in the background all the time).
+        return list(self.engine.api.containers(all=status is None, filters=filters))
 
     def settle(self, expected: int, timeout_s: float = 5.0) -> int:
         """Wait until the server has ``expected`` containers running (its warm
@@ -405,7 +407,7 @@ class Server:
         for c in self.containers(status=None):
             self.leftovers += 1
             with contextlib.suppress(docker.errors.APIError):
-                c.remove(force=True)
+                self.engine.api.remove_container(c["Id"], force=True)
         shutil.rmtree(self.data_dir, ignore_errors=True)
 
 

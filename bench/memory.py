@@ -122,9 +122,9 @@ def run(
     out["rss_tools_pool_kib"] = srv.rss_kib()
     idle = srv.containers()
     if idle:
-        out["warm_container"] = container_memory(engine, idle[0].id)
+        out["warm_container"] = container_memory(engine, idle[0]["Id"])
         out["warm_containers_measured"] = [
-            container_memory(engine, c.id) for c in idle[: min(len(idle), WARM_POOL)]
+            container_memory(engine, c["Id"]) for c in idle[: min(len(idle), WARM_POOL)]
         ]
     else:
         out["warm_container"] = None
