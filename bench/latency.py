@@ -37,6 +37,7 @@ from sandbox_runner.spec import INIT_BINARY
 WARM_POOL = 4  # warm_pool registered for the warm rows
 LLM_POOL = 4  # llm-sandbox pool size, the same
 SETTLE_TIMEOUT_S = 5.0  # seconds to wait for a pool to refill between rounds
+BURST_PAUSE_S = 2.0  # seconds between bursts: the last one's removals and refills finish
 
 SDK_DEFAULT = "docker SDK cycle"
 SDK_TOOLREG = "docker SDK cycle, toolreg's container config"
@@ -210,6 +211,9 @@ def _burst(srv: Server, steady: int, bursts: int) -> dict[str, Any]:
     (the pool absorbs a burst of its size; refills then run in the background)."""
     latencies: list[float] = []
     for _ in range(bursts):
+        # Running containers include used ones still being removed: give the removals
+        # and refills of the last burst time, then wait for the pools to be full.
+        time.sleep(BURST_PAUSE_S)
         srv.settle(steady, SETTLE_TIMEOUT_S)
         start = threading.Barrier(WARM_POOL)
         got: list[float] = []
