@@ -171,6 +171,10 @@ class Approvals:
                     args_digest=call.arguments_digest, caller=call.caller, rule=rule,
                 )  # fmt: skip
             except Denied as exc:
+                if not inline:
+                    # A stored approval that no longer holds (expired, its approver no
+                    # longer eligible) simply does not count; the others still do.
+                    continue
                 raise type(exc)(f"{which} rejected: {exc.reason}") from None
             if inline and approval.request_id not in (None, request_id):
                 raise Denied(

@@ -544,6 +544,21 @@ def test_submitted_tokens_approve_the_request_and_it_runs_once(env: Env) -> None
     assert info.value.message == f"approval request {request.id} is consumed"
 
 
+def test_a_stored_approval_that_expired_no_longer_counts_and_blocks_nothing(env: Env) -> None:
+    call = env.call("run_shell")  # one approval from anyone
+    request = env.required(call)
+    stale = env.token("bob", call, now=time.time() - 7_200, ttl_s=600)
+    with env.store.unit_of_work() as uow:  # as if submitted in time, then left to expire
+        uow.put_approval_token(request.id, "bob", "bob-jti-expired-000000", stale, 0.0)
+    decision = env.approvals.decide(call, (), request.id)
+    assert isinstance(decision, Required)
+    assert decision.request.id == request.id and "; 0 valid so far." in decision.message
+    env.approvals.submit(request.id, env.token("alice", call), "alice")
+    approved = env.approvals.decide(call, (), request.id)
+    assert isinstance(approved, Approved)
+    assert [a.approver for a in approved.approvals] == ["alice"]
+
+
 def test_a_partly_approved_request_stays_required_and_is_not_duplicated(env: Env) -> None:
     call = env.call("write_file")
     request = env.required(call)
