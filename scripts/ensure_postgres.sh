@@ -50,27 +50,8 @@ fi
 [[ "$PG_CLUSTER" =~ ^[A-Za-z0-9_-]+$ ]] || die "TOOLREG_PG_CLUSTER '${PG_CLUSTER}' is not a valid name"
 [[ "$PG_WAIT" =~ ^[0-9]+$ ]] || die "TOOLREG_PG_WAIT must be a number of seconds, not '${PG_WAIT}'"
 
-is_debian() {
-    [[ -r /etc/debian_version ]] || grep -qsE '^(ID|ID_LIKE)=.*debian' /etc/os-release
-}
-
-pkg_installed() {
-    [[ "$(dpkg-query -W -f='${Status}' "$1" 2>/dev/null)" == "install ok installed" ]]
-}
-
-# apt-get install the given packages; apt-get update only when something is missing.
-apt_install() {
-    local missing=() p
-    for p in "$@"; do pkg_installed "$p" || missing+=("$p"); done
-    if ((${#missing[@]} == 0)); then
-        log "packages already installed: $*"
-        return 0
-    fi
-    log "installing ${missing[*]} (apt-get update + install) ..."
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq
-    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-}
+# shellcheck source=debian.sh
+source "$(dirname "${BASH_SOURCE[0]}")/debian.sh"
 
 # The major version of the test cluster: the one it already has, else the newest server installed.
 pg_version() {

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import copy
+import hashlib
 from typing import Any
 
 from registry_server.domain.models import ToolDefinition, parse_definition
+
+
+def sha(token: str) -> str:
+    """The ``token_sha256`` a policy holds for the bearer token ``token``."""
+    return hashlib.sha256(token.encode()).hexdigest()
 
 
 def manifest(**overrides: Any) -> dict[str, Any]:

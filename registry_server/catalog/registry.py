@@ -104,7 +104,11 @@ class Registry:
         # be overwritten by the older row read just before it.
         with self._write_lock:
             with self._store.reading() as reads:
-                rows = [r for r in reads.tools() if name is None or r.name == name]
+                if name is None:
+                    rows = reads.tools()
+                else:  # one row per notification, not every manifest
+                    row = reads.tool(name)
+                    rows = [] if row is None else [row]
             tools = dict(self._tools)
             for row in rows:
                 current = tools.get(row.name)

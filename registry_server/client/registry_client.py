@@ -394,12 +394,7 @@ class RegistryClient:
         request_id: str = "",
         timeout: float | None = None,
     ) -> pb.ToolResult:
-        request = pb.ExecuteToolRequest(
-            name=name,
-            arguments_json=arguments,
-            approval_tokens=list(tokens),
-            approval_request_id=request_id,
-        )
+        request = _execute_request(name, arguments, tokens, request_id)
         result: pb.ToolResult = self.stub.ExecuteTool(request, timeout=timeout)
         return result
 
@@ -428,11 +423,19 @@ class RegistryClient:
         request_id: str = "",
         timeout: float | None = None,
     ) -> Iterator[pb.ExecutionEvent]:
-        request = pb.ExecuteToolRequest(
-            name=name, arguments_json=arguments, approval_tokens=list(tokens),
-            approval_request_id=request_id,
-        )  # fmt: skip
+        request = _execute_request(name, arguments, tokens, request_id)
         yield from self.stub.StreamExecuteTool(request, timeout=timeout)
+
+
+def _execute_request(
+    name: str, arguments: str, tokens: Iterable[str], request_id: str
+) -> pb.ExecuteToolRequest:
+    return pb.ExecuteToolRequest(
+        name=name,
+        arguments_json=arguments,
+        approval_tokens=list(tokens),
+        approval_request_id=request_id,
+    )
 
 
 def tool_from_message(msg: pb.Tool) -> ToolDefinition:

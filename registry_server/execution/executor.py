@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import Callable
 
-from registry_server.approvals.service import Approvals, Approved, Call, Denied, Required
+from registry_server.approvals.service import Approvals, Call, Denied, Required
 from registry_server.catalog.registry import Registry
 from registry_server.domain.arguments import ParsedArguments, parse_arguments
 from registry_server.domain.errors import (
@@ -119,11 +119,11 @@ class Executor:
         try:
             tool = self._look_up(record)
             arguments = self._check_arguments(record, tool)
-            approved = self._approval_gate(record, tool, arguments)
+            self._approval_gate(record, tool, arguments)
             spec = self._plan_sandbox(record, tool, arguments)
         except _Refused as refused:
             return self._record(record, refused.outcome)
-        return self._record(record, self._run(record, tool, spec, approved, on_output, cancel))
+        return self._record(record, self._run(record, tool, spec, on_output, cancel))
 
     # -- the steps before any sandbox ---------------------------------------------------
 
@@ -150,11 +150,11 @@ class Executor:
 
     def _approval_gate(
         self, record: AuditRecord, tool: ToolDefinition, arguments: ParsedArguments
-    ) -> Approved | None:
+    ) -> None:
         """Dangerous tools: whether enough valid approvals exist (checked, not yet
-        spent: ``_start`` spends them). None for other levels."""
+        spent: ``_start`` spends them); kept in ``record.approved``."""
         if tool.safety_level is not SafetyLevel.DANGEROUS:
-            return None
+            return
         call = record.call
         try:
             decision = self._approvals.decide(
@@ -173,7 +173,6 @@ class Executor:
         if isinstance(decision, Required):
             raise _refusal(record, Status.APPROVAL_REQUIRED, decision.message, decision.request)
         record.approved = decision
-        return decision
 
     def _plan_sandbox(
         self, record: AuditRecord, tool: ToolDefinition, arguments: ParsedArguments
@@ -196,7 +195,6 @@ class Executor:
         record: AuditRecord,
         tool: ToolDefinition,
         spec: SandboxSpec,
-        approved: Approved | None,
         on_output: OutputSink | None,
         cancel: threading.Event | None,
     ) -> Outcome:
@@ -205,7 +203,7 @@ class Executor:
         engine before the tool starts: the approval is kept for a retry."""
         execution_id = record.execution_id
         try:
-            result = self._run_warm_or_cold(record, tool, spec, approved, on_output, cancel)
+            result = self._run_warm_or_cold(record, tool, spec, on_output, cancel)
         except Cancelled:
             return Outcome(
                 Status.SANDBOX_ERROR,
@@ -234,7 +232,6 @@ class Executor:
         record: AuditRecord,
         tool: ToolDefinition,
         spec: SandboxSpec,
-        approved: Approved | None,
         on_output: OutputSink | None,
         cancel: threading.Event | None,
     ) -> SandboxResult:
@@ -245,7 +242,7 @@ class Executor:
             record.container_id, record.warm = warm.container_id, True
             with self._admission.claim(warm.reservation):
                 try:
-                    return self._start(record, warm.prepared, spec, approved, on_output, cancel)
+                    return self._start(record, warm.prepared, spec, on_output, cancel)
                 finally:
                     pools.call_done()
         with self._admission.slot(cancel, spec.limits.memory_mb):
@@ -253,14 +250,13 @@ class Executor:
                 raise Cancelled()
             prepared = self._backend.prepare(spec, execution_id=record.execution_id)
             record.container_id = prepared.container_id
-            return self._start(record, prepared, spec, approved, on_output, cancel)
+            return self._start(record, prepared, spec, on_output, cancel)
 
     def _start(
         self,
         record: AuditRecord,
         prepared: PreparedSandbox,
         spec: SandboxSpec,
-        approved: Approved | None,
         on_output: OutputSink | None,
         cancel: threading.Event | None,
     ) -> SandboxResult:
@@ -270,9 +266,9 @@ class Executor:
         try:
             if cancel is not None and cancel.is_set():
                 raise Cancelled()
-            if approved is not None:
+            if record.approved is not None:
                 self._approvals.spend(
-                    approved,
+                    record.approved,
                     record.execution_id,
                     record.as_dict(decision="approved", status="STARTING"),
                 )

@@ -40,6 +40,9 @@ class _Reads:
     def tools(self) -> list[StoredTool]:
         return [self._data.tools[name] for name in sorted(self._data.tools)]
 
+    def tool(self, name: str) -> StoredTool | None:
+        return self._data.tools.get(name)
+
     def jti_used(self, jti: str) -> bool:
         return jti in self._data.spent
 

@@ -28,7 +28,7 @@ from psycopg_pool import ConnectionPool
 
 from registry_server.domain.errors import StoreError
 from registry_server.store.base import StoredTool
-from registry_server.store.sql import Dialect, SqlReads, SqlWrites
+from registry_server.store.sql import Dialect, SqlReads, SqlWrites, answers
 
 log = logging.getLogger(__name__)
 
@@ -206,12 +206,7 @@ class PostgresStore:
             yield _Writes(conn, POSTGRES)
 
     def healthy(self) -> bool:
-        try:
-            with self._connection() as conn:
-                conn.execute("SELECT 1")
-        except StoreError:
-            return False
-        return True
+        return answers(self)
 
     def watch_tools(self, on_change: Callable[[str | None], None]) -> None:
         """Call ``on_change(name)`` when any server stores tool ``name``, and

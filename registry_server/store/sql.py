@@ -5,9 +5,11 @@ cursor. A ``Dialect`` holds the few differences."""
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from registry_server.domain.errors import StoreError
 from registry_server.store.base import (
     APPROVED,
     CONSUMED,
@@ -57,6 +59,20 @@ def _audit_entry(row: tuple[object, ...]) -> AuditEntry:
     )
 
 
+class _SqlStore(Protocol):
+    def reading(self) -> AbstractContextManager[SqlReads]: ...
+
+
+def answers(store: _SqlStore) -> bool:
+    """A store's health check: one trivial query."""
+    try:
+        with store.reading() as reads:
+            reads.ping()
+    except StoreError:
+        return False
+    return True
+
+
 class SqlReads:
     def __init__(self, db: Connection, dialect: Dialect) -> None:
         self._db = db
@@ -70,9 +86,16 @@ class SqlReads:
     def _all(self, sql: str, params: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
         return list(self._run(sql, params).fetchall())
 
+    def ping(self) -> None:
+        self._all("SELECT 1")
+
     def tools(self) -> list[StoredTool]:
         rows = self._all("SELECT name, manifest, digest, owner FROM tools ORDER BY name")
         return [StoredTool(str(n), str(m), str(d), str(o)) for n, m, d, o in rows]
+
+    def tool(self, name: str) -> StoredTool | None:
+        rows = self._all("SELECT name, manifest, digest, owner FROM tools WHERE name = ?", (name,))
+        return StoredTool(*(str(v) for v in rows[0])) if rows else None
 
     def jti_used(self, jti: str) -> bool:
         return bool(self._all("SELECT 1 FROM used_nonces WHERE jti = ?", (jti,)))

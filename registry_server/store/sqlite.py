@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from registry_server.domain.errors import StoreError
-from registry_server.store.sql import Dialect, SqlReads, SqlWrites
+from registry_server.store.sql import Dialect, SqlReads, SqlWrites, answers
 
 BUSY_TIMEOUT_MS = 5_000  # milliseconds to wait for another process's write lock
 
@@ -181,12 +181,7 @@ class SqliteStore:
                 raise StoreError(f"store {self.path}: {exc}") from exc
 
     def healthy(self) -> bool:
-        try:
-            with self.reading() as reads:
-                reads.jti_used("")
-        except StoreError:
-            return False
-        return True
+        return answers(self)
 
     def watch_tools(self, on_change: Callable[[str | None], None]) -> None:
         """One server per file: nobody else changes its tools."""

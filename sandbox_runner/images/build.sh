@@ -46,21 +46,16 @@ cleanup() {
 trap cleanup EXIT
 trap 'die "failed at line $LINENO: $BASH_COMMAND"' ERR
 
-pkg_installed() {
-    [[ "$(dpkg-query -W -f='${Status}' "$1" 2>/dev/null)" == "install ok installed" ]]
-}
+# shellcheck source=../../scripts/debian.sh
+source "$REPO/scripts/debian.sh"
 
-# Install a Debian package when missing (root + Debian only); apt-get update only then.
 ensure_pkg() {
     local pkg="$1"
     pkg_installed "$pkg" && return 0
     if [[ "$(id -u)" != 0 ]] || ! command -v apt-get >/dev/null 2>&1; then
         die "package '$pkg' is missing; install it (Debian: apt-get install $pkg) and rerun"
     fi
-    log "installing $pkg (apt-get) ..."
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq
-    apt-get install -y -qq --no-install-recommends "$pkg" >/dev/null
+    apt_install "$pkg"
 }
 
 image_label() {  # prints the build-hash label of an image, or nothing when it is missing

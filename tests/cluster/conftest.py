@@ -4,8 +4,6 @@ Docker engine, with a real policy."""
 
 from __future__ import annotations
 
-import hashlib
-import os
 import subprocess
 import time
 import uuid
@@ -26,6 +24,7 @@ from registry_server.client.launcher import ServerProcess, spawn_server
 from registry_server.client.registry_client import open_channel
 from registry_server.signing.keys import generate_keypair, load_private_key
 from registry_server.signing.tokens import mint_for
+from tests.factories import sha
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "tools"
@@ -67,10 +66,6 @@ def database(pg_url: str) -> Iterator[str]:
     postgres("start")  # a fault test may have stopped it
     with psycopg.connect(pg_url, autocommit=True) as conn:
         conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-
-
-def sha(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 @dataclass
@@ -193,7 +188,3 @@ def wait_for(what: str, check: Callable[[], bool], timeout_s: float = 15.0) -> f
             pytest.fail(f"{what}: not within {timeout_s} s")
         time.sleep(0.05)
     return time.monotonic() - started
-
-
-def env_without_store() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k != "TOOLREG_STORE_URL"}

@@ -21,7 +21,7 @@ from registry_server.client.launcher import ServerProcess, spawn_server
 from registry_server.client.registry_client import RegistryClient, open_channel
 from registry_server.signing.keys import generate_keypair
 from scripts import haproxy_config
-from tests.cluster.conftest import EXAMPLES, ROOT, wait_for
+from tests.cluster.conftest import EXAMPLES, HEALTH_INTERVAL_S, ROOT, wait_for
 from tests.factories import tool
 from tests.integration.test_interop_node import TOKENS, run_node_suite, write_policy
 
@@ -63,7 +63,7 @@ def balanced(
     haproxy = shutil.which("haproxy") or "/usr/sbin/haproxy"
     if not Path(haproxy).exists():
         pytest.fail("haproxy is not installed: run `make test` (it installs it)")
-    monkeypatch.setenv("TOOLREG_HEALTH_INTERVAL_S", "0.5")
+    monkeypatch.setenv("TOOLREG_HEALTH_INTERVAL_S", HEALTH_INTERVAL_S)
     alice_private, alice_public = generate_keypair()
     _, bob_public = generate_keypair()
     policy = tmp_path / "policy.yaml"

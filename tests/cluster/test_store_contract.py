@@ -61,6 +61,8 @@ def test_tools_are_stored_replaced_and_listed_by_name(store: Store) -> None:
             StoredTool("a", "{}", "d2", "o2"),
             StoredTool("b", '{"x":1}', "d3", "o3"),
         ]
+        assert reads.tool("b") == StoredTool("b", '{"x":1}', "d3", "o3")
+        assert reads.tool("c") is None
 
 
 def test_a_failed_unit_of_work_stores_nothing(store: Store) -> None:

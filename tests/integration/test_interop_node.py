@@ -3,7 +3,6 @@ process with a policy: proves the .proto alone is enough for another language.""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import subprocess
@@ -14,16 +13,13 @@ import yaml
 
 from registry_server.client.launcher import spawn_server
 from registry_server.signing.keys import generate_keypair
+from tests.factories import sha
 
 ROOT = Path(__file__).resolve().parents[2]
 INTEROP = ROOT / "tests" / "interop"
 EXAMPLES = ROOT / "examples" / "tools"
 NODE_TIMEOUT_S = 300  # seconds for the whole Node suite (it starts a few dozen containers)
 TOKENS = {"agent": "interop-agent", "admin": "interop-admin", "alice": "interop-alice"}
-
-
-def sha(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def write_policy(path: Path, public_keys: dict[str, str]) -> None:

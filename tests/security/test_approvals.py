@@ -3,7 +3,6 @@ real policy file, real SQLite, the real engine (gVisor), and the CLI."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -27,6 +26,7 @@ from registry_server.signing.tokens import mint
 from registry_server.wire import convert
 from tests import store_file
 from tests.certs import CertificateAuthority
+from tests.factories import sha
 from tests.integration.conftest import Running, StartServer
 from tests.security.conftest import approvers_of, list_over_mtls, rpc_code, wait_until_gone
 
@@ -40,10 +40,6 @@ TOKENS = {
     "bob": "bob-secret",
     "reader": "reader-secret",
 }
-
-
-def sha(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 @dataclass

@@ -14,7 +14,6 @@ real engine and its SQLite file. Clients:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -42,6 +41,7 @@ from registry_server.signing.keys import generate_keypair, load_private_key
 from registry_server.signing.tokens import mint, mint_for
 from registry_server.wire import convert
 from tests import store_file
+from tests.factories import sha
 from tests.security.conftest import approvers_of, labelled, list_over_mtls, rpc_code
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,10 +70,6 @@ SERVER_ENV = {
 
 def token_of(client: str) -> str:
     return f"{client}-secret"
-
-
-def sha(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 @dataclass

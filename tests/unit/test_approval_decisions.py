@@ -49,6 +49,7 @@ from registry_server.signing.keys import generate_keypair, load_private_key
 from registry_server.signing.tokens import mint, mint_for
 from registry_server.store.base import APPROVED, CONSUMED, EXPIRED, PENDING
 from registry_server.store.memory import MemoryStore
+from tests.factories import sha
 from tests.factories import tool as make_tool
 
 AUDIENCE = "toolreg-test"
@@ -57,10 +58,6 @@ _PAIRS = {name: generate_keypair() for name in APPROVER_IDS}
 KEYS: dict[str, Ed25519PrivateKey] = {n: load_private_key(p[0]) for n, p in _PAIRS.items()}
 PUBLIC: dict[str, str] = {n: p[1] for n, p in _PAIRS.items()}
 MALLORY = Ed25519PrivateKey.generate()  # a valid key the policy does not know
-
-
-def sha(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
 
 
 # alice: security + ops; bob, dave: security; carol: ops; erin: no group.

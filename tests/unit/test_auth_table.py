@@ -6,7 +6,6 @@ interceptor only with a stand-in context; no server."""
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any, TypeAlias
 
@@ -28,13 +27,10 @@ from registry_server.domain.models import SafetyLevel
 from registry_server.policy.loader import load_policy
 from registry_server.policy.model import UNRESTRICTED, Policy, RegisterGrant, Role
 from registry_server.signing.keys import generate_keypair
+from tests.factories import sha
 
 REGISTER, EXECUTE, APPROVE, ADMIN = Role.REGISTER, Role.EXECUTE, Role.APPROVE, Role.ADMIN
 SSL = {"transport_security_type": [b"ssl"]}
-
-
-def sha(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
 
 
 POLICY = f"""\

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import textwrap
 from pathlib import Path
 
@@ -21,16 +20,13 @@ from registry_server.policy.model import (
     development_policy,
 )
 from registry_server.signing.keys import generate_keypair, public_key_from_text
+from tests.factories import sha
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "policy.yaml"
 KEY_A = generate_keypair()[1]
 KEY_B = generate_keypair()[1]
 KEY_C = generate_keypair()[1]
 SAFE, CAUTIOUS, DANGEROUS = SafetyLevel.SAFE, SafetyLevel.CAUTIOUS, SafetyLevel.DANGEROUS
-
-
-def sha(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
 
 
 # A valid policy; tests break one line of it. Line numbers below refer to it.
