@@ -6,13 +6,27 @@ The Docker backend lives in `sandbox_runner.docker_backend` (the only module imp
 
 from .backend import OutputSink, PreparedSandbox, SandboxBackend
 from .profiles import CAUTIOUS_LIMITS, DANGEROUS_LIMITS, SAFE_LIMITS, profile_for, runtime_for
-from .spec import EngineUnavailable, Limits, Mount, SandboxError, SandboxResult, SandboxSpec
+from .spec import (
+    EgressConnection,
+    EgressSpec,
+    EngineUnavailable,
+    HeaderInjection,
+    Limits,
+    Mount,
+    SandboxError,
+    SandboxResult,
+    SandboxSpec,
+    SecretFile,
+)
 
 __all__ = [
     "CAUTIOUS_LIMITS",
     "DANGEROUS_LIMITS",
     "SAFE_LIMITS",
+    "EgressConnection",
+    "EgressSpec",
     "EngineUnavailable",
+    "HeaderInjection",
     "Limits",
     "Mount",
     "OutputSink",
@@ -21,6 +35,7 @@ __all__ = [
     "SandboxError",
     "SandboxResult",
     "SandboxSpec",
+    "SecretFile",
     "profile_for",
     "runtime_for",
 ]

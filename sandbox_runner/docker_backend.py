@@ -40,6 +40,7 @@ import docker.types
 import requests.exceptions
 
 from .backend import OutputSink
+from .egress.gateway import EgressCall, EgressConfig, EgressGateway
 from .framing import (
     INIT_EXIT,
     INIT_HELLO,
@@ -60,7 +61,14 @@ from .ownership import (
     OwnerIdentity,
     orphan_reason,
 )
-from .spec import INIT_BINARY, EngineUnavailable, SandboxError, SandboxResult, SandboxSpec
+from .spec import (
+    INIT_BINARY,
+    EgressConnection,
+    EngineUnavailable,
+    SandboxError,
+    SandboxResult,
+    SandboxSpec,
+)
 
 __all__ = [
     "GO_BYTE",
@@ -511,6 +519,7 @@ class Prepared:
     def __init__(
         self, backend: DockerBackend, api: Any, container_id: str, attached: Any,
         sock: socket.socket, spec: SandboxSpec, release: bytes,
+        egress: EgressCall | None = None,
     ) -> None:  # fmt: skip
         self._backend = backend
         self._api = api
@@ -519,6 +528,7 @@ class Prepared:
         self._sock = sock
         self.spec = spec
         self._release = release  # sent ahead of the input: GO_BYTE with an init, else b""
+        self._egress = egress  # the call's network and secret files, if any
         self.created = time.monotonic()
         self._used = False
         self._lock = threading.Lock()
@@ -572,6 +582,7 @@ class Prepared:
                 _close_attached(self._attached)
             duration_ms = int((time.monotonic() - started) * 1000)
             exit_code, oom_killed = _final_state(self._api, self.container_id, pump)
+            connections, unrecorded = self._backend.finish_egress(self._egress)
             return SandboxResult(
                 exit_code=exit_code,
                 stdout=pump.buffers[STDOUT].getvalue(),
@@ -583,9 +594,11 @@ class Prepared:
                 output_truncated=pump.output_truncated,
                 container_id=self.container_id,
                 cancelled=pump.cancelled,
+                egress=connections,
+                egress_unrecorded=unrecorded,
             )
         finally:
-            self._backend.remove(self.container_id)
+            self._backend.remove(self.container_id, self._egress)
 
     def discard(self) -> None:
         """Remove it unused (pool drained, too old, tool replaced). With an init the
@@ -597,7 +610,7 @@ class Prepared:
                 return
             self._used = True
         _close_attached(self._attached)
-        self._backend.remove(self.container_id)
+        self._backend.remove(self.container_id, self._egress)
 
 
 class DockerBackend:
@@ -614,6 +627,7 @@ class DockerBackend:
         api_timeout_s: int = API_TIMEOUT_S,
         remove_in_background: bool = False,
         init_path: str | Path | None = None,
+        egress: EgressConfig | None = None,
     ) -> None:
         """``init_path``: the built init (INIT_BINARY after ``make init``), a path on the
         engine's host, mounted read-only at INIT_TARGET in every container so that no
@@ -643,7 +657,7 @@ class DockerBackend:
         self._lock = threading.Lock()
         # Removing a finished container changes nothing the caller is told, so a
         # server can answer first and remove right after; close() waits for it.
-        self._removals: queue.Queue[tuple[Any, str] | None] | None = None
+        self._removals: queue.Queue[tuple[Any, str, EgressCall | None] | None] | None = None
         self._remover: threading.Thread | None = None
         # Containers whose removal failed (the engine was down or erred): removed again by
         # retry_removals() once it answers, so an engine restart leaves nothing behind.
@@ -660,6 +674,12 @@ class DockerBackend:
             LABEL_INSTANCE: instance_id,
             **self.owner.labels(),
         }
+        # Tools with egress or secrets need it; None: such calls are refused.
+        self._egress = (
+            None
+            if egress is None
+            else EgressGateway(egress, name_prefix=name_prefix, labels=self._static_labels)
+        )
 
     # -- engine connection ---------------------------------------------------------------
 
@@ -694,6 +714,8 @@ class DockerBackend:
             self._removals.put(None)  # finish what is queued, then stop
             self._remover.join(timeout=60)
             self._removals = None
+        if self._egress is not None and self._docker is not None:
+            self._egress.close(self._docker.api)
         with self._lock:
             if self._docker is not None:
                 self._docker.close()
@@ -718,12 +740,12 @@ class DockerBackend:
 
     # -- one execution -------------------------------------------------------------------
 
-    def _host_config(self, api: Any, spec: SandboxSpec) -> dict[str, Any]:
+    def _host_config(self, api: Any, spec: SandboxSpec, network: str = "") -> dict[str, Any]:
         lim = spec.limits
         memory = lim.memory_mb * 1024 * 1024
         fsize = lim.fsize_mb * 1024 * 1024
         host_config: dict[str, Any] = api.create_host_config(
-            network_mode="none",
+            network_mode=network or "none",  # a call's own egress network, else none
             read_only=True,
             tmpfs={"/tmp": f"rw,noexec,nosuid,nodev,size={lim.tmpfs_mb}m"},
             cap_drop=["ALL"],
@@ -859,6 +881,13 @@ class DockerBackend:
             LABEL_EXECUTION_ID: execution_id,
             LABEL_DEADLINE: str(int(expires * 1000)),
         }
+        call = self._open_egress(api, spec, execution_id)
+        if call is not None:
+            # The server's proxy and CA settings replace any the tool's env names.
+            ours = dict(call.env)
+            env = [(k, v) for k, v in spec.env if k not in ours] + list(call.env)
+            spec = dataclasses.replace(spec, env=tuple(env), mounts=spec.mounts + call.mounts)
+        network = call.network if call is not None else ""
         container_id = ""
         try:
             with _engine_call("container create", image=spec.image):
@@ -869,16 +898,18 @@ class DockerBackend:
                     stdin_open=True,  # with detach=False this also sets StdinOnce
                     tty=False,
                     environment=[f"{k}={v}" for k, v in spec.env],
-                    network_disabled=True,
+                    network_disabled=not network,
                     name=name,
                     labels=labels,
                     working_dir=spec.workdir,
-                    host_config=self._host_config(api, spec),
+                    host_config=self._host_config(api, spec, network),
                     use_config_proxy=False,  # never leak the host's proxy settings
                 )
                 container_id = created["Id"]
         except SandboxError as e:
             self._remove_after_failed_create(api, name, e)
+            if call is not None and self._egress is not None:
+                self._egress.release(api, call)
             raise
         try:
             # Attach before start so no early output is lost and nothing is buffered by
@@ -898,16 +929,33 @@ class DockerBackend:
                 raise
         except BaseException:
             self._remove(api, container_id)
+            if call is not None and self._egress is not None:
+                self._egress.release(api, call)
             raise
         release = GO_BYTE if self.init_path is not None else b""
-        return Prepared(self, api, container_id, attached, sock, spec, release)
+        return Prepared(self, api, container_id, attached, sock, spec, release, call)
 
-    def remove(self, container_id: str) -> None:
+    def _open_egress(self, api: Any, spec: SandboxSpec, execution_id: str) -> EgressCall | None:
+        if spec.egress is None and not spec.secret_files:
+            return None
+        if self._egress is None:
+            raise SandboxError("this server runs no egress proxy; tools with egress cannot run")
+        files = {f.name: f.value for f in spec.secret_files}
+        return self._egress.open(api, execution_id, spec.egress, files)
+
+    def finish_egress(self, call: EgressCall | None) -> tuple[tuple[EgressConnection, ...], int]:
+        if call is None or self._egress is None:
+            return (), 0
+        return self._egress.finish(call)
+
+    def remove(self, container_id: str, egress: EgressCall | None = None) -> None:
+        """``egress``: the call's network and secret files, released once the
+        container is gone (a network cannot go while a container is on it)."""
         api = self._client().api
         if self._removals is None:
-            self._remove(api, container_id)
+            self._remove(api, container_id, egress)
         else:
-            self._removals.put((api, container_id))
+            self._removals.put((api, container_id, egress))
 
     def _remove_loop(self) -> None:
         assert self._removals is not None
@@ -925,10 +973,12 @@ class DockerBackend:
         if self._removals is not None:
             self._removals.join()
 
-    def _remove(self, api: Any, container_id: str) -> None:
+    def _remove(self, api: Any, container_id: str, egress: EgressCall | None = None) -> None:
         if container_id and not self._try_remove(api, container_id):
             with self._unremoved_lock:
                 self._unremoved.add(container_id)
+        if egress is not None and self._egress is not None:
+            self._egress.release(api, egress)
 
     def _try_remove(self, api: Any, container_id: str) -> bool:
         """True when the container is gone (or going); False (logged) when it is not."""
@@ -994,4 +1044,24 @@ class DockerBackend:
                 continue
             removed += 1
             log.info("reaped container %s (%s)", c["Id"][:12], reason)
+        return removed + self._reap_networks(api, filters, now_ms)
+
+    def _reap_networks(self, api: Any, filters: list[str], now_ms: int) -> int:
+        """Egress networks of dead instances (their containers went first)."""
+        with _engine_call("network list"):
+            networks = api.networks(filters={"label": filters})
+        removed = 0
+        for n in networks:
+            reason = orphan_reason(
+                n.get("Labels") or {}, me=self.owner, my_instance=self.instance_id, now_ms=now_ms
+            )
+            if reason is None:
+                continue
+            try:
+                api.remove_network(n["Id"])
+            except Exception as e:
+                log.warning("reap: could not remove network %s: %s", n.get("Name"), e)
+                continue
+            removed += 1
+            log.info("reaped network %s (%s)", n.get("Name"), reason)
         return removed

@@ -9,18 +9,22 @@ from __future__ import annotations
 import dataclasses
 import posixpath
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Final
 
 __all__ = [
     "INIT_BINARY",
+    "EgressConnection",
+    "EgressSpec",
     "EngineUnavailable",
+    "HeaderInjection",
     "Limits",
     "Mount",
     "SandboxError",
     "SandboxResult",
     "SandboxSpec",
+    "SecretFile",
 ]
 
 # Where `make init` builds the sandbox init (init/toolreg_init.c); runners mount it into
@@ -118,6 +122,52 @@ class Mount:
 
 
 @dataclass(frozen=True, slots=True)
+class HeaderInjection:
+    """A secret the egress proxy adds to HTTPS requests to one host:port."""
+
+    host: str
+    port: int
+    header: str
+    value: str = field(repr=False)  # the rendered header value: a secret
+    mask: tuple[str, ...] = field(repr=False, default=())  # masked in what comes back
+
+
+@dataclass(frozen=True, slots=True)
+class EgressSpec:
+    """What one call may reach through the egress proxy (sandbox_runner/egress)."""
+
+    allow: tuple[str, ...]  # "host:port" entries (rules.parse_entry)
+    max_bytes: int  # bytes up and down, all connections of the call together
+    max_connections: int  # connections the call may open, refused ones included
+    allow_private: tuple[str, ...] = ()  # CIDR networks reachable although not public
+    inject: tuple[HeaderInjection, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class SecretFile:
+    """A secret mounted read-only at /run/secrets/NAME for one call."""
+
+    name: str
+    value: bytes = field(repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class EgressConnection:
+    """One connection a call asked the egress proxy for, allowed or refused."""
+
+    host: str
+    port: int
+    address: str  # the address it was pinned to ("" when never resolved)
+    allowed: bool
+    reason: str  # "" when allowed and not cut
+    bytes_up: int
+    bytes_down: int
+    duration_ms: int
+    method: str = ""
+    injected: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class SandboxSpec:
     """Everything needed to run one execution. `command` empty = the image's default."""
 
@@ -129,6 +179,8 @@ class SandboxSpec:
     input: bytes = b""  # written to the tool's stdin, which is then closed
     mounts: tuple[Mount, ...] = ()
     workdir: str | None = None
+    egress: EgressSpec | None = None  # None: no network at all
+    secret_files: tuple[SecretFile, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.image, str) or not self.image or "\0" in self.image:
@@ -179,6 +231,8 @@ class SandboxResult:
     output_truncated: bool  # a stream passed limits.output_bytes; the container was killed
     container_id: str  # "" when no container was created
     cancelled: bool = False  # the caller's cancel event stopped it
+    egress: tuple[EgressConnection, ...] = ()  # what it asked the egress proxy for
+    egress_unrecorded: int = 0  # connections beyond what the proxy keeps per call
 
     @property
     def killed(self) -> bool:

@@ -29,14 +29,16 @@ from registry_server.domain.models import SafetyLevel, ToolDefinition
 from registry_server.execution.admission import Admission
 from registry_server.execution.executor import Executor
 from registry_server.execution.sandbox_plan import SandboxPolicy
+from registry_server.execution.secrets import SecretStore
 from registry_server.execution.warm_pool import WarmPools
 from registry_server.policy.loader import load_policy
-from registry_server.policy.model import Policy, PolicyError, development_policy
+from registry_server.policy.model import UNRESTRICTED, Policy, PolicyError, development_policy
 from registry_server.store import audit_chain as audit
 from registry_server.store.base import Store
 from registry_server.store.sqlite import SqliteStore
 from sandbox_runner import Limits, SandboxBackend, SandboxError
 from sandbox_runner.docker_backend import DockerBackend
+from sandbox_runner.egress.gateway import EgressConfig
 from sandbox_runner.profiles import profile_for
 
 log = logging.getLogger(__name__)
@@ -76,7 +78,7 @@ def build_app(config: ServerConfig) -> App:
     store = open_store(config.store)
     try:
         _check_audit_chain(config, store)
-        registry = Registry(store, image_check=_image_check(backend))
+        registry = Registry(store, image_check=_image_check(backend), egress=policy.egress)
         if config.tools_dir is not None:
             _register_operator_tools(registry, config.tools_dir)
     except BaseException:
@@ -94,6 +96,9 @@ def build_app(config: ServerConfig) -> App:
             require_gvisor=require_gvisor,
             workspace_dir=_prepare_workspace(config.workspace),
             workspace_tools=frozenset(config.workspace_tools),
+            egress=policy.egress,
+            grant_of=(lambda _owner: UNRESTRICTED) if dev_mode else policy.grant_of,
+            secrets=SecretStore(_prepare_secrets(config.secrets)),
         ),
         store=store,
         approvals=approvals,
@@ -153,6 +158,18 @@ def _register_operator_tools(registry: Registry, tools_dir: Path) -> None:
             outcome = registry.register(tool, replace=True, by=OPERATOR, check_image=False)
         if outcome is not RegisterOutcome.UNCHANGED:
             log.info("tool %s %s from %s", tool.name, outcome.value, tools_dir)
+
+
+def _prepare_secrets(directory: Path) -> Path:
+    """The secrets directory: created root-only; one that others can read is
+    refused (each file is checked again when read)."""
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    mode = directory.stat().st_mode & 0o777
+    if mode & 0o077:
+        raise ConfigError(
+            f"secrets directory {directory} is open to others (mode {mode:o}); chmod 700 it"
+        )
+    return directory
 
 
 def _check_exposure(config: ServerConfig) -> None:
@@ -300,6 +317,13 @@ def open_backend(config: ServerConfig, *, reaper: bool = False) -> SandboxBacken
             max_pool_size=config.max_sandboxes + 4,
             remove_in_background=True,  # answer first; the container goes right after
             init_path=config.init_path,
+            egress=EgressConfig(
+                state_dir=config.egress_state,
+                image=config.egress_image,
+                upstream_networks=config.egress_networks,
+                dns=config.egress_dns,
+                upstream_ca_file=config.egress_upstream_ca,
+            ),
         )
     except ValueError as exc:  # the sandbox init is missing or unusable
         raise ConfigError(f"{exc} (or set TOOLREG_INIT_PATH)") from None

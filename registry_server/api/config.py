@@ -81,6 +81,13 @@ class ServerConfig(BaseSettings):
     allow_broken_audit: bool = False
     dev_audience: str = "toolreg-dev"  # the `aud` of tokens in development mode
     shutdown_grace_s: float = Field(SHUTDOWN_GRACE_S, ge=0)
+    # Egress (docs/deploying.md): the networks the egress proxy reaches the
+    # world through, its resolvers, and the CAs it verifies upstreams with.
+    egress_networks: tuple[str, ...] = ("bridge",)
+    egress_dns: tuple[str, ...] = ()
+    egress_upstream_ca: Path = Path("/etc/ssl/certs/ca-certificates.crt")
+    egress_image: str = "toolreg/python"
+    secrets_dir: Path | None = None  # default: <data_dir>/secrets
 
     @property
     def grpc_threads(self) -> int:
@@ -96,6 +103,15 @@ class ServerConfig(BaseSettings):
     def approvers_dir(self) -> Path:
         """Development mode: public keys (<id>.pub) of approvers."""
         return self.data_dir / "approvers"
+
+    @property
+    def secrets(self) -> Path:
+        return self.secrets_dir or self.data_dir / "secrets"
+
+    @property
+    def egress_state(self) -> Path:
+        """The egress CA, the proxy's control socket, per-call secret files."""
+        return self.data_dir / "egress"
 
     @property
     def workspace(self) -> Path:

@@ -52,6 +52,16 @@ class Metrics:
             "toolreg_engine_up", "1 when the container engine answers", registry=r
         )
         self.store_up = Gauge("toolreg_store_up", "1 when the store answers", registry=r)
+        # Labelled by the allow-list entry a connection fell under, never by the
+        # host a tool asked for: that is the tool's to choose, without bound.
+        self.egress_connections = Counter(
+            "toolreg_egress_connections", "Egress connections by tool, allow-list entry, outcome",
+            ["tool", "host", "outcome"], registry=r,
+        )  # fmt: skip
+        self.egress_bytes = Counter(
+            "toolreg_egress_bytes", "Bytes through the egress proxy by tool, entry and direction",
+            ["tool", "host", "direction"], registry=r,
+        )  # fmt: skip
 
     def watch(self, admission: Admission, pool_stats: Callable[[], Any] | None) -> None:
         self.live.set_function(lambda: admission.running)
@@ -74,6 +84,12 @@ class Metrics:
         decision = str(record.get("decision", ""))
         if decision.startswith("approv"):
             self.approvals.labels(decision).inc()
+        for conn in record.get("egress") or ():
+            host = str(conn.get("entry") or "(not allowed)")
+            outcome_label = "allowed" if conn.get("allowed") else "refused"
+            self.egress_connections.labels(tool, host, outcome_label).inc()
+            self.egress_bytes.labels(tool, host, "up").inc(int(conn.get("bytes_up") or 0))
+            self.egress_bytes.labels(tool, host, "down").inc(int(conn.get("bytes_down") or 0))
 
     def serve(self, host: str, port: int) -> tuple[Any, int]:
         """Start the HTTP endpoint; returns (server, bound port)."""

@@ -33,7 +33,8 @@ from registry_server.domain.models import (
     ToolDefinition,
     parse_definition,
 )
-from registry_server.policy.model import UNRESTRICTED, RegisterGrant
+from registry_server.policy.egress import egress_refusal
+from registry_server.policy.model import UNRESTRICTED, EgressPolicy, RegisterGrant
 from registry_server.store import audit_chain
 from registry_server.store.base import Store, StoredTool
 
@@ -69,9 +70,15 @@ class Registry:
     write the store first and only then publish the new snapshot, so a failed
     write changes nothing."""
 
-    def __init__(self, store: Store, image_check: ImageCheck | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        image_check: ImageCheck | None = None,
+        egress: EgressPolicy | None = None,
+    ) -> None:
         self._store = store
         self._image_check = image_check
+        self._egress = egress or EgressPolicy()  # the policy's, or the built-in default
         self._write_lock = threading.Lock()
         self._tools: dict[str, ToolDefinition] = {}
         self._version = 0
@@ -151,7 +158,7 @@ class Registry:
         """Store ``tool`` as ``by``'s. Raises PermissionDenied when the grant
         or ownership forbids it, AlreadyExists without ``replace``, and what
         the image check raises (the image declares a VOLUME, no engine)."""
-        _check_grant(tool, by)
+        _check_grant(tool, by, self._egress)
         if check_image and self._image_check is not None:
             self._image_check(tool)  # engine I/O: outside the write lock
         tool = dataclasses.replace(tool, owner=by.id)
@@ -217,7 +224,7 @@ class Registry:
         ]
 
 
-def _check_grant(tool: ToolDefinition, by: Registrant) -> None:
+def _check_grant(tool: ToolDefinition, by: Registrant, egress: EgressPolicy) -> None:
     grant = by.grant
     if not tool.safety_level.at_most(grant.max_level):
         raise PermissionDenied(
@@ -229,3 +236,6 @@ def _check_grant(tool: ToolDefinition, by: Registrant) -> None:
             f"client '{by.id}' may not register tools from image '{tool.sandbox.image}'"
             f" (allowed: {', '.join(grant.images) or 'none'})"
         )
+    refusal = egress_refusal(tool, by.id, grant, egress)
+    if refusal is not None:
+        raise PermissionDenied(refusal)

@@ -23,6 +23,15 @@ import rfc8785
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from registry_server.domain import schema_safety, strict_json
+from registry_server.domain.egress import (
+    MAX_SECRETS,
+    NetworkInput,
+    SecretInput,
+    SecretRef,
+    check_len,
+    cross_check,
+    freeze_secrets,
+)
 from registry_server.domain.errors import InvalidDefinition, Violation
 
 NAME_PATTERN = r"^[a-z][a-z0-9_]{0,63}$"
@@ -122,6 +131,8 @@ class ToolDefinition:
     sandbox: ToolSandbox
     warm_pool: int
     digest: str  # sha256 hex of the RFC 8785 canonical JSON of ``as_manifest()``
+    egress: tuple[str, ...] = ()  # "host:port" entries, sorted (domain/egress.py)
+    secrets: tuple[SecretRef, ...] = ()  # sorted by name; references, never values
     # Who registered it (a client id, or OPERATOR_OWNER): not part of the
     # definition, so not in ``as_manifest()`` or the digest.
     owner: str = ""
@@ -147,7 +158,15 @@ class ToolDefinition:
                 "limits": self.sandbox.limits.as_dict(),
             },
             "warm_pool": self.warm_pool,
+            # Only when set, so definitions without them keep the digests
+            # they had before tools could have them.
+            **({"network": {"egress": list(self.egress)}} if self.egress else {}),
+            **({"secrets": [s.as_manifest() for s in self.secrets]} if self.secrets else {}),
         }
+
+    @property
+    def reaches_network(self) -> bool:
+        return bool(self.egress)
 
 
 def valid_tool_name(name: str) -> bool:
@@ -231,6 +250,13 @@ class ToolManifest(_Strict):
     categories: list[str] = Field(default_factory=list)
     sandbox: SandboxInput
     warm_pool: int = Field(0, ge=0, le=MAX_WARM_POOL)
+    network: NetworkInput = Field(default_factory=lambda: NetworkInput())
+    secrets: list[SecretInput] = Field(default_factory=list)
+
+    @field_validator("secrets", mode="before")
+    @classmethod
+    def _secrets_cap(cls, value: Any) -> Any:
+        return check_len(value, MAX_SECRETS, "secrets")
 
     @field_validator("name")
     @classmethod
@@ -322,6 +348,9 @@ def parse_definition(raw: Mapping[str, Any], *, source: str = "tool definition")
         manifest = ToolManifest.model_validate(dict(raw))
     except ValidationError as exc:
         raise InvalidDefinition(_violations(exc), source) from None
+    mismatched = cross_check(manifest.network, manifest.secrets, manifest.warm_pool)
+    if mismatched:
+        raise InvalidDefinition([Violation(f, rule) for f, rule in mismatched], source)
     return _freeze(manifest)
 
 
@@ -341,6 +370,8 @@ def _freeze(m: ToolManifest) -> ToolDefinition:
         sandbox=sandbox,
         warm_pool=m.warm_pool,
         digest="",
+        egress=tuple(m.network.egress),
+        secrets=freeze_secrets(m.secrets),
     )
     return _with_digest(unsigned)
 

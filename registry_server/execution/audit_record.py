@@ -8,7 +8,9 @@ from registry_server.approvals.service import Approved
 from registry_server.domain.models import ToolDefinition
 from registry_server.domain.outcome import Outcome, Status
 from registry_server.execution.call_request import CallRequest
-from sandbox_runner import Limits
+from registry_server.execution.redaction import Redactor
+from sandbox_runner import EgressConnection, Limits
+from sandbox_runner.egress import rules
 
 
 class AuditRecord:
@@ -24,6 +26,9 @@ class AuditRecord:
         self.limits: Limits | None = None
         self.container_id = ""
         self.warm = False
+        self.redactor = Redactor({})  # the call's secret values, kept out of what it returns
+        self.egress: tuple[EgressConnection, ...] = ()
+        self.egress_unrecorded = 0
 
     def as_dict(
         self, *, decision: str, status: str = "", outcome: Outcome | None = None
@@ -51,7 +56,27 @@ class AuditRecord:
             "container_id": self.container_id,
             "warm": self.warm,
             "limits": dataclasses.asdict(self.limits) if self.limits else {},
+            **(self._egress_fields() if self.tool is not None and self.tool.egress else {}),
         }
+
+    def _egress_fields(self) -> dict[str, object]:
+        """Every connection the call asked the proxy for, with the allow-list
+        entry it fell under ("" when none): what metrics label by, since the
+        host a tool asks for is the tool's to choose."""
+        assert self.tool is not None
+        entries = rules.parse_entries(self.tool.egress)
+        connections = []
+        for c in self.egress:
+            matched = rules.first_match(entries, c.host, c.port)
+            connections.append(
+                {
+                    "host": c.host, "port": c.port, "entry": str(matched) if matched else "",
+                    "address": c.address, "allowed": c.allowed, "reason": c.reason,
+                    "bytes_up": c.bytes_up, "bytes_down": c.bytes_down,
+                    "duration_ms": c.duration_ms, "injected": c.injected,
+                }
+            )  # fmt: skip
+        return {"egress": connections, "egress_unrecorded": self.egress_unrecorded}
 
 
 def decision_of(outcome: Outcome, record: AuditRecord) -> str:

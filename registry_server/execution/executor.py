@@ -11,6 +11,7 @@ its level, a malformed request id, capacity, no engine) raise.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import threading
@@ -34,8 +35,14 @@ from registry_server.domain.outcome import ApprovalRequestView, Outcome, Status
 from registry_server.execution.admission import Admission, Cancelled
 from registry_server.execution.audit_record import AuditRecord, decision_of
 from registry_server.execution.call_request import CallRequest
+from registry_server.execution.redaction import Redactor
 from registry_server.execution.results import outcome_of
-from registry_server.execution.sandbox_plan import SandboxPlanner, SandboxPolicy, within_deadline
+from registry_server.execution.sandbox_plan import (
+    NotRunnable,
+    SandboxPlanner,
+    SandboxPolicy,
+    within_deadline,
+)
 from registry_server.execution.warm_pool import WarmPools
 from registry_server.store import audit_chain
 from registry_server.store.base import Store
@@ -184,7 +191,17 @@ class Executor:
                 Status.SANDBOX_ERROR,
                 f"Tool '{tool.name}' needs gVisor (runsc), which this engine lacks",
             )
-        spec = self._planner.spec(tool, arguments.canonical, runtime)
+        try:
+            # Before the secrets are read: an owner the policy no longer lets
+            # grant them never causes a read.
+            self._planner.check_egress(tool)
+            values = self._planner.secret_values(tool)
+            spec = self._planner.spec(tool, arguments.canonical, runtime, values)
+        except NotRunnable as exc:
+            raise _refusal(
+                record, Status.SANDBOX_ERROR, f"Tool '{tool.name}' cannot run: {exc}"
+            ) from None
+        record.redactor = Redactor(values)
         record.runtime, record.limits = runtime, spec.limits
         return spec
 
@@ -202,8 +219,12 @@ class Executor:
         the tool started. Refused for capacity, cancelled, or failing in the
         engine before the tool starts: the approval is kept for a retry."""
         execution_id = record.execution_id
+        redactor = record.redactor
+        streamed = redactor.stream(on_output) if redactor and on_output is not None else None
         try:
-            result = self._run_warm_or_cold(record, tool, spec, on_output, cancel)
+            result = self._run_warm_or_cold(record, tool, spec, streamed or on_output, cancel)
+            if streamed is not None:
+                streamed.flush()
         except Cancelled:
             return Outcome(
                 Status.SANDBOX_ERROR,
@@ -225,6 +246,16 @@ class Executor:
             return Outcome(
                 Status.SANDBOX_ERROR, error=f"sandbox error: {exc}", execution_id=execution_id
             )
+        if redactor:
+            result = dataclasses.replace(
+                result,
+                stdout=redactor.redact(result.stdout),
+                stderr=redactor.redact(result.stderr),
+                egress=tuple(
+                    dataclasses.replace(c, host=redactor.text(c.host)) for c in result.egress
+                ),
+            )
+        record.egress, record.egress_unrecorded = result.egress, result.egress_unrecorded
         return outcome_of(tool, result, execution_id)
 
     def _run_warm_or_cold(

@@ -7,12 +7,24 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from registry_server.domain.models import SafetyLevel, ToolDefinition
-from sandbox_runner import Limits, Mount, SandboxBackend, SandboxError, SandboxSpec
+from registry_server.execution.secrets import SecretStore, SecretUnavailable
+from registry_server.policy.egress import egress_refusal
+from registry_server.policy.model import UNRESTRICTED, EgressPolicy, RegisterGrant
+from sandbox_runner import (
+    EgressSpec,
+    HeaderInjection,
+    Limits,
+    Mount,
+    SandboxBackend,
+    SandboxError,
+    SandboxSpec,
+    SecretFile,
+)
 from sandbox_runner.profiles import FALLBACK_RUNTIME, profile_for, runtime_for
 
 WORKSPACE_TARGET = "/workspace"  # where a workspace tool sees its directory
@@ -33,6 +45,16 @@ class SandboxPolicy:
     # Tools that get workspace_dir mounted read-write. Only dangerous tools
     # qualify: a file that outlives the call is a permanent effect.
     workspace_tools: frozenset[str] = frozenset()
+    egress: EgressPolicy = field(default_factory=EgressPolicy)
+    # What a tool's owner may grant now (egress hosts, secrets); checked again
+    # before every call. Default (development mode): everything.
+    grant_of: Callable[[str], RegisterGrant | None] = lambda _owner: UNRESTRICTED
+    secrets: SecretStore | None = None  # None: tools with secrets cannot run
+
+
+class NotRunnable(Exception):
+    """The policy or the server's set-up does not let this tool run now (the
+    message says why, naming secrets but never their values)."""
 
 
 class SandboxPlanner:
@@ -54,14 +76,27 @@ class SandboxPlanner:
         return chosen
 
     def warm_spec(self, tool: ToolDefinition) -> SandboxSpec | None:
-        """What a warm container of ``tool`` is made from (None: it may not run here)."""
+        """What a warm container of ``tool`` is made from (None: it may not run
+        here, or not warm: a call with egress or secrets gets its own network
+        and secret files, made for it)."""
+        if tool.egress or tool.secrets:
+            return None
         runtime = self.runtime_for(tool.safety_level)
         return None if runtime is None else self.spec(tool, b"{}", runtime)
 
-    def spec(self, tool: ToolDefinition, input_bytes: bytes, runtime: str) -> SandboxSpec:
+    def spec(
+        self,
+        tool: ToolDefinition,
+        input_bytes: bytes,
+        runtime: str,
+        secrets: Mapping[str, bytes] | None = None,
+    ) -> SandboxSpec:
         """The tool's request merged into its level's ceiling (the tightest wins).
         ``input_bytes``: the RFC 8785 canonical arguments, the very bytes an
-        approval's args_digest hashes (1 and 1.0 cannot differ on the way)."""
+        approval's args_digest hashes (1 and 1.0 cannot differ on the way).
+        ``secrets``: the tool's secret values (``secret_values``), read once per
+        call. NotRunnable when the policy no longer lets the tool have its
+        egress or secrets."""
         requested = Limits(**tool.sandbox.limits.as_dict(), tmpfs_mb=0, nofile=0, fsize_mb=0)
         limits = self.policy.ceilings[tool.safety_level].tightest(requested)
         env = dict(tool.sandbox.env)
@@ -74,6 +109,7 @@ class SandboxPlanner:
         ):
             mounts = (Mount(str(workspace.resolve()), WORKSPACE_TARGET, read_only=False),)
             env[TOOL_WORKSPACE_ENV] = WORKSPACE_TARGET
+        egress, files = self._egress_and_secrets(tool, secrets or {})
         return SandboxSpec(
             image=tool.sandbox.image,
             command=tool.sandbox.command,
@@ -82,7 +118,68 @@ class SandboxPlanner:
             runtime=runtime,
             input=input_bytes,
             mounts=mounts,
+            egress=egress,
+            secret_files=files,
         )
+
+    def check_egress(self, tool: ToolDefinition) -> None:
+        """NotRunnable when the policy no longer lets the tool's owner give it
+        its egress or secrets (or its level may not have egress)."""
+        policy = self.policy
+        refusal = egress_refusal(tool, tool.owner, policy.grant_of(tool.owner), policy.egress)
+        if refusal is not None:
+            raise NotRunnable(refusal)
+
+    def secret_values(self, tool: ToolDefinition) -> dict[str, bytes]:
+        """The values of the tool's secrets (NotRunnable when one is missing)."""
+        if not tool.secrets:
+            return {}
+        if self.policy.secrets is None:
+            raise NotRunnable("this server has no secrets directory")
+        try:
+            return {ref.name: self.policy.secrets.value(ref.name) for ref in tool.secrets}
+        except SecretUnavailable as exc:
+            raise NotRunnable(str(exc)) from None
+
+    def _egress_and_secrets(
+        self, tool: ToolDefinition, values: Mapping[str, bytes]
+    ) -> tuple[EgressSpec | None, tuple[SecretFile, ...]]:
+        if not tool.egress and not tool.secrets:
+            return None, ()
+        self.check_egress(tool)
+        policy = self.policy
+        if set(values) != {ref.name for ref in tool.secrets}:
+            raise NotRunnable(f"the secrets of '{tool.name}' were not read for this call")
+        files = tuple(
+            SecretFile(ref.name, values[ref.name]) for ref in tool.secrets if ref.deliver == "file"
+        )
+        if not tool.egress:
+            return None, files
+        inject = []
+        for ref in tool.secrets:
+            if ref.inject is None:
+                continue
+            raw = values[ref.name].decode("utf-8", "replace")
+            if any(c in raw for c in "\r\n\0"):
+                raise NotRunnable(f"secret {ref.name} contains a line break; it cannot be a header")
+            rendered = ref.inject.render(raw)
+            inject.append(
+                HeaderInjection(
+                    ref.inject.host,
+                    ref.inject.port,
+                    ref.inject.header,
+                    rendered,
+                    mask=(raw, rendered),
+                )
+            )
+        spec = EgressSpec(
+            allow=tool.egress,
+            max_bytes=policy.egress.max_bytes_per_call,
+            max_connections=policy.egress.max_connections_per_call,
+            allow_private=policy.egress.allow_private,
+            inject=tuple(inject),
+        )
+        return spec, files
 
 
 def within_deadline(spec: SandboxSpec, deadline: float | None) -> SandboxSpec:

@@ -29,6 +29,7 @@ from registry_server.policy.model import (
     ApprovalRule,
     Approver,
     Client,
+    EgressPolicy,
     Policy,
     PolicyError,
     RegisterGrant,
@@ -229,6 +230,12 @@ def _freeze(policy: _PolicyIn, source: str) -> Policy:
             )
             for c in policy.clients
         ),
+        egress=EgressPolicy(
+            levels=frozenset(SafetyLevel(v) for v in policy.egress.levels),
+            allow_private=tuple(policy.egress.allow_private),
+            max_bytes_per_call=policy.egress.max_bytes_per_call,
+            max_connections_per_call=policy.egress.max_connections_per_call,
+        ),
         source=source,
     )
 
@@ -237,7 +244,12 @@ def _grant(client: _ClientIn) -> RegisterGrant:
     if "admin" in client.roles and client.grant is None:
         return UNRESTRICTED  # an operator's own client: trusted like the policy file
     given = client.grant or _RegisterIn()
-    return RegisterGrant(SafetyLevel(given.max_safety_level), tuple(given.images))
+    return RegisterGrant(
+        SafetyLevel(given.max_safety_level),
+        tuple(given.images),
+        egress=tuple(given.egress),
+        secrets=frozenset(given.secrets),
+    )
 
 
 # ------------------------------------------------------------------- messages

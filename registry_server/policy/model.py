@@ -15,10 +15,9 @@ from types import MappingProxyType
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from registry_server.domain.models import (
-    SafetyLevel,
-)
+from registry_server.domain.models import OPERATOR_OWNER, SafetyLevel
 from registry_server.signing.keys import public_key_from_text, raw_public_bytes
+from sandbox_runner.egress import rules
 
 ID_PATTERN = r"^[a-z0-9][a-z0-9_.@-]{0,63}$"  # approver and client ids
 GROUP_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
@@ -141,6 +140,26 @@ class EffectiveRule:
         return max([0, *shortfalls])
 
 
+DEFAULT_EGRESS_LEVELS = frozenset({SafetyLevel.CAUTIOUS, SafetyLevel.DANGEROUS})
+DEFAULT_MAX_EGRESS_BYTES = 16 * 1024 * 1024  # bytes each call may move through the proxy
+DEFAULT_MAX_EGRESS_CONNECTIONS = 32  # connections each call may open (refused ones count)
+MAX_EGRESS_BYTES = 1024 * 1024 * 1024  # bytes: the highest per-call cap a policy may set
+MAX_EGRESS_CONNECTIONS = 1_024  # connections: the highest per-call cap a policy may set
+MAX_GRANT_ENTRIES = 64  # egress patterns, secret names or private networks in one list
+
+
+@dataclass(frozen=True)
+class EgressPolicy:
+    # A tool that sends anything anywhere has an effect: by default it is at
+    # least cautious (logged, tight limits), never safe.
+    levels: frozenset[SafetyLevel] = DEFAULT_EGRESS_LEVELS
+    # Networks (CIDR) the proxy may connect to although they are private,
+    # loopback, link-local or the metadata address: named by the operator only.
+    allow_private: tuple[str, ...] = ()
+    max_bytes_per_call: int = DEFAULT_MAX_EGRESS_BYTES
+    max_connections_per_call: int = DEFAULT_MAX_EGRESS_CONNECTIONS
+
+
 @dataclass(frozen=True)
 class RegisterGrant:
     """What a client may register: tools up to ``max_level``, from images
@@ -148,12 +167,25 @@ class RegisterGrant:
 
     max_level: SafetyLevel = SafetyLevel.SAFE  # DEFAULT_REGISTER_LEVEL
     images: tuple[str, ...] = DEFAULT_REGISTER_IMAGES
+    # "host:port" patterns its tools may reach (policy/egress.py); none by default
+    egress: tuple[str, ...] = ()
+    secrets: frozenset[str] = frozenset()  # secret names its tools may use
+    any_egress: bool = False  # operators and admins: every host, every secret
 
     def allows_image(self, image: str) -> bool:
         return any(fnmatch.fnmatchcase(image, pattern) for pattern in self.images)
 
+    def allows_egress(self, wanted: rules.Entry) -> bool:
+        return self.any_egress or any(
+            rules.parse_entry(granted).covers(wanted) for granted in self.egress
+        )
 
-UNRESTRICTED = RegisterGrant(SafetyLevel.DANGEROUS, ("*",))  # operators and admins
+    def allows_secret(self, name: str) -> bool:
+        return self.any_egress or name in self.secrets
+
+
+# operators and admins
+UNRESTRICTED = RegisterGrant(SafetyLevel.DANGEROUS, ("*",), any_egress=True)
 
 
 @dataclass(frozen=True)
@@ -185,6 +217,7 @@ class Policy:
     # per level, only the fields the policy sets (the rest keep the built-in profile)
     profiles: Mapping[SafetyLevel, Mapping[str, int]] = field(default_factory=dict)
     clients: tuple[Client, ...] = ()
+    egress: EgressPolicy = field(default_factory=EgressPolicy)
     source: str = "policy"  # the file it came from, for messages
     _by_id: Mapping[str, Approver] = field(init=False, repr=False, compare=False)
 
@@ -262,6 +295,17 @@ class Policy:
             if client.mtls_subject is not None and client.mtls_subject == subject:
                 return client
         return None
+
+    def grant_of(self, owner: str) -> RegisterGrant | None:
+        """What the owner of a stored tool may grant now: the operator
+        everything, a client what its register grant says (admins
+        everything), anyone the policy no longer names nothing."""
+        if owner == OPERATOR_OWNER:
+            return UNRESTRICTED
+        client = self.client(owner)
+        if client is None or not client.roles & {Role.REGISTER, Role.ADMIN}:
+            return None
+        return client.register
 
     def ceiling(self, level: SafetyLevel) -> dict[str, int] | None:
         """The limits the policy sets for ``level`` (only those fields), or None."""

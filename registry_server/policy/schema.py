@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from registry_server.domain.egress import SECRET_NAME_PATTERN
 from registry_server.domain.models import (
     CATEGORY_PATTERN,
     MAX_CPU_MILLIS,
@@ -20,6 +21,9 @@ from registry_server.domain.models import (
 )
 from registry_server.policy.model import (
     DEFAULT_APPROVAL_REQUEST_TTL_S,
+    DEFAULT_EGRESS_LEVELS,
+    DEFAULT_MAX_EGRESS_BYTES,
+    DEFAULT_MAX_EGRESS_CONNECTIONS,
     DEFAULT_MAX_TOKEN_TTL_S,
     DEFAULT_REGISTER_IMAGES,
     DEFAULT_REGISTER_LEVEL,
@@ -28,6 +32,9 @@ from registry_server.policy.model import (
     ID_PATTERN,
     MAX_APPROVAL_REQUEST_TTL_S,
     MAX_AUDIENCE_CHARS,
+    MAX_EGRESS_BYTES,
+    MAX_EGRESS_CONNECTIONS,
+    MAX_GRANT_ENTRIES,
     MAX_IMAGE_PATTERN_CHARS,
     MAX_IMAGE_PATTERNS,
     MAX_SUBJECT_CHARS,
@@ -37,6 +44,7 @@ from registry_server.policy.model import (
     Role,
 )
 from registry_server.signing.keys import public_key_from_text
+from sandbox_runner.egress import rules
 
 
 class _Strict(BaseModel):
@@ -162,6 +170,21 @@ class _RegisterIn(_Strict):
     images: list[str] = Field(
         default_factory=lambda: list(DEFAULT_REGISTER_IMAGES), max_length=MAX_IMAGE_PATTERNS
     )
+    # host:port patterns its tools may reach, and the secrets they may use
+    egress: list[str] = Field(default_factory=list, max_length=MAX_GRANT_ENTRIES)
+    secrets: list[str] = Field(default_factory=list, max_length=MAX_GRANT_ENTRIES)
+
+    @field_validator("egress")
+    @classmethod
+    def _egress(cls, value: list[str]) -> list[str]:
+        return [str(rules.parse_entry(text)) for text in value]
+
+    @field_validator("secrets")
+    @classmethod
+    def _secrets(cls, value: list[str]) -> list[str]:
+        for name in value:
+            _check_pattern(name, SECRET_NAME_PATTERN, "secret name")
+        return value
 
     @field_validator("max_safety_level")
     @classmethod
@@ -241,6 +264,34 @@ class _ClientIn(_Strict):
         return self
 
 
+class _EgressIn(_Strict):
+    """Egress for the whole server (each tool's hosts are its owner's grant)."""
+
+    levels: list[str] = Field(
+        default_factory=lambda: sorted(lvl.value for lvl in DEFAULT_EGRESS_LEVELS), max_length=3
+    )
+    allow_private: list[str] = Field(default_factory=list, max_length=MAX_GRANT_ENTRIES)
+    max_bytes_per_call: int = Field(DEFAULT_MAX_EGRESS_BYTES, ge=1, le=MAX_EGRESS_BYTES)
+    max_connections_per_call: int = Field(
+        DEFAULT_MAX_EGRESS_CONNECTIONS, ge=1, le=MAX_EGRESS_CONNECTIONS
+    )
+
+    @field_validator("levels")
+    @classmethod
+    def _levels(cls, value: list[str]) -> list[str]:
+        return [SafetyLevel.parse(v).value for v in value]
+
+    @field_validator("allow_private")
+    @classmethod
+    def _networks(cls, value: list[str]) -> list[str]:
+        for text in value:
+            try:
+                rules.parse_networks([text])
+            except ValueError:
+                raise ValueError(f"{text[:64]!r} is not a network in CIDR form") from None
+        return value
+
+
 class _PolicyIn(_Strict):
     audience: str
     approval_request_ttl_s: int = Field(
@@ -250,6 +301,7 @@ class _PolicyIn(_Strict):
     approval_rules: list[_RuleIn] = Field(default_factory=list)
     profiles: _ProfilesIn = Field(default_factory=lambda: _ProfilesIn())
     clients: list[_ClientIn] = Field(default_factory=list)
+    egress: _EgressIn = Field(default_factory=lambda: _EgressIn())
 
     @field_validator("audience")
     @classmethod

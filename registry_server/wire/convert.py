@@ -11,6 +11,13 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server.domain import strict_json
+from registry_server.domain.egress import (
+    DEFAULT_TLS_PORT,
+    MAX_EGRESS_ENTRIES,
+    MAX_FORMAT_CHARS,
+    MAX_SECRETS,
+    SecretRef,
+)
 from registry_server.domain.errors import InvalidArgument, InvalidDefinition, Violation
 from registry_server.domain.models import (
     LIMIT_FIELDS,
@@ -31,6 +38,7 @@ from registry_server.domain.models import (
 )
 from registry_server.domain.outcome import ApprovalRequestView, Outcome, Status
 from registry_server.domain.schemas import SchemaFormat
+from sandbox_runner.egress import rules
 
 _LEVEL_TO_PB = {
     SafetyLevel.SAFE: pb.SAFETY_LEVEL_SAFE,
@@ -81,6 +89,8 @@ def tool_from_pb(msg: pb.Tool) -> ToolDefinition:
             "limits": {name: getattr(limits, name) for name in LIMIT_FIELDS},
         },
         "warm_pool": msg.warm_pool,
+        "network": {"egress": list(msg.network.egress)},
+        "secrets": [_secret_from_pb(ref) for ref in msg.secrets],
     }
     try:
         tool = parse_definition(raw)
@@ -115,7 +125,44 @@ def _oversized(msg: pb.Tool) -> list[Violation]:
         ("sandbox.env", any(len(v) > MAX_ENV_VALUE_CHARS for v in sandbox.env.values()),
          f"values at most {MAX_ENV_VALUE_CHARS} characters"),
     ]  # fmt: skip
+    refs = msg.secrets
+    checks += [
+        ("network.egress", len(msg.network.egress) > MAX_EGRESS_ENTRIES,
+         f"at most {MAX_EGRESS_ENTRIES} entries"),
+        ("network.egress", any(len(e) > rules.MAX_ENTRY_CHARS for e in msg.network.egress),
+         f"each at most {rules.MAX_ENTRY_CHARS} characters"),
+        ("secrets", len(refs) > MAX_SECRETS, f"at most {MAX_SECRETS} entries"),
+        ("secrets", any(len(r.name) > 64 or len(r.deliver) > 16 or len(r.inject.host) > 253
+                        or len(r.inject.header) > 64 or len(r.inject.format) > MAX_FORMAT_CHARS
+                        for r in refs),
+         "name at most 64 characters, deliver 16, inject.host 253, inject.header 64,"
+         f" inject.format {MAX_FORMAT_CHARS}"),
+    ]  # fmt: skip
     return [Violation(field, rule) for field, failed, rule in checks if failed]
+
+
+def _secret_from_pb(ref: pb.SecretRef) -> dict[str, Any]:
+    # Empty proto fields mean "the default", as unset manifest keys do.
+    out: dict[str, Any] = {"name": ref.name, "deliver": ref.deliver or "header"}
+    if ref.HasField("inject"):
+        inj = ref.inject
+        out["inject"] = {
+            "host": inj.host,
+            "port": inj.port or DEFAULT_TLS_PORT,
+            "header": inj.header or "Authorization",
+            "format": inj.format or "Bearer {value}",
+        }
+    return out
+
+
+def _secret_to_pb(ref: SecretRef) -> pb.SecretRef:
+    msg = pb.SecretRef(name=ref.name, deliver=ref.deliver)
+    if ref.inject is not None:
+        inj = ref.inject
+        msg.inject.CopyFrom(
+            pb.SecretInjection(host=inj.host, port=inj.port, header=inj.header, format=inj.format)
+        )
+    return msg
 
 
 def stored_tool_from_pb(msg: pb.Tool) -> ToolDefinition:
@@ -152,6 +199,8 @@ def tool_to_pb(tool: ToolDefinition) -> pb.Tool:
         digest=tool.digest,
         warm_pool=tool.warm_pool,
         owner=tool.owner,
+        network=pb.NetworkSpec(egress=list(tool.egress)),
+        secrets=[_secret_to_pb(ref) for ref in tool.secrets],
     )
 
 

@@ -150,6 +150,8 @@ class Tool(_message.Message):
     DIGEST_FIELD_NUMBER: _builtins.int
     WARM_POOL_FIELD_NUMBER: _builtins.int
     OWNER_FIELD_NUMBER: _builtins.int
+    NETWORK_FIELD_NUMBER: _builtins.int
+    SECRETS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """^[a-z][a-z0-9_]{0,63}$ (snake_case)"""
     description: _builtins.str
@@ -177,6 +179,18 @@ class Tool(_message.Message):
 
     @_builtins.property
     def sandbox(self) -> Global___SandboxSpec: ...
+    @_builtins.property
+    def network(self) -> Global___NetworkSpec:
+        """The hosts the tool may reach through the server's egress proxy; unset or
+        empty = no network at all. Part of the digest.
+        """
+
+    @_builtins.property
+    def secrets(self) -> _containers.RepeatedCompositeFieldContainer[Global___SecretRef]:
+        """Server-held secrets the tool uses, by name (never their values), at most
+        16, unique names. Part of the digest.
+        """
+
     def __init__(
         self,
         *,
@@ -189,14 +203,110 @@ class Tool(_message.Message):
         digest: _builtins.str = ...,
         warm_pool: _builtins.int = ...,
         owner: _builtins.str = ...,
+        network: Global___NetworkSpec | None = ...,
+        secrets: _abc.Iterable[Global___SecretRef] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["sandbox", b"sandbox"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["network", b"network", "sandbox", b"sandbox"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["categories", b"categories", "description", b"description", "digest", b"digest", "name", b"name", "owner", b"owner", "parameters_json", b"parameters_json", "safety_level", b"safety_level", "sandbox", b"sandbox", "warm_pool", b"warm_pool"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["categories", b"categories", "description", b"description", "digest", b"digest", "name", b"name", "network", b"network", "owner", b"owner", "parameters_json", b"parameters_json", "safety_level", b"safety_level", "sandbox", b"sandbox", "secrets", b"secrets", "warm_pool", b"warm_pool"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Tool: _TypeAlias = Tool  # noqa: Y015
+
+@_typing.final
+class NetworkSpec(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EGRESS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def egress(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """"host:port" entries, at most 32, e.g. "api.example.com:443" or
+        "*.example.org:443" (any name below example.org). Names, never IP
+        addresses. The policy decides which levels may have egress and which
+        patterns a registering client may grant.
+        """
+
+    def __init__(
+        self,
+        *,
+        egress: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["egress", b"egress"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NetworkSpec: _TypeAlias = NetworkSpec  # noqa: Y015
+
+@_typing.final
+class SecretRef(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DELIVER_FIELD_NUMBER: _builtins.int
+    INJECT_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """^[A-Z][A-Z0-9_]{0,63}$: the file <data-dir>/secrets/NAME on the server."""
+    deliver: _builtins.str
+    """"header" (default): the egress proxy adds it to HTTPS requests to
+    `inject.host`, and the sandbox never sees it. "file": mounted read-only
+    at /run/secrets/NAME for the call; an exact occurrence in the output is
+    replaced by "[secret NAME]".
+    """
+    @_builtins.property
+    def inject(self) -> Global___SecretInjection:
+        """Required with deliver "header"; its host:port must be in network.egress."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        deliver: _builtins.str = ...,
+        inject: Global___SecretInjection | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["inject", b"inject"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deliver", b"deliver", "inject", b"inject", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SecretRef: _TypeAlias = SecretRef  # noqa: Y015
+
+@_typing.final
+class SecretInjection(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HOST_FIELD_NUMBER: _builtins.int
+    PORT_FIELD_NUMBER: _builtins.int
+    HEADER_FIELD_NUMBER: _builtins.int
+    FORMAT_FIELD_NUMBER: _builtins.int
+    host: _builtins.str
+    """One fully qualified host name."""
+    port: _builtins.int
+    """0 = 443."""
+    header: _builtins.str
+    """The header to set (replacing any the tool sent); empty = Authorization."""
+    format: _builtins.str
+    """The header's value, with "{value}" where the secret goes; empty =
+    "Bearer {value}".
+    """
+    def __init__(
+        self,
+        *,
+        host: _builtins.str = ...,
+        port: _builtins.int = ...,
+        header: _builtins.str = ...,
+        format: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["format", b"format", "header", b"header", "host", b"host", "port", b"port"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SecretInjection: _TypeAlias = SecretInjection  # noqa: Y015
 
 @_typing.final
 class SandboxSpec(_message.Message):
