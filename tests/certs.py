@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cryptography import x509
@@ -39,8 +40,15 @@ class CertificateAuthority:
         return self.cert.public_bytes(serialization.Encoding.PEM)
 
     def issue(
-        self, common_name: str, *, server: bool = False, organization: str | None = None
+        self,
+        common_name: str,
+        *,
+        server: bool = False,
+        organization: str | None = None,
+        dns_names: Sequence[str] = (),
     ) -> Issued:
+        """A leaf certificate. server=True names it `localhost`; dns_names, when given,
+        are its subject alternative names instead (a server certificate for those)."""
         key = ec.generate_private_key(ec.SECP256R1())
         now = dt.datetime.now(dt.UTC)
         names = [x509.NameAttribute(NameOID.COMMON_NAME, common_name)]
@@ -55,9 +63,10 @@ class CertificateAuthority:
             .not_valid_before(now - dt.timedelta(minutes=5))
             .not_valid_after(now + dt.timedelta(days=1))
         )
-        if server:
+        if server or dns_names:
+            sans = list(dns_names) or ["localhost"]
             builder = builder.add_extension(
-                x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False
+                x509.SubjectAlternativeName([x509.DNSName(n) for n in sans]), critical=False
             )
         cert = builder.sign(self.key, hashes.SHA256())
         return Issued(
