@@ -250,10 +250,29 @@ class EgressGateway:
         url = f"http://toolreg:{call.token}@{proxy_ip}:{PROXY_PORT}"
         env = [(k, url) for k in _PROXY_ENV] + [("NO_PROXY", ""), ("no_proxy", "")]
         if spec.inject:
-            self.ca.load_or_create()
             env += [(k, CA_TARGET) for k in _CA_ENV]
-            call.mounts += (Mount(str(self.ca.cert_path), CA_TARGET, read_only=True),)
+            call.mounts += (Mount(str(self._trust_bundle()), CA_TARGET, read_only=True),)
         call.env = tuple(env)
+
+    def _trust_bundle(self) -> Path:
+        """What a sandbox with header-delivered secrets trusts: the upstream CAs
+        (for hosts tunnelled as they are) plus this server's CA (for the hosts
+        the proxy intercepts). SSL_CERT_FILE replaces a stack's default
+        bundle, so both must be in the one file."""
+        self.ca.load_or_create()
+        bundle = self.config.state_dir / "sandbox-trust.pem"
+        content = (
+            self.config.upstream_ca_file.read_bytes().rstrip(b"\n")
+            + b"\n"
+            + self.ca.cert_path.read_bytes()
+        )
+        with self._lock:
+            if not bundle.exists() or bundle.read_bytes() != content:
+                tmp = bundle.with_suffix(".tmp")
+                tmp.write_bytes(content)
+                tmp.chmod(0o644)
+                tmp.replace(bundle)
+        return bundle
 
     def _write_secret_files(
         self, execution_id: str, files: Mapping[str, bytes]
