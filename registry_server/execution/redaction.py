@@ -36,6 +36,20 @@ class Redactor:
             "utf-8", "surrogateescape"
         )
 
+    def safe_cut(self, data: bytes) -> int:
+        """How much of ``data`` can be passed on now: all but the last bytes
+        that may start a secret, and never through the middle of one (a
+        shorter secret inside a longer one must not be replaced first)."""
+        cut = max(0, len(data) - self._hold)
+        moved = True
+        while moved:
+            moved = False
+            for value, _ in self._pairs:
+                start = data.find(value, max(0, cut - len(value) + 1))
+                if 0 <= start < cut < start + len(value):
+                    cut, moved = start, True
+        return cut
+
     def stream(self, sink: OutputSink) -> StreamRedaction:
         return StreamRedaction(self, sink)
 
@@ -50,13 +64,11 @@ class StreamRedaction:
         self._pending: dict[str, bytes] = {}
 
     def __call__(self, stream: str, chunk: bytes) -> None:
-        data = self._redactor.redact(self._pending.get(stream, b"") + chunk)
-        hold = self._redactor._hold
-        keep = data[-hold:] if hold else b""
-        out = data[: len(data) - len(keep)]
-        self._pending[stream] = keep
-        if out:
-            self._sink(stream, out)
+        data = self._pending.get(stream, b"") + chunk
+        cut = self._redactor.safe_cut(data)
+        self._pending[stream] = data[cut:]  # raw: the next chunk may complete a secret
+        if cut:
+            self._sink(stream, self._redactor.redact(data[:cut]))
 
     def flush(self) -> None:
         for stream, rest in self._pending.items():

@@ -1,0 +1,475 @@
+"""Egress allow-lists and secrets, against real parts: a real server on
+loopback, the real egress proxy container, and upstreams of the test's own
+(tests/egress_world: HTTPS/HTTP servers and a DNS server in containers on a
+network the test creates). The tools are hostile: they try every way out."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import docker
+import grpc
+import pytest
+import yaml
+
+from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
+from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
+from registry_server.api.app import App
+from registry_server.api.config import ServerConfig
+from registry_server.api.server import create_server
+from registry_server.domain.models import parse_definition
+from registry_server.signing.keys import generate_keypair, load_private_key
+from registry_server.signing.tokens import mint_for
+from registry_server.store import audit_chain
+from registry_server.wire import convert
+from tests.egress_world import UpstreamWorld
+from tests.factories import sha
+
+CANARY = "canary-7f3a9c-header-secret"  # header-delivered: must never enter a sandbox
+FILE_CANARY = "canary-51d0e2-file-secret"  # file-delivered: the tool sees it, output must not
+MAX_BYTES = 256 * 1024  # the test policy's per-call byte cap
+MAX_CONNECTIONS = 6  # the test policy's per-call connection cap
+TOKENS = {"ops": "ops-token", "team": "team-token", "other": "other-token"}
+
+# The hostile tool: each argument op is one attempt; it reports, never raises.
+TOOL = r"""
+import json, os, socket, sys, urllib.request
+args = json.load(sys.stdin)
+out = []
+for op in args.get("ops", []):
+    kind = op["kind"]
+    try:
+        if kind == "fetch":
+            req = urllib.request.Request(op["url"], headers=op.get("headers", {}))
+            with urllib.request.urlopen(req, timeout=15) as r:
+                body = r.read()
+            out.append({"ok": True, "status": r.status, "len": len(body), "body": body[:400].decode(errors="replace")})
+        elif kind == "direct":
+            socket.create_connection((op["host"], op["port"]), timeout=1).close()
+            out.append({"ok": True})
+        elif kind == "dns":
+            # A raw query to every resolver the sandbox could know of, 1 s each.
+            servers = [l.split()[1] for l in open("/etc/resolv.conf") if l.startswith("nameserver")]
+            qname = b"".join(bytes([len(p)]) + p.encode() for p in op["name"].split(".")) + b"\0"
+            packet = b"\x12\x34\x01\x00\x00\x01\x00\x00\x00\x00\x00\x00" + qname + b"\x00\x01\x00\x01"
+            answers = []
+            for server in servers + op.get("servers", []):
+                s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+                s.settimeout(1)
+                try:
+                    s.sendto(packet, (server, 53))
+                    reply = s.recv(512)
+                    if reply[3] & 0x0F == 0 and reply[6:8] != b"\0\0":
+                        answers.append(server)
+                except OSError:
+                    pass
+            if answers:
+                out.append({"ok": True, "answered_by": answers})
+            else:
+                raise OSError(f"no answer from {servers + op.get('servers', [])}")
+        elif kind == "interfaces":
+            out.append({"ok": True, "names": sorted(n for _, n in socket.if_nameindex())})
+        elif kind == "snoop":
+            seen = {"environ": open("/proc/self/environ", "rb").read().decode(errors="replace"),
+                    "init_environ": "", "files": {}}
+            try:
+                seen["init_environ"] = open("/proc/1/environ", "rb").read().decode(errors="replace")
+            except OSError as e:
+                seen["init_environ"] = str(e)
+            for root in ("/etc", "/run", "/tmp", "/opt", "/home", "/root", "/var"):
+                for d, _, files in os.walk(root):
+                    for f in files:
+                        p = os.path.join(d, f)
+                        try:
+                            with open(p, "rb") as fh:
+                                seen["files"][p] = fh.read(1 << 20).decode(errors="replace")
+                        except OSError:
+                            pass
+            out.append({"ok": True, "seen": seen})
+        elif kind == "cat":
+            out.append({"ok": True, "text": open(op["path"]).read()})
+        elif kind == "many":
+            n_ok = 0
+            for _ in range(op["n"]):
+                try:
+                    with urllib.request.urlopen(op["url"], timeout=10) as r:
+                        r.read(); n_ok += 1
+                except Exception:
+                    pass
+            out.append({"ok": True, "succeeded": n_ok})
+    except Exception as e:
+        out.append({"ok": False, "error": f"{type(e).__name__}: {e}"[:300]})
+print(json.dumps(out))
+"""
+
+
+@dataclass
+class Deployment:
+    world: UpstreamWorld
+    app: App
+    port: int
+    stub: pb_grpc.ToolRegistryStub
+    data: Path
+    approver_key: bytes
+    metrics_port: int
+
+    def md(self, who: str = "ops") -> list[tuple[str, str]]:
+        return [("authorization", f"Bearer {TOKENS[who]}")]
+
+    def register(self, who: str = "ops", **manifest: Any) -> pb.Tool:
+        tool = parse_definition(
+            {
+                "description": "egress test tool",
+                "parameters": {"type": "object"},
+                "safety_level": "cautious",
+                "sandbox": {"image": "toolreg/python", "command": ["python3", "-c", TOOL],
+                            "limits": {"timeout_ms": 30_000}},
+                **manifest,
+            }
+        )  # fmt: skip
+        answer: pb.Tool = self.stub.RegisterTool(
+            pb.RegisterToolRequest(tool=convert.tool_to_pb(tool), replace=True),
+            metadata=self.md(who),
+        )
+        return answer
+
+    def run(self, name: str, *ops: dict[str, Any], tokens: list[str] = ()) -> pb.ToolResult:  # type: ignore[assignment]
+        result: pb.ToolResult = self.stub.ExecuteTool(
+            pb.ExecuteToolRequest(
+                name=name, arguments_json=json.dumps({"ops": list(ops)}),
+                approval_tokens=list(tokens),
+            ),
+            metadata=self.md(),
+            timeout=120,
+        )  # fmt: skip
+        return result
+
+    def audit(self, execution_id: str) -> dict[str, Any]:
+        for entry in audit_chain.tail(self.app.store, 50):
+            if entry["record"].get("execution_id") == execution_id:
+                return dict(entry["record"])
+        raise AssertionError(f"no audit record for {execution_id}")
+
+
+def results(result: pb.ToolResult) -> list[dict[str, Any]]:
+    assert result.status == pb.EXECUTION_STATUS_OK, (result.error, result.stderr)
+    out: list[dict[str, Any]] = json.loads(result.content)
+    return out
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    engine = docker.from_env()
+    with UpstreamWorld(engine) as world:
+        data = tmp_path_factory.mktemp("egress") / "data"
+        secrets = data / "secrets"
+        secrets.mkdir(parents=True, mode=0o700)
+        for name, value in (("CANARY", CANARY), ("FILE_CANARY", FILE_CANARY),
+                            ("OTHER_TEAM", "not-for-team")):  # fmt: skip
+            (secrets / name).write_text(value + "\n")
+            (secrets / name).chmod(0o600)
+        private, public = generate_keypair()
+        policy = {
+            "audience": "egress-test",
+            "approvers": [{"id": "boss", "public_key": public, "groups": ["ops"]}],
+            "egress": {
+                "allow_private": [world.subnet],
+                "max_bytes_per_call": MAX_BYTES,
+                "max_connections_per_call": MAX_CONNECTIONS,
+            },
+            "clients": [
+                {"id": "ops", "token_sha256": sha(TOKENS["ops"]),
+                 "roles": ["admin", "register", "execute"], "max_safety_level": "dangerous"},
+                {"id": "team", "token_sha256": sha(TOKENS["team"]),
+                 "roles": ["register", "execute"], "max_safety_level": "cautious",
+                 "register": {"max_safety_level": "cautious", "images": ["toolreg/python"],
+                              "egress": ["api.world.test:443"], "secrets": ["CANARY"]}},
+            ],
+        }  # fmt: skip
+        policy_file = data / "policy.yaml"
+        policy_file.write_text(yaml.safe_dump(policy))
+        config = ServerConfig(
+            port=0, host="127.0.0.1", data_dir=data, policy_file=policy_file, metrics_port=0,
+            egress_networks=(world.network_name,), egress_dns=(world.dns_ip,),
+            egress_upstream_ca=world.ca_file,
+        )  # fmt: skip
+        server, port, app = create_server(config)
+        server.start()
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        try:
+            yield Deployment(world, app, port, pb_grpc.ToolRegistryStub(channel), data,
+                             private, app.metrics_port or 0)  # fmt: skip
+        finally:
+            channel.close()
+            server.stop(grace=None).wait()
+            app.close()
+        left = engine.api.networks(
+            filters={"label": f"io.toolreg.instance={app.backend.instance_id}"}  # type: ignore[attr-defined]
+        )
+        assert left == [], "egress networks left behind"
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def fetcher(deployment: Deployment) -> str:
+    deployment.register(
+        name="fetcher",
+        network={"egress": ["api.world.test:443", "plain.world.test:80", "other.world.test:443",
+                            "rebind.world.test:443", "rebind-first-bad.world.test:443",
+                            "private.world.test:443", "loopback.world.test:443",
+                            "metadata.world.test:443"]},
+        secrets=[{"name": "CANARY", "inject": {"host": "api.world.test"}}],
+    )  # fmt: skip
+    return "fetcher"
+
+
+def test_an_allowed_host_answers_and_every_connection_is_recorded(
+    deployment: Deployment, fetcher: str
+) -> None:
+    r = deployment.run(
+        fetcher,
+        {"kind": "fetch", "url": "https://api.world.test/hello"},
+        {"kind": "fetch", "url": "http://plain.world.test/plain"},
+        {"kind": "fetch", "url": "https://other.world.test/tunnel"},
+    )
+    got = results(r)
+    assert [g["ok"] for g in got] == [True, True, True], got
+    assert json.loads(got[0]["body"])["host"] == "api.world.test"
+    assert json.loads(got[1]["body"])["host"] == "plain.world.test"
+    record = deployment.audit(r.execution_id)
+    seen = {(c["host"], c["port"]): c for c in record["egress"]}
+    assert set(seen) == {("api.world.test", 443), ("plain.world.test", 80),
+                         ("other.world.test", 443)}  # fmt: skip
+    assert all(c["allowed"] and c["bytes_down"] > 0 and c["bytes_up"] > 0 for c in seen.values())
+    assert seen[("api.world.test", 443)]["address"] == deployment.world.ip("api.world.test")
+    assert seen[("api.world.test", 443)]["injected"] is True
+    assert seen[("other.world.test", 443)]["injected"] is False
+
+
+@pytest.mark.parametrize(
+    ("url", "reason"),
+    [
+        ("https://forbidden.world.test/", "not in the allow-list"),
+        ("https://api.world.test:8443/", "not in the allow-list"),  # listed host, other port
+        ("http://api.world.test/", "not in the allow-list"),  # port 80 is not listed
+        ("https://private.world.test/", "private"),
+        ("https://loopback.world.test/", "loopback"),
+        ("https://metadata.world.test/", "metadata"),
+        ("https://rebind-first-bad.world.test/", "loopback"),
+    ],
+)
+def test_everything_else_is_refused_and_recorded(
+    deployment: Deployment, fetcher: str, url: str, reason: str
+) -> None:
+    r = deployment.run(fetcher, {"kind": "fetch", "url": url})
+    (got,) = results(r)
+    assert got["ok"] is False, got
+    (conn,) = deployment.audit(r.execution_id)["egress"]
+    assert conn["allowed"] is False and reason in conn["reason"], conn
+    assert conn["bytes_down"] == 0 and deployment.world.requests("forbidden.world.test") == []
+
+
+def test_a_raw_ip_is_refused_even_when_it_is_an_allowed_hosts_address(
+    deployment: Deployment, fetcher: str
+) -> None:
+    ip = deployment.world.ip("api.world.test")
+    r = deployment.run(fetcher, {"kind": "fetch", "url": f"https://{ip}/"})
+    assert results(r)[0]["ok"] is False
+    (conn,) = deployment.audit(r.execution_id)["egress"]
+    assert conn["allowed"] is False and "raw IP" in conn["reason"]
+
+
+def test_a_rebinding_name_is_pinned_to_the_address_that_was_checked(
+    deployment: Deployment, fetcher: str
+) -> None:
+    """The DNS server answers the api upstream's address first and 127.0.0.1
+    after: the proxy asks once, checks that answer, and connects to it."""
+    before = len(deployment.world.requests("api.world.test"))
+    r = deployment.run(fetcher, {"kind": "fetch", "url": "https://rebind.world.test/pinned"})
+    got = results(r)
+    (conn,) = deployment.audit(r.execution_id)["egress"]
+    assert conn["address"] == deployment.world.ip("api.world.test")
+    asked = [q for q in deployment.world.dns_queries() if q["name"] == "rebind.world.test"
+             and q["type"] == "A"]  # fmt: skip
+    assert len(asked) == 1, asked  # no second look-up between check and connect
+    # The api upstream's certificate does not name rebind.world.test: the tool's
+    # TLS check fails, but nothing went anywhere but the checked address.
+    assert got[0]["ok"] is False and "CERTIFICATE" in got[0]["error"].upper()
+    assert len(deployment.world.requests("api.world.test")) == before
+
+
+def test_a_tool_that_ignores_the_proxy_reaches_nothing_and_resolves_nothing(
+    deployment: Deployment, fetcher: str
+) -> None:
+    world = deployment.world
+    queries_before = len(world.dns_queries())
+    direct = results(
+        deployment.run(
+            fetcher,
+            {"kind": "direct", "host": world.ip("api.world.test"), "port": 443},
+            {"kind": "direct", "host": world.dns_ip, "port": 53},
+            {"kind": "direct", "host": world.gateway, "port": 22},
+        )
+    )
+    assert [g["ok"] for g in direct] == [False] * 3, direct
+    resolved = results(
+        deployment.run(
+            fetcher,
+            {"kind": "dns", "name": "api.world.test", "servers": [world.dns_ip]},
+            {"kind": "dns", "name": "example.com"},
+        )
+    )
+    assert [g["ok"] for g in resolved] == [False] * 2, resolved
+    assert len(world.dns_queries()) == queries_before  # no query reached any DNS server
+    assert world.requests("forbidden.world.test") == []
+
+
+def test_the_header_secret_reaches_its_host_and_nothing_else(
+    deployment: Deployment, fetcher: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    world = deployment.world
+    r = deployment.run(
+        fetcher,
+        {"kind": "fetch", "url": "https://api.world.test/with-secret",
+         "headers": {"Authorization": "Bearer forged-by-tool"}},
+        {"kind": "fetch", "url": "https://api.world.test/echo-header?name=Authorization"},
+        {"kind": "fetch", "url": "https://other.world.test/no-secret"},
+        {"kind": "fetch", "url": "http://plain.world.test/no-secret"},
+        {"kind": "snoop"},
+    )  # fmt: skip
+    got = results(r)
+    sent = [q for q in world.requests("api.world.test") if q["path"] == "/with-secret"]
+    assert sent[-1]["headers"]["Authorization"] == f"Bearer {CANARY}"  # replaced the forged one
+    for name in ("other.world.test", "plain.world.test"):
+        assert CANARY not in json.dumps(world.requests(name))
+    # The echo came back masked, and the sandbox holds the value nowhere.
+    assert got[1]["ok"] and "*" * len(CANARY) in got[1]["body"]
+    seen = json.dumps(got[4]["seen"])
+    assert "PRIVATE KEY" not in seen  # no key of the CA (or any other) is in there
+    everywhere = [
+        r.SerializeToString(),
+        deployment.stub.GetTool(
+            pb.GetToolRequest(name=fetcher), metadata=deployment.md()
+        ).SerializeToString(),
+        deployment.stub.ListTools(
+            pb.ListToolsRequest(), metadata=deployment.md()
+        ).SerializeToString(),
+        deployment.stub.GetToolSchemas(
+            pb.GetToolSchemasRequest(), metadata=deployment.md()
+        ).SerializeToString(),
+        json.dumps(audit_chain.tail(deployment.app.store, 200)).encode(),
+        urllib.request.urlopen(f"http://127.0.0.1:{deployment.metrics_port}/metrics").read(),
+        caplog.text.encode(),
+        (deployment.data / "toolreg.db").read_bytes(),
+    ]
+    for where in everywhere:
+        assert CANARY.encode() not in where
+    assert CANARY not in seen
+    # Nothing of the secret is left on disk once the call is over.
+    deployment.app.backend.flush()
+    assert list((deployment.data / "egress" / "run").glob("*/*")) == []
+
+
+def test_a_file_secret_is_there_for_the_call_and_redacted_from_its_output(
+    deployment: Deployment,
+) -> None:
+    deployment.register(name="file_secret", secrets=[{"name": "FILE_CANARY", "deliver": "file"}])
+    r = deployment.run("file_secret", {"kind": "cat", "path": "/run/secrets/FILE_CANARY"},
+                       {"kind": "interfaces"})  # fmt: skip
+    got = results(r)
+    assert got[0]["text"].strip() == "[secret FILE_CANARY]"
+    assert FILE_CANARY not in r.content and FILE_CANARY not in r.stderr
+    assert got[1]["names"] == ["lo"]  # a secret without egress gives no network
+    assert FILE_CANARY not in json.dumps(audit_chain.tail(deployment.app.store, 5))
+    deployment.app.backend.flush()  # the call's files go with its container
+    assert list((deployment.data / "egress" / "run").glob("*/*")) == []
+
+
+def test_a_tool_without_egress_still_has_only_lo(deployment: Deployment) -> None:
+    deployment.register(name="offline")
+    got = results(deployment.run("offline", {"kind": "interfaces"},
+                                 {"kind": "dns", "name": "api.world.test",
+                                  "servers": [deployment.world.dns_ip]}))  # fmt: skip
+    assert got[0]["names"] == ["lo"]
+    assert got[1]["ok"] is False
+    assert (
+        "HTTPS_PROXY"
+        not in results(deployment.run("offline", {"kind": "snoop"}))[0]["seen"]["environ"]
+    )
+
+
+def test_changing_egress_voids_approvals_signed_for_the_old_definition(
+    deployment: Deployment,
+) -> None:
+    def register(egress: list[str]) -> None:
+        deployment.register(name="dangerous_fetch", safety_level="dangerous",
+                            network={"egress": egress})  # fmt: skip
+
+    register(["api.world.test:443"])
+    first = deployment.run("dangerous_fetch")
+    assert first.status == pb.EXECUTION_STATUS_APPROVAL_REQUIRED
+    token = mint_for(load_private_key(deployment.approver_key), issuer="boss",
+                     request=first.approval_request, ttl_s=300)  # fmt: skip
+    register(["api.world.test:443", "forbidden.world.test:443"])
+    replay = deployment.run("dangerous_fetch", tokens=[token])
+    assert replay.status == pb.EXECUTION_STATUS_APPROVAL_DENIED
+    assert "digest" in replay.error
+
+
+def test_a_flood_is_cut_at_the_caps_without_slowing_other_calls(
+    deployment: Deployment, fetcher: str
+) -> None:
+    big = {"kind": "fetch", "url": f"https://other.world.test/big?bytes={8 * MAX_BYTES}"}
+    many = {"kind": "many", "url": "http://plain.world.test/again", "n": 3 * MAX_CONNECTIONS}
+    with ThreadPoolExecutor(2) as pool:
+        flood = pool.submit(deployment.run, fetcher, big)
+        storm = pool.submit(deployment.run, fetcher, many)
+        time.sleep(0.5)
+        started = time.monotonic()
+        calm = deployment.run(fetcher, {"kind": "fetch", "url": "https://api.world.test/calm"})
+        calm_s = time.monotonic() - started
+        flood_r, storm_r = flood.result(), storm.result()
+    assert results(calm)[0]["ok"], calm.content
+    assert calm_s < 25, calm_s  # well inside its own timeout: not starved
+    assert results(flood_r)[0]["ok"] is False  # the download was cut
+    conns = deployment.audit(flood_r.execution_id)["egress"]
+    assert sum(c["bytes_down"] + c["bytes_up"] for c in conns) <= MAX_BYTES
+    assert any("byte cap" in c["reason"] for c in conns), conns
+    storm_record = deployment.audit(storm_r.execution_id)["egress"]
+    assert results(storm_r)[0]["succeeded"] == MAX_CONNECTIONS
+    assert len(storm_record) == 3 * MAX_CONNECTIONS
+    assert sum(1 for c in storm_record if "connection cap" in c["reason"]) == 2 * MAX_CONNECTIONS
+
+
+def test_clients_grant_only_the_hosts_and_secrets_the_policy_gives_them(
+    deployment: Deployment,
+) -> None:
+    ok = deployment.register(
+        "team",
+        name="team_tool",
+        network={"egress": ["api.world.test:443"]},
+        secrets=[{"name": "CANARY", "inject": {"host": "api.world.test"}}],
+    )
+    assert ok.owner == "team" and ok.secrets[0].name == "CANARY"
+    refused = [
+        {"network": {"egress": ["forbidden.world.test:443"]}},
+        {"network": {"egress": ["*.world.test:443"]}},  # wider than the grant
+        {"network": {"egress": ["api.world.test:443"]},
+         "secrets": [{"name": "OTHER_TEAM", "inject": {"host": "api.world.test"}}]},
+        {"safety_level": "safe", "network": {"egress": ["api.world.test:443"]}},
+    ]  # fmt: skip
+    for extra in refused:
+        with pytest.raises(grpc.RpcError) as caught:
+            deployment.register("team", name="team_bad", **extra)
+        assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED, extra
+    with pytest.raises(grpc.RpcError):
+        deployment.stub.GetTool(pb.GetToolRequest(name="team_bad"), metadata=deployment.md())
