@@ -18,6 +18,7 @@ import typer
 from registry_server.client import registry_client as client_mod
 from registry_server.client.registry_client import RegistryClient, describe_rpc_error, open_channel
 from registry_server.client.terminal import escape
+from registry_server.domain.egress import describe_reach
 from registry_server.domain.errors import ToolregError
 from registry_server.domain.files import read_credential
 from registry_server.domain.models import LIMIT_FIELDS, SafetyLevel
@@ -449,6 +450,11 @@ def _tool_lines(req: Any) -> list[str]:
     limits = tool.sandbox.limits
     asked = ", ".join(f"{name} {getattr(limits, name) or 'level default'}" for name in LIMIT_FIELDS)
     env = ", ".join(f"{k}={v!r}" for k, v in sorted(tool.sandbox.env.items())) or "none"
+    try:
+        shown = convert.stored_tool_from_pb(tool)
+        reach, secrets = describe_reach(shown.egress, shown.secrets)
+    except ToolregError:
+        reach, secrets = ", ".join(tool.network.egress) or "none", "(unreadable)"
     return [
         f"level     {convert.level_name(tool.safety_level)}",
         f"owner     {tool.owner}",
@@ -456,6 +462,8 @@ def _tool_lines(req: Any) -> list[str]:
         f"command   {json.dumps(list(tool.sandbox.command), ensure_ascii=False)}",
         f"env       {env}",
         f"limits    {asked}",
+        f"egress    {reach}",
+        f"secrets   {secrets}",
         "definition " + ("matches the digest signed" if matches else "DOES NOT match tool_digest"),
     ]
 

@@ -192,3 +192,18 @@ def freeze_secrets(secrets: list[SecretInput]) -> tuple[SecretRef, ...]:
         )
         for s in sorted(secrets, key=lambda s: s.name)
     )
+
+
+def describe_reach(egress: tuple[str, ...], secrets: tuple[SecretRef, ...]) -> tuple[str, str]:
+    """(egress, secrets) in words for people: what an approver signs, what a
+    tool belt tells the model. Names and hosts only, never values."""
+    reach = ", ".join(egress) or "none (no network)"
+    used = []
+    for ref in secrets:
+        if ref.inject is not None:
+            used.append(
+                f"{ref.name} (header {ref.inject.header} to {ref.inject.host}:{ref.inject.port})"
+            )
+        else:
+            used.append(f"{ref.name} (file /run/secrets/{ref.name})")
+    return reach, ", ".join(used) or "none"

@@ -7,6 +7,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from registry_server.domain.egress import describe_reach
 from registry_server.domain.models import ToolDefinition
 
 
@@ -57,6 +58,9 @@ def tool_belt(tools: Sequence[ToolDefinition]) -> str:
         props: dict[str, Any] = params.get("properties", {})
         required = set(params.get("required", []))
         lines.append(f"- {tool.name} [{tool.safety_level.value}]: {tool.description.strip()}")
+        if tool.egress or tool.secrets:
+            reach, secrets = describe_reach(tool.egress, tool.secrets)
+            lines.append(f"    reaches: {reach}; secrets (held by the server): {secrets}")
         for pname, pschema in props.items():
             ptype = pschema.get("type", "any") if isinstance(pschema, dict) else "any"
             if isinstance(ptype, list):

@@ -149,3 +149,12 @@ def test_redaction_replaces_secrets_even_split_across_chunks() -> None:
     stream.flush()
     assert b"".join(out) == b"xx [secret KEY] yy s3cr3"
     assert not Redactor({})
+
+
+def test_the_tool_belt_says_what_a_tool_reaches_and_never_a_value() -> None:
+    from registry_server.domain.schemas import tool_belt
+
+    t = tool(**_egress_tool(secrets=[{"name": "TOKEN", "inject": {"host": "api.example.com"}}]))
+    belt = tool_belt([t])
+    assert "reaches: api.example.com:443" in belt
+    assert "TOKEN (header Authorization to api.example.com:443)" in belt
