@@ -88,6 +88,7 @@ CANCEL_POLL_S: Final = 0.05  # seconds between checks of the caller's cancel eve
 KILL_GRACE_S: Final = 5.0  # seconds to wait for the stream to end after SIGKILL
 API_TIMEOUT_S: Final = 60  # seconds: HTTP timeout of one engine call (not the tool's)
 UNPRIVILEGED_USER: Final = "65534:65534"  # nobody:nogroup
+UNROUTABLE_DNS: Final = "192.0.2.1"  # TEST-NET-1 (RFC 5737): a resolver nobody answers for
 # Runtimes known to reject a pids limit (gVisor enforces its own, and errors on ours).
 NO_PIDS_LIMIT_RUNTIMES: Final = frozenset({"runsc"})
 
@@ -765,6 +766,11 @@ class DockerBackend:
             mounts=self._mounts(spec) or None,
             runtime=spec.runtime,
             auto_remove=False,  # we read the state first, then remove
+            # On a call's egress network Docker's embedded DNS answers in the
+            # sandbox; an unroutable upstream keeps it from forwarding anything
+            # (older engines forwarded via the host for a loopback resolver:
+            # CVE-2024-29018). Names are the proxy's to resolve.
+            dns=[UNROUTABLE_DNS] if network else None,
         )
         return host_config
 

@@ -113,7 +113,7 @@ class InjectionInput(_Strict):
     def _header(cls, value: str) -> str:
         if not re.match(HEADER_NAME_PATTERN, value):
             raise ValueError("must be an HTTP header name (letters, digits and '-')")
-        if value.lower() in _RESERVED_HEADERS:
+        if value.lower() in _RESERVED_HEADERS or value.lower().startswith("proxy-"):
             raise ValueError(f"{value!r} frames or routes the request; use another header")
         return value
 

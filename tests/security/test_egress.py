@@ -181,6 +181,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
             "audience": "egress-test",
             "approvers": [{"id": "boss", "public_key": public, "groups": ["ops"]}],
             "egress": {
+                "levels": ["cautious", "dangerous"],  # dangerous: registered, never run here
                 "allow_private": [world.subnet],
                 "max_bytes_per_call": MAX_BYTES,
                 "max_connections_per_call": MAX_CONNECTIONS,

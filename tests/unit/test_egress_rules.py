@@ -99,6 +99,9 @@ def test_egress_and_secrets_are_part_of_the_digest_only_when_set() -> None:
         ({"secrets": [{"name": "T", "deliver": "file"}] * 2}, "secrets"),
         ({"secrets": [{"name": f"S{i}", "deliver": "file"} for i in range(17)]}, "secrets"),
         ({"warm_pool": 1}, "warm_pool"),
+        ({"secrets": [{"name": "T", "inject": {"host": "api.example.com",
+                                               "header": "Proxy-Token"}}]},
+         "secrets.0.inject.header"),
     ],
 )  # fmt: skip
 def test_bad_secrets_are_refused_naming_the_field(extra: dict[str, object], field: str) -> None:
@@ -121,6 +124,10 @@ def test_grants_decide_egress_and_secrets_at_registration_and_before_calls() -> 
     assert "api.example.com:443" in str(egress_refusal(t, "team", other_host, policy))
     only_dangerous = EgressPolicy(levels=frozenset({SafetyLevel.DANGEROUS}))
     assert "only for dangerous" in str(egress_refusal(t, "team", narrow, only_dangerous))
+    dangerous = tool(
+        **manifest(safety_level="dangerous", network={"egress": ["api.example.com:443"]})
+    )
+    assert "only for cautious" in str(egress_refusal(dangerous, "ops", UNRESTRICTED, policy))
 
 
 def test_secret_files_must_be_private(tmp_path: Path) -> None:
