@@ -95,8 +95,8 @@ class SandboxPlanner:
         ``input_bytes``: the RFC 8785 canonical arguments, the very bytes an
         approval's args_digest hashes (1 and 1.0 cannot differ on the way).
         ``secrets``: the tool's secret values (``secret_values``), read once per
-        call. NotRunnable when the policy no longer lets the tool have its
-        egress or secrets."""
+        call after ``check_egress`` passed; NotRunnable when they are not all
+        there."""
         requested = Limits(**tool.sandbox.limits.as_dict(), tmpfs_mb=0, nofile=0, fsize_mb=0)
         limits = self.policy.ceilings[tool.safety_level].tightest(requested)
         env = dict(tool.sandbox.env)
@@ -146,8 +146,7 @@ class SandboxPlanner:
     ) -> tuple[EgressSpec | None, tuple[SecretFile, ...]]:
         if not tool.egress and not tool.secrets:
             return None, ()
-        self.check_egress(tool)
-        policy = self.policy
+        policy = self.policy  # the executor ran check_egress before reading the values
         if set(values) != {ref.name for ref in tool.secrets}:
             raise NotRunnable(f"the secrets of '{tool.name}' were not read for this call")
         files = tuple(

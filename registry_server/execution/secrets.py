@@ -11,6 +11,7 @@ metric or an error (errors name the secret, not its value).
 from __future__ import annotations
 
 import os
+import re
 import stat
 from collections.abc import Mapping
 from pathlib import Path
@@ -32,8 +33,6 @@ class SecretStore:
 
     def value(self, name: str) -> bytes:
         """The secret's bytes (one trailing newline dropped: files end in one)."""
-        import re
-
         if not re.match(SECRET_NAME_PATTERN, name):
             raise SecretUnavailable(f"secret name {name[:64]!r} is not valid")
         path = self.directory / name

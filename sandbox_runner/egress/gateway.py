@@ -83,6 +83,7 @@ class EgressGateway:
         self._labels = dict(labels)
         self._lock = threading.Lock()
         self._proxy_id: str | None = None
+        self._bundle: Path | None = None  # _trust_bundle, once written
 
     @property
     def control_path(self) -> Path:
@@ -259,20 +260,21 @@ class EgressGateway:
         (for hosts tunnelled as they are) plus this server's CA (for the hosts
         the proxy intercepts). SSL_CERT_FILE replaces a stack's default
         bundle, so both must be in the one file."""
-        self.ca.load_or_create()
-        bundle = self.config.state_dir / "sandbox-trust.pem"
-        content = (
-            self.config.upstream_ca_file.read_bytes().rstrip(b"\n")
-            + b"\n"
-            + self.ca.cert_path.read_bytes()
-        )
         with self._lock:
-            if not bundle.exists() or bundle.read_bytes() != content:
+            if self._bundle is None:
+                # Written once per server: the CAs change only with a restart.
+                self.ca.load_or_create()
+                bundle = self.config.state_dir / "sandbox-trust.pem"
                 tmp = bundle.with_suffix(".tmp")
-                tmp.write_bytes(content)
+                tmp.write_bytes(
+                    self.config.upstream_ca_file.read_bytes().rstrip(b"\n")
+                    + b"\n"
+                    + self.ca.cert_path.read_bytes()
+                )
                 tmp.chmod(0o644)
                 tmp.replace(bundle)
-        return bundle
+                self._bundle = bundle
+            return self._bundle
 
     def _write_secret_files(
         self, execution_id: str, files: Mapping[str, bytes]
