@@ -18,6 +18,7 @@ without waiting for the engine to notice the exit or inspecting the container.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import logging
 import math
@@ -69,6 +70,7 @@ from .spec import (
     SandboxResult,
     SandboxSpec,
 )
+from .tracing import SANDBOX_REMOVE, TOOL_RUN, within_call
 
 __all__ = [
     "GO_BYTE",
@@ -194,6 +196,11 @@ def _overlaps_init(target: str) -> bool:
     """True when a mount at `target` would cover the init or lie in its directory."""
     norm = "/" + posixpath.normpath(target).lstrip("/")  # "//x" is "/x" to Docker
     return norm == _INIT_DIR or norm.startswith(_INIT_DIR + "/") or _INIT_DIR.startswith(norm + "/")
+
+
+# A container to remove: the caller's context, the engine's API, the container
+# and the call's egress (network, secret files) to release after it.
+_Removal = tuple[contextvars.Context, Any, str, "EgressCall | None"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -570,36 +577,48 @@ class Prepared:
             deadline = started + self.spec.limits.timeout_ms / 1000
         spec = dataclasses.replace(self.spec, input=input_bytes)
         try:
-            pump = _Pump(
-                self._api, self.container_id, self._sock, spec, self._release + input_bytes,
-                deadline, cancel, on_output,
-                check_pids=spec.runtime not in NO_PIDS_LIMIT_RUNTIMES,
-                framed=bool(self._release),
-            )  # fmt: skip
-            try:
-                pump.run()  # handles its own socket errors; the sink's exceptions propagate
-            finally:
-                pump.join_killer()
-                _close_attached(self._attached)
-            duration_ms = int((time.monotonic() - started) * 1000)
-            exit_code, oom_killed = _final_state(self._api, self.container_id, pump)
-            connections, unrecorded = self._backend.finish_egress(self._egress)
-            return SandboxResult(
-                exit_code=exit_code,
-                stdout=pump.buffers[STDOUT].getvalue(),
-                stderr=pump.buffers[STDERR].getvalue(),
-                duration_ms=duration_ms,
-                timed_out=pump.timed_out,
-                oom_killed=oom_killed,
-                pids_exhausted=pump.pids_exhausted,
-                output_truncated=pump.output_truncated,
-                container_id=self.container_id,
-                cancelled=pump.cancelled,
-                egress=connections,
-                egress_unrecorded=unrecorded,
-            )
+            with within_call(TOOL_RUN):
+                return self._see_through(spec, started, deadline, on_output, cancel)
         finally:
             self._backend.remove(self.container_id, self._egress)
+
+    def _see_through(
+        self,
+        spec: SandboxSpec,
+        started: float,
+        deadline: float,
+        on_output: OutputSink | None,
+        cancel: threading.Event | None,
+    ) -> SandboxResult:
+        """The tool's run, from the go byte to its final state (and its egress record)."""
+        pump = _Pump(
+            self._api, self.container_id, self._sock, spec, self._release + spec.input,
+            deadline, cancel, on_output,
+            check_pids=spec.runtime not in NO_PIDS_LIMIT_RUNTIMES,
+            framed=bool(self._release),
+        )  # fmt: skip
+        try:
+            pump.run()  # handles its own socket errors; the sink's exceptions propagate
+        finally:
+            pump.join_killer()
+            _close_attached(self._attached)
+        duration_ms = int((time.monotonic() - started) * 1000)
+        exit_code, oom_killed = _final_state(self._api, self.container_id, pump)
+        connections, unrecorded = self._backend.finish_egress(self._egress)
+        return SandboxResult(
+            exit_code=exit_code,
+            stdout=pump.buffers[STDOUT].getvalue(),
+            stderr=pump.buffers[STDERR].getvalue(),
+            duration_ms=duration_ms,
+            timed_out=pump.timed_out,
+            oom_killed=oom_killed,
+            pids_exhausted=pump.pids_exhausted,
+            output_truncated=pump.output_truncated,
+            container_id=self.container_id,
+            cancelled=pump.cancelled,
+            egress=connections,
+            egress_unrecorded=unrecorded,
+        )
 
     def discard(self) -> None:
         """Remove it unused (pool drained, too old, tool replaced). With an init the
@@ -658,7 +677,9 @@ class DockerBackend:
         self._lock = threading.Lock()
         # Removing a finished container changes nothing the caller is told, so a
         # server can answer first and remove right after; close() waits for it.
-        self._removals: queue.Queue[tuple[Any, str, EgressCall | None] | None] | None = None
+        # Each job carries its caller's context, so the removal's span and log lines
+        # belong to the call that used the container.
+        self._removals: queue.Queue[_Removal | None] | None = None
         self._remover: threading.Thread | None = None
         # Containers whose removal failed (the engine was down or erred): removed again by
         # retry_removals() once it answers, so an engine restart leaves nothing behind.
@@ -959,9 +980,9 @@ class DockerBackend:
         container is gone (a network cannot go while a container is on it)."""
         api = self._client().api
         if self._removals is None:
-            self._remove(api, container_id, egress)
+            self._traced_remove(api, container_id, egress)
         else:
-            self._removals.put((api, container_id, egress))
+            self._removals.put((contextvars.copy_context(), api, container_id, egress))
 
     def _remove_loop(self) -> None:
         assert self._removals is not None
@@ -970,7 +991,8 @@ class DockerBackend:
             try:
                 if job is None:
                     return
-                self._remove(*job)
+                context, *args = job
+                context.run(self._traced_remove, *args)
             finally:
                 self._removals.task_done()
 
@@ -978,6 +1000,10 @@ class DockerBackend:
         """Wait until every container handed to background removal is gone."""
         if self._removals is not None:
             self._removals.join()
+
+    def _traced_remove(self, api: Any, container_id: str, egress: EgressCall | None) -> None:
+        with within_call(SANDBOX_REMOVE):
+            self._remove(api, container_id, egress)
 
     def _remove(self, api: Any, container_id: str, egress: EgressCall | None = None) -> None:
         if container_id and not self._try_remove(api, container_id):

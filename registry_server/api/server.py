@@ -15,6 +15,7 @@ from grpc_reflection.v1alpha import reflection
 
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
+from registry_server.api import tracing
 from registry_server.api.app import App, build_app
 from registry_server.api.auth import Authenticator, AuthInterceptor
 from registry_server.api.config import MAX_MESSAGE_BYTES, ServerConfig
@@ -35,12 +36,16 @@ def create_server(config: ServerConfig, app: App | None = None) -> tuple[grpc.Se
     """A started-ready (not yet started) server bound to config.host:config.port.
     Returns the server, the bound port (useful with port 0) and its App."""
     app = app or build_app(config)
+    interceptors: list[grpc.ServerInterceptor] = [
+        MetricsInterceptor(app.metrics),  # before auth: it counts refused calls too
+        AuthInterceptor(Authenticator(None if app.dev_mode else app.approvals.policy)),
+    ]
+    traced = tracing.server_interceptor()
+    if traced is not None:
+        interceptors.insert(0, traced)  # outermost: refused calls are spans too
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.grpc_threads, thread_name_prefix="grpc"),
-        interceptors=[
-            MetricsInterceptor(app.metrics),  # first: it counts refused calls too
-            AuthInterceptor(Authenticator(None if app.dev_mode else app.approvals.policy)),
-        ],
+        interceptors=interceptors,
         options=[
             ("grpc.so_reuseport", 0),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import queue
 import threading
 import time
@@ -42,15 +43,20 @@ def _cancel_event(context: grpc.ServicerContext) -> threading.Event:
 
 class StreamedCall:
     """Runs an execution on its own thread and yields its output as events,
-    then exactly one result. The queue is bounded by the output caps."""
+    then exactly one result. The queue is bounded by the output caps. The
+    thread runs in a copy of the RPC's context: its trace span and caller."""
 
     _DONE = object()
 
     def __init__(self, executor: Executor, call: CallRequest, cancel: threading.Event) -> None:
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._error: BaseException | None = None
+        context = contextvars.copy_context()
         self._thread = threading.Thread(
-            target=self._run, args=(executor, call, cancel), name="stream-exec", daemon=True
+            target=context.run,
+            args=(self._run, executor, call, cancel),
+            name="stream-exec",
+            daemon=True,
         )
         self._thread.start()
 

@@ -76,6 +76,32 @@ def root(
     ] = False,
 ) -> None:
     ctx.obj = Connection(token, tls_ca, tls_cert, tls_key, tls)
+    _start_tracing(ctx)
+
+
+# The service name each kind of process reports when OTEL_SERVICE_NAME is unset.
+SERVICE_NAMES = {"serve": "toolreg", "mcp": "toolreg-mcp"}
+LONG_RUNNING = frozenset(SERVICE_NAMES)  # no span for the whole life of a server
+
+
+def _start_tracing(ctx: typer.Context) -> None:
+    """Tracing, when the OTEL_* variables ask for it: a command is one span, and
+    its RPCs are client spans under it, which the server continues."""
+    from registry_server.api import tracing
+
+    command = ctx.invoked_subcommand or ""
+    try:
+        started = tracing.configure(SERVICE_NAMES.get(command, "toolreg-cli"))
+    except ToolregError as exc:
+        fail(exc.message, 2)
+    if started is None:
+        return
+    ctx.call_on_close(started.shutdown)  # exports the last spans before the process ends
+    if command not in LONG_RUNNING:
+        from opentelemetry import trace
+
+        tracer = trace.get_tracer("toolreg.cli")
+        ctx.with_resource(tracer.start_as_current_span(f"toolreg {command}".strip()))
 
 
 AddressOpt = Annotated[

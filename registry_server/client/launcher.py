@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 SERVING_LINE = re.compile(r"serving on (\S+:\d+)")
@@ -36,11 +37,17 @@ class ServerProcess:
         self.proc.wait(timeout=30)
 
 
-def spawn_server(data_dir: Path, *extra_args: str, cwd: Path | None = None) -> ServerProcess:
+def spawn_server(
+    data_dir: Path,
+    *extra_args: str,
+    cwd: Path | None = None,
+    env: Mapping[str, str] | None = None,
+) -> ServerProcess:
+    """``env``: the server's whole environment (default: this process's)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "registry_server.client.cli", "serve", "--port", "0",
          "--data-dir", str(data_dir), *extra_args],
-        stderr=subprocess.PIPE, text=True, cwd=cwd,
+        stderr=subprocess.PIPE, text=True, cwd=cwd, env=env,
     )  # fmt: skip
     assert proc.stderr is not None
     log: list[str] = []

@@ -32,6 +32,8 @@ from typing import Any
 import grpc
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
+from opentelemetry.instrumentation.grpc import client_interceptor
+from opentelemetry.instrumentation.grpc.grpcext import intercept_channel as trace_channel
 
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
@@ -94,7 +96,11 @@ def open_channel(
     tls: bool = False,
 ) -> grpc.Channel:
     """A channel to the server: TLS when any TLS option is given (the CA
-    defaults to the system's), mTLS with a client certificate and key."""
+    defaults to the system's), mTLS with a client certificate and key.
+
+    Every call carries the current trace context (W3C ``traceparent``), so a
+    server with tracing on continues the caller's trace; with an OpenTelemetry
+    SDK installed in this process, each call is also a client span."""
     if tls or tls_ca or tls_cert:
         creds = grpc.ssl_channel_credentials(tls_ca, tls_key, tls_cert)
         channel = grpc.secure_channel(address, creds)
@@ -102,7 +108,8 @@ def open_channel(
         channel = grpc.insecure_channel(address)
     if token:
         channel = grpc.intercept_channel(channel, _BearerToken(token))
-    return channel
+    traced: grpc.Channel = trace_channel(channel, client_interceptor())  # type: ignore[no-untyped-call]
+    return traced
 
 
 class ApprovalWaitError(Exception):

@@ -18,6 +18,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import ExitStack
 
 from registry_server.approvals.service import Approvals, Call, Denied, Required
 from registry_server.catalog.registry import Registry
@@ -32,6 +33,7 @@ from registry_server.domain.errors import (
 )
 from registry_server.domain.models import NAME_PATTERN, SafetyLevel, ToolDefinition, valid_tool_name
 from registry_server.domain.outcome import ApprovalRequestView, Outcome, Status
+from registry_server.execution import tracing
 from registry_server.execution.admission import Admission, Cancelled
 from registry_server.execution.audit_record import AuditRecord, decision_of
 from registry_server.execution.call_request import CallRequest
@@ -123,14 +125,16 @@ class Executor:
             return Outcome(Status.TOOL_NOT_FOUND, error=NOT_A_NAME)
         _check_request_id(call.approval_request_id)
         record = AuditRecord(uuid.uuid4().hex, call)
-        try:
-            tool = self._look_up(record)
-            arguments = self._check_arguments(record, tool)
-            self._approval_gate(record, tool, arguments)
-            spec = self._plan_sandbox(record, tool, arguments)
-        except _Refused as refused:
-            return self._record(record, refused.outcome)
-        return self._record(record, self._run(record, tool, spec, on_output, cancel))
+        with tracing.execution(record.execution_id):
+            try:
+                with tracing.step(tracing.VALIDATE):
+                    tool = self._look_up(record)
+                    arguments = self._check_arguments(record, tool)
+                self._approval_gate(record, tool, arguments)
+                spec = self._plan_sandbox(record, tool, arguments)
+            except _Refused as refused:
+                return self._record(record, refused.outcome)
+            return self._record(record, self._run(record, tool, spec, on_output, cancel))
 
     # -- the steps before any sandbox ---------------------------------------------------
 
@@ -163,22 +167,23 @@ class Executor:
         if tool.safety_level is not SafetyLevel.DANGEROUS:
             return
         call = record.call
-        try:
-            decision = self._approvals.decide(
-                Call(tool, arguments.canonical.decode(), arguments.digest, call.caller),
-                call.approval_tokens,
-                call.approval_request_id,
-            )
-        except Denied as exc:
-            raise _refusal(
-                record, Status.APPROVAL_DENIED, f"approval denied: {exc.reason}"
-            ) from None
-        except NotFound as exc:
-            raise _refusal(
-                record, Status.APPROVAL_DENIED, f"approval denied: {exc.message}"
-            ) from None
-        if isinstance(decision, Required):
-            raise _refusal(record, Status.APPROVAL_REQUIRED, decision.message, decision.request)
+        with tracing.step(tracing.APPROVAL) as span:
+            try:
+                decision = self._approvals.decide(
+                    Call(tool, arguments.canonical.decode(), arguments.digest, call.caller),
+                    call.approval_tokens,
+                    call.approval_request_id,
+                )
+            except (Denied, NotFound) as exc:
+                span.set_attribute(tracing.DECISION, "denied")
+                reason = exc.reason if isinstance(exc, Denied) else exc.message
+                raise _refusal(
+                    record, Status.APPROVAL_DENIED, f"approval denied: {reason}"
+                ) from None
+            if isinstance(decision, Required):
+                span.set_attribute(tracing.DECISION, "required")
+                raise _refusal(record, Status.APPROVAL_REQUIRED, decision.message, decision.request)
+            span.set_attribute(tracing.DECISION, "approved")
         record.approved = decision
 
     def _plan_sandbox(
@@ -270,16 +275,23 @@ class Executor:
         warm = pools.take(tool, spec) if pools is not None else None
         if warm is not None:
             assert pools is not None
-            record.container_id, record.warm = warm.container_id, True
-            with self._admission.claim(warm.reservation):
+            with ExitStack() as held:
+                with tracing.step(tracing.ADMISSION):
+                    held.enter_context(self._admission.claim(warm.reservation))
+                with tracing.step(tracing.SANDBOX_START, **{tracing.WARM: True}):
+                    # Made before the call: taking it is all there is to wait for.
+                    record.container_id, record.warm = warm.container_id, True
                 try:
                     return self._start(record, warm.prepared, spec, on_output, cancel)
                 finally:
                     pools.call_done()
-        with self._admission.slot(cancel, spec.limits.memory_mb):
+        with ExitStack() as held:
+            with tracing.step(tracing.ADMISSION):
+                held.enter_context(self._admission.slot(cancel, spec.limits.memory_mb))
             if cancel is not None and cancel.is_set():
                 raise Cancelled()
-            prepared = self._backend.prepare(spec, execution_id=record.execution_id)
+            with tracing.step(tracing.SANDBOX_START, **{tracing.WARM: False}):
+                prepared = self._backend.prepare(spec, execution_id=record.execution_id)
             record.container_id = prepared.container_id
             return self._start(record, prepared, spec, on_output, cancel)
 
@@ -298,11 +310,12 @@ class Executor:
             if cancel is not None and cancel.is_set():
                 raise Cancelled()
             if record.approved is not None:
-                self._approvals.spend(
-                    record.approved,
-                    record.execution_id,
-                    record.as_dict(decision="approved", status="STARTING"),
-                )
+                with tracing.step(tracing.APPROVAL_SPEND):
+                    self._approvals.spend(
+                        record.approved,
+                        record.execution_id,
+                        record.as_dict(decision="approved", status="STARTING"),
+                    )
         except BaseException:
             prepared.discard()
             raise
@@ -320,8 +333,9 @@ class Executor:
         execution_log.info("execution", extra={"fields": entry})
         for observer in self._observers:
             observer(entry, outcome)
+        tracing.describe(record.tool, outcome, record.warm if record.container_id else None)
         try:
-            with self._store.unit_of_work() as uow:
+            with tracing.step(tracing.AUDIT), self._store.unit_of_work() as uow:
                 audit_chain.append(uow, "execution", entry)
         except ToolregError as exc:
             # Cautious and dangerous calls are audited: no durable record, no
