@@ -17,7 +17,7 @@ import uuid
 from datetime import UTC, datetime
 from typing import Any
 
-from bench import cluster, latency, memory, registry_ops, report, throughput
+from bench import cluster, latency, memory, registry_ops, report, throughput, tracing_cost
 from bench.common import (
     COMMAND,
     IMAGE,
@@ -34,7 +34,7 @@ from bench.common import (
     source_version,
 )
 
-SECTIONS = ("latency", "throughput", "registry", "memory", "cluster")
+SECTIONS = ("latency", "throughput", "registry", "memory", "cluster", "tracing")
 PACKAGES = ("epicbox", "llm-sandbox", "docker", "grpcio", "matplotlib")
 FULL = {"runs": 50, "warmup": 3, "cell_seconds": 10.0, "read_runs": 200}
 QUICK = {"runs": 5, "warmup": 1, "cell_seconds": 2.0, "read_runs": 20}
@@ -113,6 +113,8 @@ def main() -> None:
             _registry_and_memory(args, res, run_id, engine, section)
         if "cluster" in args.sections:
             section("cluster", lambda: cluster.run(args.cell_seconds, args.read_runs))
+        if "tracing" in args.sections:
+            section("tracing", lambda: tracing_cost.run(args.runs, args.read_runs, engine))
     finally:
         watch.stop()
         res["interference"] = watch.summary()

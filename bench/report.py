@@ -238,6 +238,30 @@ def memory_md(sec: dict[str, Any]) -> list[str]:
     return lines
 
 
+def tracing_md(sec: dict[str, Any]) -> list[str]:
+    lines = [
+        "",
+        f"## What tracing costs ({sec['runs']} interleaved calls, {sec['read_runs']} reads)",
+        "",
+        "| what | p50 ms, off | p50 ms, on | p95 ms, off | p95 ms, on | p50 on / off |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in sec["rows"]:
+        lines.append(
+            f"| {r['what']} | {_f(r['off']['p50_ms'])} | {_f(r['on']['p50_ms'])}"
+            f" | {_f(r['off']['p95_ms'])} | {_f(r['on']['p95_ms'])} | {_f(r['ratio'], 3)}x |"
+        )
+    lines += [
+        "",
+        "Off: a server with no OTEL_* variables (the default). On: the same server"
+        " exporting every span over OTLP/gRPC to a collector in the bench process."
+        f" {sec['spans_exported']} spans arrived. The last row is the client's side, on the"
+        " untraced server: the Python client's channel (trace-context interceptor, no SDK)"
+        " as 'on' against a bare channel as 'off'.",
+    ]
+    return lines
+
+
 # --------------------------------------------------------------------- targets
 
 
@@ -317,6 +341,8 @@ def markdown(res: dict[str, Any]) -> str:
         lines += memory_md(res["memory"])
     if "cluster" in res:
         lines += cluster_md(res["cluster"])
+    if "tracing" in res:
+        lines += tracing_md(res["tracing"])
     lines += targets_md(res["targets"])
     if res.get("errors"):
         lines += ["", "## Sections that failed", ""]

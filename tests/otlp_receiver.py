@@ -85,7 +85,9 @@ class OtlpReceiver:
     def __init__(self) -> None:
         self._collector = _Collector()
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        service_grpc.add_TraceServiceServicer_to_server(self._collector, self._server)
+        service_grpc.add_TraceServiceServicer_to_server(  # type: ignore[no-untyped-call]
+            self._collector, self._server
+        )
         self.port = self._server.add_insecure_port("127.0.0.1:0")
         self._server.start()
 
