@@ -13,7 +13,7 @@ INIT_BIN := sandbox_runner/init/toolreg-init
 INIT_CC ?= gcc
 INIT_CFLAGS := -std=c11 -Os -static -s -Wall -Wextra -Werror
 
-.PHONY: help install init proto check check-proto lint typecheck check-k8s engine images interop-deps postgres haproxy unit test run bench reap clean
+.PHONY: help install init proto check check-proto lint typecheck check-k8s check-ts ts-client engine images interop-deps postgres haproxy unit test run bench reap clean
 
 help: ## Show the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -62,7 +62,11 @@ typecheck: $(STAMP)
 check-k8s: $(STAMP)
 	KUBERNETES_VALIDATE=$(BIN)/kubernetes-validate bash scripts/validate_k8s.sh
 
-check: check-proto lint typecheck check-k8s ## Proto drift, lint, type checks, Kubernetes manifests
+# The TypeScript client: generated code in step with proto/, strict types.
+check-ts: ts-client
+	cd clients/typescript && npm run --silent check-gen && npm run --silent typecheck
+
+check: check-proto lint typecheck check-k8s check-ts ## Proto drift (Python, TypeScript), lint, type checks, Kubernetes manifests
 
 engine: ## Make sure a Docker engine answers (installs docker.io + runsc on Debian)
 	@bash scripts/ensure_docker.sh
@@ -76,13 +80,16 @@ postgres: ## Start the tests' PostgreSQL (installs Debian's postgresql; not need
 haproxy: ## Install HAProxy for the multi-server tests (each test starts its own)
 	@bash scripts/ensure_haproxy.sh >/dev/null
 
-interop-deps: ## Install the Node.js interop test dependencies (tests/interop)
+ts-client: ## Install and build the TypeScript client (clients/typescript)
+	cd clients/typescript && npm ci --no-audit --no-fund --silent && npm run --silent build
+
+interop-deps: ts-client ## Install the Node.js interop test dependencies (tests/interop; they use the TypeScript client)
 	cd tests/interop && npm ci --no-audit --no-fund --silent
 
 unit: install ## The unit tier alone: decision logic, no engine, in seconds
 	$(BIN)/pytest tests/unit -q $(PYTEST_ARGS)
 
-test: install init check-proto images interop-deps postgres haproxy ## Set up everything, then run the whole test suite
+test: install init check-proto images ts-client interop-deps postgres haproxy ## Set up everything, then run the whole test suite
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 run: install init images ## Set up everything, then serve the example tools on 127.0.0.1:50051

@@ -1,5 +1,7 @@
 """The Node.js client suite (tests/interop/) against a real `toolreg serve`
-process with a policy: proves the .proto alone is enough for another language."""
+process with a policy: proves the .proto alone is enough for another language
+(grpc-js loading proto/ at run time), and runs the approval path and the
+authentication checks through the typed client (clients/typescript)."""
 
 from __future__ import annotations
 
@@ -61,6 +63,11 @@ def run_node_suite(address: str, alice_private: bytes) -> subprocess.CompletedPr
         pytest.fail(
             "tests/interop/node_modules is missing: "
             "run `make test` (it installs the interop dependencies)"
+        )
+    if not (ROOT / "clients" / "typescript" / "dist" / "index.js").is_file():
+        pytest.fail(
+            "the TypeScript client (clients/typescript) is not built: "
+            "run `make ts-client` (make test does)"
         )
     env = {
         **os.environ,

@@ -1,6 +1,9 @@
-// What a Node.js agent runtime needs to talk to toolreg: the .proto loaded
-// at run time (no generated code), bearer tokens as call metadata, and the
-// google.rpc details decoded from the status trailer.
+// What a Node.js agent runtime needs to talk to toolreg, two ways:
+// - `connect`: the .proto loaded at run time with @grpc/grpc-js (no generated
+//   code), bearer tokens as call metadata, and the google.rpc details decoded
+//   from the status trailer by hand: proves the bare .proto is enough;
+// - `connectClient`: the typed client package (clients/typescript, generated
+//   from the same .proto with protobuf-es, Connect's gRPC transport).
 import { strict as assert } from "node:assert";
 import { randomBytes, createHash, createPrivateKey, sign } from "node:crypto";
 import path from "node:path";
@@ -9,6 +12,7 @@ import { fileURLToPath } from "node:url";
 import * as grpc from "@grpc/grpc-js";
 import * as protoLoader from "@grpc/proto-loader";
 import protobuf from "protobufjs";
+import { RpcError, ToolregClient } from "toolreg-client";
 
 const HERE = path.dirname(fileURLToPath(import.meta.url));
 const PROTO_ROOT = path.resolve(HERE, "..", "..", "..", "proto");
@@ -92,6 +96,13 @@ export function connect(token) {
   };
 }
 
+/** The typed client (toolreg-client) with `token` as its bearer token (none when null). */
+export function connectClient(token) {
+  const client = ToolregClient.connect({ address: address(), token: token ?? undefined, timeoutMs: CALL_TIMEOUT_MS });
+  openClients.push(client);
+  return client;
+}
+
 export function closeAll() {
   while (openClients.length) openClients.pop().close();
 }
@@ -127,6 +138,17 @@ export function fieldViolations(err) {
   return out;
 }
 
+/** Await a typed-client call that must fail; returns its RpcError (code by name). */
+export async function clientError(promise) {
+  try {
+    await promise;
+  } catch (err) {
+    assert.ok(err instanceof RpcError, `not an RpcError: ${err}`);
+    return err;
+  }
+  assert.fail("the call succeeded, an error was expected");
+}
+
 /** A name no other test file (or run) uses. */
 export const uniqueName = (prefix) => `${prefix}_${randomBytes(4).toString("hex")}`;
 
@@ -134,9 +156,9 @@ const b64url = (data) => Buffer.from(data).toString("base64url");
 export const sha256Hex = (text) => createHash("sha256").update(text, "utf8").digest("hex");
 
 /**
- * An approval token (JWT, EdDSA) for an approval request, minted here in Node
- * from the approver's Ed25519 private key (PKCS8 PEM): shows the token format
- * is language-neutral.
+ * An approval token (JWT, EdDSA) for an approval request (the typed client's
+ * view of it), minted here in Node from the approver's Ed25519 private key
+ * (PKCS8 PEM): shows the token format is language-neutral.
  */
 export function mintApproval(privateKeyPem, issuer, request, ttlS = 300) {
   const now = Math.floor(Date.now() / 1000);
@@ -144,10 +166,10 @@ export function mintApproval(privateKeyPem, issuer, request, ttlS = 300) {
   const claims = {
     iss: issuer,
     aud: request.audience,
-    sub: request.tool_name,
-    tool_digest: request.tool_digest,
-    args_digest: request.arguments_digest,
-    requester: request.requested_by,
+    sub: request.toolName,
+    tool_digest: request.toolDigest,
+    args_digest: request.argumentsDigest,
+    requester: request.requestedBy,
     iat: now,
     exp: now + ttlS,
     jti: b64url(randomBytes(16)),

@@ -1,0 +1,42 @@
+// toolreg-client: a typed client for the toolreg gRPC registry.
+export {
+  ToolregClient,
+  DEFAULT_POLL_MS,
+  DEFAULT_TIMEOUT_MS,
+  type CallOptions,
+  type ClientOptions,
+  type ExecuteOptions,
+  type ToolFilter,
+  type WaitOptions,
+} from "./client.js";
+export {
+  ApprovalWaitError,
+  RpcError,
+  type ApprovalWaitReason,
+  type FieldViolation,
+  type GrpcCode,
+} from "./errors.js";
+export {
+  ADDRESS_ENV,
+  DEFAULT_ADDRESS,
+  defaultAddress,
+  type ConnectionOptions,
+  type PemSource,
+  type TlsOptions,
+} from "./transport.js";
+export type {
+  ApprovalRequestView,
+  ApprovalState,
+  CallResult,
+  JsonValue,
+  ResourceLimits,
+  SafetyLevel,
+  SchemaFormat,
+  SecretInjection,
+  SecretRef,
+  Status,
+  StreamEvent,
+  ToolDefinition,
+  ToolInput,
+  ToolSandbox,
+} from "./types.js";

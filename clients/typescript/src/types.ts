@@ -1,0 +1,160 @@
+// The domain types of the client: what its methods take and return. They
+// mirror the Python client (registry_server/client/registry_client.py) with
+// TypeScript names; protobuf messages stay inside the client.
+
+/** A tool's safety level, as the Python client and the manifests spell it. */
+export type SafetyLevel = "safe" | "cautious" | "dangerous";
+
+/** The LLM tool formats GetToolSchemas exports. */
+export type SchemaFormat = "openai" | "anthropic" | "mcp";
+
+/**
+ * The outcome of a tool call, by name (the Python client's `Status` values;
+ * on the wire `EXECUTION_STATUS_<name>`).
+ */
+export type Status =
+  | "OK"
+  | "TOOL_NOT_FOUND"
+  | "INVALID_ARGUMENTS"
+  | "APPROVAL_REQUIRED"
+  | "APPROVAL_DENIED"
+  | "TOOL_ERROR"
+  | "TIMEOUT"
+  | "RESOURCE_EXHAUSTED"
+  | "SANDBOX_ERROR";
+
+/** The states of an approval request. */
+export type ApprovalState = "PENDING" | "APPROVED" | "CONSUMED" | "EXPIRED";
+
+/** A JSON value as `JSON.parse` returns it. */
+export type JsonValue = null | boolean | number | string | JsonValue[] | { [key: string]: JsonValue };
+
+/** 0 = the profile default for the tool's level; never above the policy ceiling. */
+export interface ResourceLimits {
+  memoryMb: number;
+  cpuMillis: number;
+  pids: number;
+  timeoutMs: number;
+  outputBytes: number;
+}
+
+export interface SecretInjection {
+  host: string;
+  port: number;
+  header: string;
+  format: string;
+}
+
+/** A server-held secret a tool uses, by name (never its value). */
+export interface SecretRef {
+  name: string;
+  /** "header" (egress proxy adds it) or "file" (mounted at /run/secrets/NAME). */
+  deliver: string;
+  inject: SecretInjection | null;
+}
+
+export interface ToolSandbox {
+  image: string;
+  command: string[];
+  env: Record<string, string>;
+  limits: ResourceLimits;
+}
+
+/** A stored tool definition, as the server returns it. */
+export interface ToolDefinition {
+  name: string;
+  description: string;
+  /** The JSON Schema of the arguments, parsed. */
+  parameters: { [key: string]: JsonValue };
+  /** The schema as the server holds it (the author's key order kept). */
+  parametersJson: string;
+  safetyLevel: SafetyLevel;
+  categories: string[];
+  sandbox: ToolSandbox;
+  warmPool: number;
+  /** "host:port" entries the tool may reach through the egress proxy. */
+  egress: string[];
+  secrets: SecretRef[];
+  /** sha256 hex of the RFC 8785 canonical JSON of the definition. */
+  digest: string;
+  /** The client that registered it, or "[operator]". */
+  owner: string;
+}
+
+/** A definition to register. Omitted fields take the server's defaults. */
+export interface ToolInput {
+  name: string;
+  description: string;
+  /**
+   * A JSON Schema object, or its JSON text (sent as-is, so the key order
+   * and the digest are exactly the author's).
+   */
+  parameters: { [key: string]: unknown } | string;
+  /** Default "safe". */
+  safetyLevel?: SafetyLevel;
+  categories?: string[];
+  sandbox: {
+    image: string;
+    command: string[];
+    env?: Record<string, string>;
+    limits?: Partial<ResourceLimits>;
+  };
+  warmPool?: number;
+  egress?: string[];
+  secrets?: Array<{ name: string; deliver?: string; inject?: Partial<SecretInjection> }>;
+}
+
+/** An approval request for a dangerous call (the domain form of ApprovalRequest). */
+export interface ApprovalRequestView {
+  id: string;
+  toolName: string;
+  toolDigest: string;
+  /** The canonical arguments; empty in listings (read one with getApprovalRequest). */
+  argumentsJson: string;
+  argumentsDigest: string;
+  requestedBy: string;
+  approvalsRequired: number;
+  approvedBy: string[];
+  state: ApprovalState;
+  createdAt: Date;
+  expiresAt: Date;
+  /** What an approver's token must carry as `aud`. */
+  audience: string;
+  /** The longest token lifetime (exp - iat) the policy accepts, in seconds. */
+  maxTokenTtlS: number;
+  /** Distinct approvers still needed. */
+  approvalsMissing: number;
+  /** The definition approvers sign; null in listings (its schema is left out). */
+  tool: ToolDefinition | null;
+}
+
+/** The outcome of one tool call (the domain form of ToolResult). */
+export interface CallResult {
+  success: boolean;
+  status: Status;
+  /** stdout as text, for the model. */
+  content: string;
+  /**
+   * stdout parsed as JSON when it is a JSON value (so `null` when the tool
+   * printed `null`); undefined when it is not JSON.
+   */
+  data: JsonValue | undefined;
+  /** An LLM-readable reason when not success. */
+  error: string;
+  exitCode: number;
+  stderr: string;
+  durationMs: number;
+  outputTruncated: boolean;
+  /** The audit record of this call. */
+  executionId: string;
+  /** Set with APPROVAL_REQUIRED. */
+  approvalRequest: ApprovalRequestView | null;
+  /** status === "APPROVAL_REQUIRED". */
+  needsApproval: boolean;
+}
+
+/** One event of `streamTool`: a chunk of stdout or stderr, or (last) the result. */
+export type StreamEvent =
+  | { kind: "stdout"; stdout: Uint8Array }
+  | { kind: "stderr"; stderr: Uint8Array }
+  | { kind: "result"; result: CallResult };
