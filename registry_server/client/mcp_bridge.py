@@ -1,10 +1,16 @@
-"""Serve the toolreg registry as an MCP server over stdio (``toolreg mcp``).
+"""Serve the toolreg registry as an MCP server (``toolreg mcp``): over stdio
+by default, or over Streamable HTTP with ``--http`` (``mcp_http.py``).
 
 The bridge is a gRPC *client* of a running ``toolreg serve``: ``tools/list``
 answers with the tools this client may see (ListTools, optionally filtered by
 ``--max-level`` and ``--category``) and ``tools/call`` runs the call through
 ``ExecuteTool``, so every call takes the server's own path: argument
 validation, policy, approvals, audit and a fresh sandbox.
+
+Who the registry sees: over stdio, the bridge's own ``--token``; over HTTP,
+the bearer token of the MCP client that sent the request (each MCP client is
+its own registry client, with its own roles, level cap and approvals). The
+``Bridge`` asks ``client_for(ctx)`` for the registry client of each request.
 
 Mapping:
 
@@ -15,6 +21,16 @@ Mapping:
 * a successful call gives its stdout as text, and as ``structuredContent``
   when stdout is a JSON object; any other outcome is ``isError`` with the
   server's reason (``STATUS: reason``).
+* progress: when a ``tools/call`` carries ``_meta.progressToken``, the call
+  runs through ``StreamExecuteTool`` instead, and every stdout/stderr chunk
+  becomes a ``notifications/progress`` with that token: ``progress`` is the
+  number of output bytes so far (stdout and stderr together, so it only
+  grows), ``message`` a short preview of the chunk (``stdout: <last line>``,
+  at most ``PROGRESS_MESSAGE_CHARS``, control characters escaped). At most one
+  notification per ``PROGRESS_MIN_INTERVAL_S``; chunks in between are counted
+  in the next one, and the last count is sent before the result. The result
+  is the same as without a token. Cancelling the MCP request cancels the gRPC
+  stream, which stops the sandbox.
 * a dangerous call without approvals gives ``isError`` with the approval
   request id. Approvers approve it (``toolreg approvals approve ID --key
   KEY``); the caller then calls the tool again with the same arguments plus
@@ -26,7 +42,7 @@ Mapping:
   results with a readable message on ``tools/call``, and JSON-RPC errors on
   ``tools/list``; the bridge itself keeps running.
 
-stdout is the MCP channel: logs go to stderr only.
+Over stdio, stdout is the MCP channel: logs go to stderr only.
 """
 
 from __future__ import annotations
@@ -34,7 +50,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib import metadata
 from typing import Any
 
@@ -48,6 +64,7 @@ from mcp.server.stdio import stdio_server
 from mcp.shared.exceptions import MCPError
 
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
+from registry_server.client.mcp_progress import EventStream, ProgressReporter
 from registry_server.client.registry_client import RegistryClient, describe_rpc_error
 from registry_server.domain.models import SafetyLevel
 from registry_server.wire import convert
@@ -129,40 +146,53 @@ def result_to_mcp(tool_name: str, result: pb.ToolResult) -> types.CallToolResult
     return types.CallToolResult(content=content, is_error=True)
 
 
+ClientFor = Callable[[ServerRequestContext[Any]], RegistryClient]
+"""The registry client to use for one MCP request (who the registry sees)."""
+
+
 class Bridge:
-    """The MCP handlers over one RegistryClient (blocking gRPC, run in threads)."""
+    """The MCP handlers over the registry (blocking gRPC, run in threads).
+
+    ``client`` is one RegistryClient for every request (stdio), or a function
+    giving the registry client of each request (HTTP: the MCP client's own)."""
 
     def __init__(
         self,
-        client: RegistryClient,
+        client: RegistryClient | ClientFor,
         *,
         max_level: SafetyLevel | None = None,
         categories: Sequence[str] = (),
         execute_timeout: float | None = None,
     ) -> None:
-        self.client = client
+        if isinstance(client, RegistryClient):
+            fixed = client
+            self.client_for: ClientFor = lambda ctx: fixed
+        else:
+            self.client_for = client
         self.max_level = max_level
         self.categories = tuple(categories)
         self.execute_timeout = execute_timeout
 
-    def _rpc_message(self, err: grpc.RpcError) -> str:
+    @staticmethod
+    def _rpc_message(client: RegistryClient, err: grpc.RpcError) -> str:
         if isinstance(err, grpc.Call) and err.code() == grpc.StatusCode.UNAVAILABLE:
             return (
-                f"UNAVAILABLE: cannot reach the toolreg server at {self.client.address}"
+                f"UNAVAILABLE: cannot reach the toolreg server at {client.address}"
                 f" ({err.details()}); is `toolreg serve` running?"
             )
         return describe_rpc_error(err)
 
-    def _visible(self) -> list[pb.Tool]:
-        return self.client.list_tools(self.max_level, self.categories)
+    def _visible(self, client: RegistryClient) -> list[pb.Tool]:
+        return client.list_tools(self.max_level, self.categories)
 
     async def list_tools(
         self, ctx: ServerRequestContext[Any], params: types.PaginatedRequestParams | None
     ) -> types.ListToolsResult:
+        client = self.client_for(ctx)
         try:
-            tools = await anyio.to_thread.run_sync(self._visible)
+            tools = await anyio.to_thread.run_sync(self._visible, client)
         except grpc.RpcError as err:
-            message = self._rpc_message(err)
+            message = self._rpc_message(client, err)
             log.warning("ListTools failed: %s", message)
             raise MCPError(types.INTERNAL_ERROR, message) from None
         return types.ListToolsResult(tools=[tool_to_mcp(t) for t in tools])
@@ -170,6 +200,7 @@ class Bridge:
     async def call_tool(
         self, ctx: ServerRequestContext[Any], params: types.CallToolRequestParams
     ) -> types.CallToolResult:
+        client = self.client_for(ctx)
         name = params.name
         arguments = dict(params.arguments or {})
         request_id = arguments.pop(APPROVAL_REQUEST_KEY, "")
@@ -178,34 +209,82 @@ class Bridge:
                 content=[_text(f"INVALID_ARGUMENTS: {APPROVAL_REQUEST_KEY} must be a string")],
                 is_error=True,
             )
+        # The SDK has already taken the token from _meta; only whether there is one matters here.
+        wants_progress = ctx.meta is not None and ctx.meta.get("progress_token") is not None
         try:
             # A filtered bridge must not run tools its listing hides.
             if self.max_level is not None or self.categories:
-                visible = await anyio.to_thread.run_sync(self._visible)
+                visible = await anyio.to_thread.run_sync(self._visible, client)
                 if name not in {t.name for t in visible}:
                     return types.CallToolResult(
                         content=[_text(f"TOOL_NOT_FOUND: Tool {name!r} is not offered here")],
                         is_error=True,
                     )
             args_json = json.dumps(arguments, separators=(",", ":"), ensure_ascii=False)
-
-            def run() -> pb.ToolResult:
-                return self.client.execute(
-                    name, args_json, request_id=request_id, timeout=self.execute_timeout
+            if wants_progress:
+                request = pb.ExecuteToolRequest(
+                    name=name, arguments_json=args_json, approval_request_id=request_id
                 )
+                result = await self._streamed(ctx, client, request)
+            else:
 
-            result = await anyio.to_thread.run_sync(run)
+                def run() -> pb.ToolResult:
+                    return client.execute(
+                        name, args_json, request_id=request_id, timeout=self.execute_timeout
+                    )
+
+                result = await anyio.to_thread.run_sync(run)
         except grpc.RpcError as err:
-            message = self._rpc_message(err)
+            message = self._rpc_message(client, err)
             log.warning("ExecuteTool %s failed: %s", name, message)
             return types.CallToolResult(content=[_text(message)], is_error=True)
+        if result is None:
+            log.warning("StreamExecuteTool %s ended without a result", name)
+            return types.CallToolResult(
+                content=[_text("SANDBOX_ERROR: the server ended the call without a result")],
+                is_error=True,
+            )
         log.info(
-            "call %s -> %s (execution %s)",
+            "call %s -> %s (execution %s%s)",
             name,
             convert.status_name(result.status),
             result.execution_id,
+            ", streamed" if wants_progress else "",
         )
         return result_to_mcp(name, result)
+
+    async def _streamed(
+        self,
+        ctx: ServerRequestContext[Any],
+        client: RegistryClient,
+        request: pb.ExecuteToolRequest,
+    ) -> pb.ToolResult | None:
+        """StreamExecuteTool, each chunk reported as progress (``mcp_progress``);
+        the final ToolResult, or None if the stream ended without one."""
+        events = EventStream(client.stub.StreamExecuteTool(request, timeout=self.execute_timeout))
+        reporter = ProgressReporter(ctx.session.report_progress)
+        result: pb.ToolResult | None = None
+        try:
+            while True:
+                # One blocking read per event, in a worker thread; abandoned on
+                # cancellation, which events.stop() below then ends.
+                event = await anyio.to_thread.run_sync(events.read, abandon_on_cancel=True)
+                if event is None:
+                    break
+                kind = event.WhichOneof("event")
+                if kind == "stdout":
+                    await reporter.chunk("stdout", event.stdout)
+                elif kind == "stderr":
+                    await reporter.chunk("stderr", event.stderr)
+                elif kind == "result":
+                    result = event.result
+            await reporter.finish()
+        finally:
+            # A no-op once the call is over; otherwise (the MCP request was
+            # cancelled, a notification could not be sent) the server stops
+            # the sandbox, as for any client that cancels.
+            events.stop()
+        return result
 
 
 def build_server(bridge: Bridge) -> Server[Any]:

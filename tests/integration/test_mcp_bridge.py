@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import socket
 import sys
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -36,9 +37,14 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         server.stop()
 
 
-def with_session(address: str, body: Callable[[ClientSession], Awaitable[T]], *extra: str) -> T:
+def with_session(
+    address: str,
+    body: Callable[[ClientSession], Awaitable[T]],
+    *extra: str,
+    message_handler: Any = None,
+) -> T:
     """Start the bridge (`toolreg [--token T] mcp --address A ...`) over stdio,
-    initialize a session, run `body` in it."""
+    initialize a session, run `body` in it (notifications to `message_handler`)."""
     root: list[str] = []
     rest = list(extra)
     if "--token" in rest:  # a root option of the command line
@@ -54,7 +60,7 @@ def with_session(address: str, body: Callable[[ClientSession], Awaitable[T]], *e
         with anyio.fail_after(CALL_TIMEOUT_S * 3):
             async with (
                 stdio_client(params) as (read, write),
-                ClientSession(read, write) as session,
+                ClientSession(read, write, message_handler=message_handler) as session,
             ):
                 init = await session.initialize()
                 assert init.server_info.name == "toolreg"
@@ -239,3 +245,32 @@ def test_bearer_token_and_refusals(tmp_path: Path) -> None:
     assert refused.is_error
     assert text_of(refused).startswith("PERMISSION_DENIED")
     assert "UNAUTHENTICATED" in unknown
+
+
+def test_progress_token_streams_output_over_stdio(served: ServerProcess) -> None:
+    """A call with `_meta.progressToken` runs through StreamExecuteTool: each
+    output chunk is a notifications/progress with that token, before the result."""
+    code = "import time\nfor i in range(3):\n    print(i, flush=True)\n    time.sleep(0.4)\n"
+    seen: list[tuple[float, types.ProgressNotificationParams]] = []
+
+    async def handler(message: Any) -> None:
+        if isinstance(message, types.ProgressNotification):
+            seen.append((time.monotonic(), message.params))
+
+    async def body(session: ClientSession) -> tuple[types.CallToolResult, float, int]:
+        result = await session.call_tool(
+            "run_python", {"code": code}, read_timeout_seconds=CALL_TIMEOUT_S,
+            meta={"progressToken": 7},
+        )  # fmt: skip
+        return result, time.monotonic(), len(seen)
+
+    result, answered, count = with_session(served.address, body, message_handler=handler)
+    assert not result.is_error, text_of(result)
+    assert text_of(result) == "0\n1\n2\n"
+    notes = seen[:count]
+    assert len(notes) >= 3, notes
+    assert {p.progress_token for _, p in notes} == {7}  # the token as sent (an integer here)
+    values = [p.progress for _, p in notes]
+    assert values == sorted(set(values)) and values[-1] == 6, values
+    assert {"stdout: 0", "stdout: 1", "stdout: 2"} <= {p.message for _, p in notes}
+    assert answered - notes[0][0] >= 0.5  # the first chunk came while the tool still ran

@@ -1,0 +1,128 @@
+"""What `toolreg mcp --http` accepts before anything listens (client/mcp_http.py):
+the endpoint, fail-closed refusals, the Host/Origin allow-lists, and the token
+check over the policy."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import anyio
+import pytest
+
+from registry_server.client.mcp_http import (
+    DEFAULT_MAX_BODY_BYTES,
+    HttpSettings,
+    PolicyTokenVerifier,
+    check_settings,
+    parse_endpoint,
+    transport_security,
+)
+from registry_server.domain.arguments import MAX_ARGUMENTS_BYTES
+from registry_server.domain.errors import ConfigError
+from registry_server.policy.model import Client, Policy, Role
+from tests.factories import sha
+
+POLICY = Policy(
+    audience="test",
+    clients=(
+        Client("agent", frozenset({Role.EXECUTE}), token_sha256=sha("agent-token")),
+        Client("viewer", frozenset({Role.EXECUTE}), token_sha256=sha("viewer-token")),
+        Client("cert-only", frozenset({Role.EXECUTE}), mtls_subject="CN=cert-only"),
+    ),
+)
+
+
+def settings(**changes: object) -> HttpSettings:
+    base = HttpSettings(host="127.0.0.1", port=8765, policy=POLICY)
+    return dataclasses.replace(base, **changes)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("127.0.0.1:8765", ("127.0.0.1", 8765)),
+        ("localhost:0", ("localhost", 0)),
+        ("[::1]:9000", ("::1", 9000)),
+        ("mcp.example.com:443", ("mcp.example.com", 443)),
+    ],
+)
+def test_endpoints(text: str, expected: tuple[str, int]) -> None:
+    assert parse_endpoint(text) == expected
+
+
+@pytest.mark.parametrize("text", ["8765", "localhost", ":8765", "host:http", "host:70000", ""])
+def test_bad_endpoints(text: str) -> None:
+    with pytest.raises(ConfigError, match="HOST:PORT"):
+        parse_endpoint(text)
+
+
+def test_a_policy_on_loopback_is_fine() -> None:
+    check_settings(settings())
+
+
+@pytest.mark.parametrize(
+    ("changes", "reason"),
+    [
+        ({"policy": None}, "--http needs --policy"),
+        ({"policy": None, "insecure_dev": True, "host": "10.0.0.5"}, "loopback only"),
+        ({"policy": None, "insecure_dev": True, "host": "0.0.0.0"}, "loopback only"),
+        ({"insecure_dev": True}, "exclude each other"),
+        ({"host": "10.0.0.5"}, "without TLS"),
+        ({"host": "mcp.example.com"}, "without TLS"),
+        ({"tls_cert": "cert.pem"}, "go together"),
+        (
+            {"host": "0.0.0.0", "tls_cert": "c.pem", "tls_key": "k.pem"},
+            "needs --allow-host",
+        ),
+        ({"max_sessions": 0}, "must be positive"),
+        ({"max_body_bytes": -1}, "must be positive"),
+        (
+            {"policy": dataclasses.replace(POLICY, clients=POLICY.clients[2:])},
+            "no client has a token_sha256",
+        ),
+    ],
+)
+def test_refusals(changes: dict[str, object], reason: str) -> None:
+    with pytest.raises(ConfigError, match=reason):
+        check_settings(settings(**changes))
+
+
+def test_development_mode_on_loopback_and_tls_beyond_it_are_fine() -> None:
+    check_settings(settings(policy=None, insecure_dev=True))
+    check_settings(settings(policy=None, insecure_dev=True, host="::1"))
+    check_settings(settings(host="10.0.0.5", tls_cert="c.pem", tls_key="k.pem"))
+
+
+def test_the_body_cap_leaves_room_for_the_largest_arguments() -> None:
+    assert DEFAULT_MAX_BODY_BYTES > MAX_ARGUMENTS_BYTES
+
+
+def test_hosts_and_origins_allowed() -> None:
+    loopback = transport_security(settings(), 8765)
+    assert loopback.enable_dns_rebinding_protection
+    assert set(loopback.allowed_hosts) == {"127.0.0.1:8765", "localhost:8765", "[::1]:8765"}
+    assert loopback.allowed_origins == []  # browsers only when named
+
+    remote = transport_security(
+        settings(
+            host="10.0.0.5", tls_cert="c.pem", tls_key="k.pem",
+            allowed_hosts=("mcp.example.com",), allowed_origins=("https://app.example.com",),
+        ),
+        443,
+    )  # fmt: skip
+    assert set(remote.allowed_hosts) == {"10.0.0.5:443", "10.0.0.5", "mcp.example.com"}
+    assert remote.allowed_origins == ["https://app.example.com"]
+    assert transport_security(settings(host="fd00::5"), 8443).allowed_hosts == ["[fd00::5]:8443"]
+
+
+def test_the_token_verifier_names_the_policy_client() -> None:
+    verifier = PolicyTokenVerifier(POLICY)
+
+    async def verify(token: str) -> tuple[str, str] | None:
+        found = await verifier.verify_token(token)
+        return None if found is None else (found.client_id, found.token)
+
+    assert anyio.run(verify, "agent-token") == ("agent", "agent-token")
+    assert anyio.run(verify, " viewer-token ") == ("viewer", "viewer-token")
+    for wrong in ["", "agent-token2", "AGENT-TOKEN", sha("agent-token"), "CN=cert-only"]:
+        assert anyio.run(verify, wrong) is None, wrong
