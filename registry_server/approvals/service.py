@@ -45,6 +45,7 @@ from registry_server.signing.tokens import (
 )
 from registry_server.store import audit_chain as audit
 from registry_server.store.base import (
+    APPROVED,
     CONSUMED,
     EXPIRED,
     PENDING,
@@ -186,6 +187,12 @@ class Approvals:
             return Approved(tuple(approvals.values()), request_id or None, rule)
         if request is None:
             request = self._open_request(call, rule)
+            if request.state == APPROVED:
+                return Required(
+                    request,
+                    f"Tool '{tool.name}' is dangerous; approval request {request.id} for this"
+                    f" exact call is approved: call again with approval_request_id={request.id}",
+                )
         return Required(
             request,
             f"Tool '{tool.name}' is dangerous: it needs {rule.describe()};"

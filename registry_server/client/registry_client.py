@@ -32,11 +32,10 @@ from typing import Any
 import grpc
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-from opentelemetry.instrumentation.grpc import client_interceptor
-from opentelemetry.instrumentation.grpc.grpcext import intercept_channel as trace_channel
 
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
+from registry_server.client.trace_context import TraceContext
 from registry_server.domain.files import read_credential
 from registry_server.domain.models import SafetyLevel, ToolDefinition
 from registry_server.domain.outcome import ApprovalRequestView, Status
@@ -108,8 +107,7 @@ def open_channel(
         channel = grpc.insecure_channel(address)
     if token:
         channel = grpc.intercept_channel(channel, _BearerToken(token))
-    traced: grpc.Channel = trace_channel(channel, client_interceptor())  # type: ignore[no-untyped-call]
-    return traced
+    return grpc.intercept_channel(channel, TraceContext())
 
 
 class ApprovalWaitError(Exception):

@@ -98,7 +98,9 @@ class StoreReads(Protocol):
         self, *, tool_name: str, tool_digest: str, arguments_digest: str, requested_by: str,
         now: float,
     ) -> str | None:  # fmt: skip
-        """The id of the newest PENDING, unexpired request for exactly this call."""
+        """The id of the newest unexpired, unused (PENDING or APPROVED) request for
+        exactly this call: a client that asks again, having lost the id, is
+        pointed at it instead of asking the approvers twice."""
         ...
 
     def open_requests_of(self, requested_by: str, now: float) -> int:

@@ -62,7 +62,7 @@ class _Reads:
         found = [
             r for r in self._data.requests.values()
             if (r.tool_name, r.tool_digest, r.arguments_digest, r.requested_by) == wanted
-            and r.state_at(now) == PENDING
+            and r.state_at(now) in (PENDING, APPROVED)
         ]  # fmt: skip
         return max(found, key=lambda r: r.created_at).id if found else None
 

@@ -132,7 +132,8 @@ class SqlReads:
     ) -> str | None:  # fmt: skip
         rows = self._all(
             "SELECT id FROM approval_requests WHERE tool_name = ? AND tool_digest = ?"
-            f" AND arguments_digest = ? AND requested_by = ? AND state = '{PENDING}'"
+            " AND arguments_digest = ? AND requested_by = ?"
+            f" AND state IN ('{PENDING}', '{APPROVED}')"
             " AND expires_at > ? ORDER BY created_at DESC LIMIT 1",
             (tool_name, tool_digest, arguments_digest, requested_by, now),
         )

@@ -111,7 +111,8 @@ def test_requests_states_listing_and_consumption(store: Store) -> None:
         assert reads.open_requests_of("agent2", NOW) == 1
         args = {"tool_name": "t", "tool_digest": "d", "arguments_digest": "ad", "now": NOW}
         assert reads.open_request_for(requested_by="agent2", **args) == "r3"  # type: ignore[arg-type]
-        assert reads.open_request_for(requested_by="agent", **args) is None  # type: ignore[arg-type]
+        # r1 is approved and unused: still the request for this call (r2 expired)
+        assert reads.open_request_for(requested_by="agent", **args) == "r1"  # type: ignore[arg-type]
     with store.unit_of_work() as uow:
         assert uow.consume_request("r1", NOW) is True
         assert uow.consume_request("r1", NOW) is False  # already consumed
@@ -121,6 +122,8 @@ def test_requests_states_listing_and_consumption(store: Store) -> None:
         consumed = reads.request("r1")
         assert consumed is not None and consumed.state_at(NOW) == CONSUMED
         assert [r.id for r in reads.requests(state=CONSUMED, now=NOW, limit=10)] == ["r1"]
+        args = {"tool_name": "t", "tool_digest": "d", "arguments_digest": "ad", "now": NOW}
+        assert reads.open_request_for(requested_by="agent", **args) is None  # type: ignore[arg-type]
 
 
 def test_the_audit_chain_appends_and_verifies(store: Store) -> None:

@@ -22,14 +22,14 @@ import grpc
 import pytest
 from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-from opentelemetry.instrumentation.grpc import client_interceptor
-from opentelemetry.instrumentation.grpc.grpcext import intercept_channel
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
+from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server.client.launcher import ServerProcess, spawn_server
 from registry_server.client.registry_client import RegistryClient, Status
+from registry_server.client.trace_context import TraceContext
 from registry_server.domain.models import parse_definition
 from registry_server.signing.keys import generate_keypair, load_private_key
 from registry_server.signing.tokens import mint_for
@@ -250,9 +250,9 @@ def test_an_unknown_tool_is_not_named_and_a_long_user_agent_is_cut(
     receiver: OtlpReceiver, agent: trace.Tracer, served: ServerProcess
 ) -> None:
     agent_string = "agent/" + "x" * 5000
-    channel = intercept_channel(
+    channel = grpc.intercept_channel(
         grpc.insecure_channel(served.address, options=[("grpc.primary_user_agent", agent_string)]),
-        client_interceptor(),
+        TraceContext(),
     )
     with RegistryClient(served.address, channel=channel) as loud:
         result, server, steps, _ = traced_call(
@@ -308,3 +308,35 @@ def test_the_cli_propagates_its_trace_into_the_server(
     assert server is not None and server.trace_id == command.trace_id
     assert server.attributes["toolreg.status"] == "OK"
     assert "toolreg.tool.run" in children(spans, server)
+
+
+def test_a_traced_stream_is_grpcs_own_call_and_cancels_the_sandbox(
+    receiver: OtlpReceiver, agent: trace.Tracer, client: RegistryClient
+) -> None:
+    tool = parse_definition({
+        "name": "traced_slow", "description": "prints, then takes its time",
+        "parameters": {"type": "object"}, "safety_level": "safe",
+        "sandbox": {"image": "toolreg/base", "command": ["sh", "-c", "echo started; sleep 30"]},
+    })  # fmt: skip
+    client.register_tool(tool, replace=True)
+
+    def cancel_after_first_chunk() -> float:
+        stream = client.stub.StreamExecuteTool(
+            pb.ExecuteToolRequest(name="traced_slow", arguments_json="{}"), timeout=CALL_TIMEOUT_S
+        )
+        assert next(stream).stdout == b"started\n"
+        started = time.monotonic()
+        stream.cancel()  # the call object itself, not a wrapper without cancel()
+        with pytest.raises(grpc.RpcError) as ended:
+            next(stream)
+        assert ended.value.code() == grpc.StatusCode.CANCELLED
+        return time.monotonic() - started
+
+    waited, server, steps, _ = traced_call(
+        receiver, agent, STREAM, ["toolreg.tool.run", "toolreg.sandbox.remove"],
+        cancel_after_first_chunk,
+    )  # fmt: skip
+    assert waited < 5
+    assert server.attributes["toolreg.status"] == "SANDBOX_ERROR", server.attributes
+    run = steps["toolreg.tool.run"]
+    assert (run.end_ns - run.start_ns) / 1e9 < 10  # killed, not slept out

@@ -499,6 +499,23 @@ def test_the_same_call_reuses_the_callers_open_request(env: Env) -> None:
     assert env.store.units_of_work == units + 2
 
 
+def test_the_same_call_after_approval_is_pointed_at_its_approved_request(env: Env) -> None:
+    call = env.call("run_shell")
+    request = env.required(call)
+    env.approvals.submit(request.id, env.token("alice", call), "alice")
+    units = env.store.units_of_work
+
+    again = env.approvals.decide(call, (), "")  # the client lost the id and asks again
+
+    assert isinstance(again, Required) and again.request.id == request.id
+    assert again.request.state == APPROVED
+    assert again.message.endswith(f"is approved: call again with approval_request_id={request.id}")
+    assert env.store.units_of_work == units  # no second request for the approvers
+    assert isinstance(env.approvals.decide(call, (), request.id), Approved)
+    # another client's identical call is not pointed at it
+    assert env.required(env.call("run_shell", caller="agent-2")).id != request.id
+
+
 def test_a_client_may_have_at_most_32_open_requests(env: Env) -> None:
     assert MAX_OPEN_REQUESTS_PER_CALLER == 32
     ids = [env.required(env.call("run_shell", {"message": f"m{i}"})).id for i in range(32)]
