@@ -116,3 +116,20 @@ class OtlpReceiver:
 
     def stop(self) -> None:
         self._server.stop(grace=None)
+
+
+def main() -> None:
+    """Serve in a process of its own (the bench: decoding spans must not share
+    the timing process's interpreter). Prints the endpoint, then, on stdin's
+    end, how many spans arrived."""
+    import sys
+
+    receiver = OtlpReceiver()
+    print(receiver.endpoint, flush=True)
+    sys.stdin.read()
+    print(len(receiver.spans()), flush=True)
+    receiver.stop()
+
+
+if __name__ == "__main__":
+    main()
