@@ -35,3 +35,41 @@ def manifest(**overrides: Any) -> dict[str, Any]:
 
 def tool(**overrides: Any) -> ToolDefinition:
     return parse_definition(manifest(**overrides))
+
+
+def example_tools_policy(
+    audience: str,
+    approver_keys: dict[str, str],
+    clients: list[dict[str, Any]],
+    **settings: Any,
+) -> dict[str, Any]:
+    """A policy for a server of examples/tools: the approvers (id -> public key)
+    in group security, one of whom must approve write_file; ``clients`` as given
+    (see ``token_client``); ``settings`` are further top-level keys."""
+    return {
+        "audience": audience,
+        **settings,
+        "approvers": [
+            {"id": who, "public_key": key, "groups": ["security"]}
+            for who, key in approver_keys.items()
+        ],
+        "approval_rules": [
+            {
+                "match": {"tool": "write_file"},
+                "approvals_required": 1,
+                "groups": ["security"],
+                "max_token_ttl_s": 600,
+            },
+        ],
+        "clients": clients,
+    }
+
+
+def token_client(
+    client_id: str, token: str, roles: list[str], max_level: str | None = None
+) -> dict[str, Any]:
+    """A policy client entry identified by a bearer token."""
+    entry: dict[str, Any] = {"id": client_id, "token_sha256": sha(token), "roles": roles}
+    if max_level is not None:
+        entry["max_safety_level"] = max_level
+    return entry

@@ -44,11 +44,24 @@ def spawn_server(
     env: Mapping[str, str] | None = None,
 ) -> ServerProcess:
     """``env``: the server's whole environment (default: this process's)."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "registry_server.client.cli", "serve", "--port", "0",
-         "--data-dir", str(data_dir), *extra_args],
-        stderr=subprocess.PIPE, text=True, cwd=cwd, env=env,
-    )  # fmt: skip
+    argv = [sys.executable, "-m", "registry_server.client.cli", "serve", "--port", "0",
+            "--data-dir", str(data_dir), *extra_args]  # fmt: skip
+    proc, address, log = spawn_until(argv, SERVING_LINE, what="toolreg serve", cwd=cwd, env=env)
+    return ServerProcess(proc, address, log)
+
+
+def spawn_until(
+    argv: list[str],
+    ready: re.Pattern[str],
+    *,
+    what: str,
+    cwd: Path | None = None,
+    env: Mapping[str, str] | None = None,
+) -> tuple[subprocess.Popen[str], str, list[str]]:
+    """Start ``argv`` and read its stderr until a line matches ``ready``: the
+    process, the match's first group, and every line it writes to stderr (kept
+    up to date as they arrive). RuntimeError with its last lines if it never does."""
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, cwd=cwd, env=env)
     assert proc.stderr is not None
     log: list[str] = []
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -57,13 +70,13 @@ def spawn_server(
         if not line and proc.poll() is not None:
             break
         log.append(line)
-        if match := SERVING_LINE.search(line):
-            # Keep reading the log so a full pipe never stalls the server.
+        if match := ready.search(line):
+            # Keep reading the log so a full pipe never stalls the process.
             threading.Thread(target=_drain, args=(proc, log), daemon=True).start()
-            return ServerProcess(proc, match.group(1), log)
+            return proc, match.group(1), log
     proc.kill()
     proc.wait()
-    raise RuntimeError("toolreg serve did not start:\n" + "".join(log[-20:]))
+    raise RuntimeError(f"{what} did not start:\n" + "".join(log[-20:]))
 
 
 def _drain(proc: subprocess.Popen[str], log: list[str]) -> None:

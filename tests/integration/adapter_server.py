@@ -14,9 +14,10 @@ import yaml
 from registry_server.client.launcher import ServerProcess, spawn_server
 from registry_server.client.registry_client import ApprovalRequestView, RegistryClient
 from registry_server.domain.arguments import arguments_digest
+from registry_server.domain.models import SafetyLevel
 from registry_server.signing.keys import generate_keypair, load_private_key
 from registry_server.signing.tokens import mint_for
-from tests.factories import sha
+from tests.factories import example_tools_policy, token_client
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "tools"
@@ -78,35 +79,25 @@ class PolicyServer:
         return self.process.stop()
 
 
+# (max_level, categories) pairs each adapter is listed with, against GetToolSchemas.
+FILTERS: list[tuple[Any, tuple[str, ...]]] = [
+    (None, ()),
+    (SafetyLevel.SAFE, ()),
+    ("cautious", ()),
+    (None, ("text",)),
+    (None, ("files", "code")),
+    (SafetyLevel.CAUTIOUS, ("text", "files")),
+]
+
+
 def write_policy(path: Path, public_keys: dict[str, str], *, request_ttl_s: int) -> None:
-    policy = {
-        "audience": "toolreg-adapters",
-        "approval_request_ttl_s": request_ttl_s,
-        "approvers": [
-            {"id": who, "public_key": key, "groups": ["security"]}
-            for who, key in public_keys.items()
-        ],
-        "approval_rules": [
-            {
-                "match": {"tool": "write_file"},
-                "approvals_required": 1,
-                "groups": ["security"],
-                "max_token_ttl_s": 600,
-            },
-        ],
-        "clients": [
-            {
-                "id": "agent",
-                "token_sha256": sha(TOKENS["agent"]),
-                "roles": ["execute", "register"],
-                "max_safety_level": "dangerous",
-            },
-            *(
-                {"id": who, "token_sha256": sha(TOKENS[who]), "roles": ["approve"]}
-                for who in APPROVERS
-            ),
-        ],
-    }
+    clients = [
+        token_client("agent", TOKENS["agent"], ["execute", "register"], "dangerous"),
+        *(token_client(who, TOKENS[who], ["approve"]) for who in APPROVERS),
+    ]
+    policy = example_tools_policy(
+        "toolreg-adapters", public_keys, clients, approval_request_ttl_s=request_ttl_s
+    )
     path.write_text(yaml.safe_dump(policy, sort_keys=False))
 
 

@@ -27,7 +27,12 @@ from registry_server.client.registry_client import RegistryClient
 from registry_server.domain.models import SafetyLevel
 from registry_server.domain.schemas import SchemaFormat
 from tests.factories import tool
-from tests.integration.adapter_server import PolicyServer, recorded_turns, start_policy_server
+from tests.integration.adapter_server import (
+    FILTERS,
+    PolicyServer,
+    recorded_turns,
+    start_policy_server,
+)
 
 FAST_POLL_S = 0.1  # seconds between GetApprovalRequest polls
 
@@ -83,17 +88,7 @@ def tool_messages(out: dict[str, Any]) -> dict[str, ToolMessage]:
     return {m.tool_call_id: m for m in out["messages"] if isinstance(m, ToolMessage)}
 
 
-@pytest.mark.parametrize(
-    ("max_level", "categories"),
-    [
-        (None, ()),
-        (SafetyLevel.SAFE, ()),
-        ("cautious", ()),
-        (None, ("text",)),
-        (None, ("files", "code")),
-        (SafetyLevel.CAUTIOUS, ("text", "files")),
-    ],
-)
+@pytest.mark.parametrize(("max_level", "categories"), FILTERS)
 def test_tools_are_the_registry_filtered_as_get_tool_schemas_filters(
     agent_client: RegistryClient, max_level: Any, categories: tuple[str, ...]
 ) -> None:

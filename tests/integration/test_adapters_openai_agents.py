@@ -23,7 +23,12 @@ from registry_server.client.adapters.openai_agents import (
 from registry_server.client.registry_client import RegistryClient
 from registry_server.domain.models import SafetyLevel
 from registry_server.domain.schemas import SchemaFormat
-from tests.integration.adapter_server import PolicyServer, recorded_turns, start_policy_server
+from tests.integration.adapter_server import (
+    FILTERS,
+    PolicyServer,
+    recorded_turns,
+    start_policy_server,
+)
 
 NO_TRACING = RunConfig(tracing_disabled=True)  # nothing leaves this machine
 APPROVAL_WAIT_S = 60.0  # seconds resolve() may wait for an approver in these tests
@@ -72,17 +77,7 @@ def write_call(call_id: str, path: str, content: str) -> tuple[Any, dict[str, st
     return function_call("write_file", json.dumps(arguments), call_id=call_id), arguments
 
 
-@pytest.mark.parametrize(
-    ("max_level", "categories"),
-    [
-        (None, ()),
-        (SafetyLevel.SAFE, ()),
-        ("cautious", ()),
-        (None, ("text",)),
-        (None, ("files", "code")),
-        (SafetyLevel.CAUTIOUS, ("text", "files")),
-    ],
-)
+@pytest.mark.parametrize(("max_level", "categories"), FILTERS)
 def test_tools_are_the_registry_filtered_as_get_tool_schemas_filters(
     agent_client: RegistryClient, max_level: Any, categories: tuple[str, ...]
 ) -> None:

@@ -15,7 +15,7 @@ import yaml
 
 from registry_server.client.launcher import spawn_server
 from registry_server.signing.keys import generate_keypair
-from tests.factories import sha
+from tests.factories import example_tools_policy, token_client
 
 ROOT = Path(__file__).resolve().parents[2]
 INTEROP = ROOT / "tests" / "interop"
@@ -25,31 +25,12 @@ TOKENS = {"agent": "interop-agent", "admin": "interop-admin", "alice": "interop-
 
 
 def write_policy(path: Path, public_keys: dict[str, str]) -> None:
-    policy = {
-        "audience": "toolreg-interop",
-        "approvers": [
-            {"id": who, "public_key": key, "groups": ["security"]}
-            for who, key in public_keys.items()
-        ],
-        "approval_rules": [
-            {
-                "match": {"tool": "write_file"},
-                "approvals_required": 1,
-                "groups": ["security"],
-                "max_token_ttl_s": 600,
-            },
-        ],
-        "clients": [
-            {
-                "id": "agent",
-                "token_sha256": sha(TOKENS["agent"]),
-                "roles": ["execute"],
-                "max_safety_level": "dangerous",
-            },
-            {"id": "admin", "token_sha256": sha(TOKENS["admin"]), "roles": ["register"]},
-            {"id": "alice", "token_sha256": sha(TOKENS["alice"]), "roles": ["approve"]},
-        ],
-    }
+    clients = [
+        token_client("agent", TOKENS["agent"], ["execute"], "dangerous"),
+        token_client("admin", TOKENS["admin"], ["register"]),
+        token_client("alice", TOKENS["alice"], ["approve"]),
+    ]
+    policy = example_tools_policy("toolreg-interop", public_keys, clients)
     path.write_text(yaml.safe_dump(policy, sort_keys=False))
 
 

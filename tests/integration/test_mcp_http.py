@@ -11,7 +11,6 @@ import re
 import ssl
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
 from mcp.shared.exceptions import MCPError
 
-from registry_server.client.launcher import ServerProcess, spawn_server
+from registry_server.client.launcher import ServerProcess, spawn_server, spawn_until
 from registry_server.client.mcp_http import DEFAULT_MAX_BODY_BYTES
 from registry_server.signing.keys import generate_keypair
 from tests.certs import CertificateAuthority
@@ -107,25 +106,12 @@ def bridge_env() -> dict[str, str]:
 
 def spawn_bridge(address: str, *args: str, listen: str = "127.0.0.1:0") -> BridgeProcess:
     """`toolreg mcp --address A --http LISTEN ARGS...` as a process; its URL."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "registry_server.client.cli", "mcp", "--address", address,
-         "--http", listen, *args],
-        stderr=subprocess.PIPE, text=True, cwd=ROOT, env=bridge_env(),
-    )  # fmt: skip
-    assert proc.stderr is not None
-    log: list[str] = []
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        if not line and proc.poll() is not None:
-            break
-        log.append(line)
-        if match := SERVING.search(line):
-            threading.Thread(target=lambda: log.extend(proc.stderr or ()), daemon=True).start()
-            return BridgeProcess(proc, match.group(1), log)
-    proc.kill()
-    proc.wait()
-    raise RuntimeError("toolreg mcp --http did not start:\n" + "".join(log[-20:]))
+    argv = [sys.executable, "-m", "registry_server.client.cli", "mcp", "--address", address,
+            "--http", listen, *args]  # fmt: skip
+    proc, url, log = spawn_until(
+        argv, SERVING, what="toolreg mcp --http", cwd=ROOT, env=bridge_env()
+    )
+    return BridgeProcess(proc, url, log)
 
 
 def run_bridge_cli(*args: str) -> subprocess.CompletedProcess[str]:

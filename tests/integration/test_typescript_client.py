@@ -18,7 +18,7 @@ import yaml
 from registry_server.client.launcher import ServerProcess, spawn_server
 from registry_server.signing.keys import generate_keypair
 from tests.certs import CertificateAuthority
-from tests.factories import sha
+from tests.factories import example_tools_policy, token_client
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "clients" / "typescript"
@@ -29,32 +29,13 @@ MTLS_SUBJECT = "CN=ts-agent-tls"
 
 
 def write_policy(path: Path, public_keys: dict[str, str]) -> None:
-    policy = {
-        "audience": "toolreg-ts-client",
-        "approvers": [
-            {"id": who, "public_key": key, "groups": ["security"]}
-            for who, key in public_keys.items()
-        ],
-        "approval_rules": [
-            {
-                "match": {"tool": "write_file"},
-                "approvals_required": 1,
-                "groups": ["security"],
-                "max_token_ttl_s": 600,
-            },
-        ],
-        "clients": [
-            {
-                "id": "agent",
-                "token_sha256": sha(TOKENS["agent"]),
-                "roles": ["execute"],
-                "max_safety_level": "dangerous",
-            },
-            {"id": "admin", "token_sha256": sha(TOKENS["admin"]), "roles": ["register"]},
-            {"id": "alice", "token_sha256": sha(TOKENS["alice"]), "roles": ["approve"]},
-            {"id": "agent-tls", "mtls_subject": MTLS_SUBJECT, "roles": ["execute"]},
-        ],
-    }
+    clients = [
+        token_client("agent", TOKENS["agent"], ["execute"], "dangerous"),
+        token_client("admin", TOKENS["admin"], ["register"]),
+        token_client("alice", TOKENS["alice"], ["approve"]),
+        {"id": "agent-tls", "mtls_subject": MTLS_SUBJECT, "roles": ["execute"]},
+    ]
+    policy = example_tools_policy("toolreg-ts-client", public_keys, clients)
     path.write_text(yaml.safe_dump(policy, sort_keys=False))
 
 
