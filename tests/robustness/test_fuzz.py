@@ -186,10 +186,11 @@ def _break_one(valid: pb.Tool, broken: pb.Tool, index: int) -> pb.Tool:
     out.CopyFrom(valid)
     field = TOOL_FIELDS[index % len(TOOL_FIELDS)]
     out.ClearField(field)
-    if field == "categories":
-        out.categories.extend(broken.categories)
-    elif field == "sandbox":
-        out.sandbox.CopyFrom(broken.sandbox)
+    described = pb.Tool.DESCRIPTOR.fields_by_name[field]
+    if described.is_repeated:  # categories, secrets
+        getattr(out, field).extend(getattr(broken, field))
+    elif described.message_type is not None:  # sandbox, network
+        getattr(out, field).CopyFrom(getattr(broken, field))
     else:
         setattr(out, field, getattr(broken, field))
     return out
