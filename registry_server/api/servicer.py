@@ -25,6 +25,8 @@ from registry_server.execution.executor import Executor
 from registry_server.policy.model import Role
 from registry_server.wire import convert
 
+CANCELLED_CALL_WAIT_S = 5.0  # seconds an ended stream waits for its cancelled call
+
 
 def _deadline(context: grpc.ServicerContext) -> float | None:
     remaining = context.time_remaining()
@@ -76,9 +78,16 @@ class StreamedCall:
             self._queue.put(pb.ExecutionEvent(stderr=chunk))
 
     def __iter__(self) -> Iterator[pb.ExecutionEvent]:
-        while (item := self._queue.get()) is not self._DONE:
-            assert isinstance(item, pb.ExecutionEvent)
-            yield item
+        try:
+            while (item := self._queue.get()) is not self._DONE:
+                assert isinstance(item, pb.ExecutionEvent)
+                yield item
+        except GeneratorExit:
+            # The RPC ended early (the client cancelled, its deadline passed) and the
+            # cancel event is stopping the call: wait for that, within bounds, so the
+            # RPC (and its span) covers the call's end, status included.
+            self._thread.join(CANCELLED_CALL_WAIT_S)
+            raise
         self._thread.join()
         if self._error is not None:
             raise self._error
