@@ -39,6 +39,7 @@ TOKEN_TTL_S = 300  # seconds an approval token minted here lives
 SERVER_MAX_SANDBOXES = 16  # TOOLREG_MAX_SANDBOXES of every server the bench starts
 SERVER_MAX_QUEUED = 64  # TOOLREG_MAX_QUEUED: concurrency 16 must never be refused
 RPC_TIMEOUT_S = 60.0  # seconds any one RPC of the bench may take
+REMOVAL_S = 0.3  # seconds a used container may take to be removed (untimed waits)
 
 # The same isolation every toolreg sandbox gets (safe profile), so the
 # baselines pay for the same work.
@@ -375,6 +376,13 @@ class Server:
             time.sleep(0.02)
             count = len(self.containers())
         return count
+
+    def settle_after_call(self, expected: int, timeout_s: float = 5.0) -> int:
+        """``settle`` after a call: a used container counts as running until it is
+        removed, so settling at once can race the pool's refill and time the next
+        "warm" call cold (the traces of slow warm samples showed exactly that)."""
+        time.sleep(REMOVAL_S)
+        return self.settle(expected, timeout_s)
 
     def steady_count(self, timeout_s: float = 15.0, quiet_s: float = 1.0) -> int:
         """Running containers once the number stops changing (pools filled)."""

@@ -70,7 +70,7 @@ def toolreg_methods(srv: Server, expected_running: Callable[[], int]) -> list[Me
     srv.register(definition("bench_echo_runsc_warm", level="dangerous", warm_pool=WARM_POOL))
 
     def settle() -> None:
-        srv.settle(expected_running(), SETTLE_TIMEOUT_S)
+        srv.settle_after_call(expected_running(), SETTLE_TIMEOUT_S)
 
     def plain(name: str) -> Callable[[], bytes]:
         return functools.partial(srv.run, name)

@@ -24,7 +24,6 @@ from registry_server.client.registry_client import open_channel
 ROOT = Path(__file__).resolve().parents[1]
 WARM_POOL = 2
 SETTLE_TIMEOUT_S = 5.0
-REMOVAL_S = 0.3  # seconds a used container may take to be removed
 COLD, WARM, READ, CLIENT = "cold call", "warm call", "GetTool", "client GetTool"
 
 
@@ -65,11 +64,7 @@ def run(runs: int, read_runs: int, engine: docker.DockerClient) -> dict[str, Any
 
 def _warm(srv: Server) -> Callable[[], object]:
     def call() -> object:
-        # Untimed: each call starts from a full pool. A used container counts as
-        # running until it is removed, so settling at once can race the refill (the
-        # traces of the slow samples showed cold starts): give the removal time first.
-        time.sleep(REMOVAL_S)
-        srv.settle(WARM_POOL, SETTLE_TIMEOUT_S)
+        srv.settle_after_call(WARM_POOL, SETTLE_TIMEOUT_S)  # untimed: from a full pool
         t0 = time.perf_counter()
         srv.run("bench_echo_warm")
         return (time.perf_counter() - t0) * 1000
