@@ -66,7 +66,7 @@ from mcp.shared.exceptions import MCPError
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server.client.mcp_progress import EventStream, ProgressReporter
 from registry_server.client.registry_client import RegistryClient, describe_rpc_error
-from registry_server.domain.models import SafetyLevel
+from registry_server.domain.models import NAME_PATTERN, SafetyLevel, valid_tool_name
 from registry_server.wire import convert
 
 log = logging.getLogger("toolreg.mcp")
@@ -202,6 +202,13 @@ class Bridge:
     ) -> types.CallToolResult:
         client = self.client_for(ctx)
         name = params.name
+        if not valid_tool_name(name):
+            # Checked first: a name that is not a name (unbounded text from the MCP
+            # client) never reaches a log line or the registry.
+            return types.CallToolResult(
+                content=[_text(f"TOOL_NOT_FOUND: tool names match {NAME_PATTERN}")],
+                is_error=True,
+            )
         arguments = dict(params.arguments or {})
         request_id = arguments.pop(APPROVAL_REQUEST_KEY, "")
         if not isinstance(request_id, str):

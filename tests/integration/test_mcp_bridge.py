@@ -128,6 +128,7 @@ def test_calls_run_in_the_sandbox(served: ServerProcess) -> None:
                 "word_count", {"text": 5}, read_timeout_seconds=CALL_TIMEOUT_S
             ),
             "unknown": await session.call_tool("no_such_tool", {}),
+            "not a name": await session.call_tool("Forged\nlog line " + "x" * 10_000, {}),
             "dangerous": await session.call_tool(
                 "write_file",
                 {"path": "notes/a.txt", "content": "hi"},
@@ -154,6 +155,9 @@ def test_calls_run_in_the_sandbox(served: ServerProcess) -> None:
 
     assert results["unknown"].is_error
     assert "no_such_tool" in text_of(results["unknown"])
+    forged = text_of(results["not a name"])
+    assert results["not a name"].is_error and forged.startswith("TOOL_NOT_FOUND: tool names match")
+    assert "Forged" not in forged  # refused before use, and not echoed
 
     dangerous = results["dangerous"]
     assert dangerous.is_error
