@@ -38,18 +38,12 @@ class Tracing:
     """This process's tracer provider; ``shutdown`` exports what is left."""
 
     provider: TracerProvider
-    exporters: tuple[str, ...]
 
     def shutdown(self) -> None:
         self.provider.shutdown()
 
 
-_active: Tracing | None = None
-
-
-def active() -> Tracing | None:
-    """The tracing this process configured, or None (off)."""
-    return _active
+_active: Tracing | None = None  # what this process configured; None: off
 
 
 def requested_exporters(env: Mapping[str, str]) -> tuple[str, ...]:
@@ -119,7 +113,7 @@ def configure(default_service: str, env: Mapping[str, str] | None = None) -> Tra
         else:
             provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter(out=sys.stderr)))
     trace.set_tracer_provider(provider)
-    _active = Tracing(provider, exporters)
+    _active = Tracing(provider)
     return _active
 
 

@@ -65,7 +65,11 @@ from mcp.shared.exceptions import MCPError
 
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server.client.mcp_progress import EventStream, ProgressReporter
-from registry_server.client.registry_client import RegistryClient, describe_rpc_error
+from registry_server.client.registry_client import (
+    RegistryClient,
+    arguments_text,
+    describe_rpc_error,
+)
 from registry_server.domain.models import NAME_PATTERN, SafetyLevel, valid_tool_name
 from registry_server.wire import convert
 
@@ -227,7 +231,7 @@ class Bridge:
                         content=[_text(f"TOOL_NOT_FOUND: Tool {name!r} is not offered here")],
                         is_error=True,
                     )
-            args_json = json.dumps(arguments, separators=(",", ":"), ensure_ascii=False)
+            args_json = arguments_text(arguments)
             if wants_progress:
                 request = pb.ExecuteToolRequest(
                     name=name, arguments_json=args_json, approval_request_id=request_id

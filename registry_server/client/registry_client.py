@@ -177,7 +177,7 @@ def result_from_message(msg: pb.ToolResult) -> CallResult:
     )
 
 
-def _arguments_text(arguments: Mapping[str, Any] | str) -> str:
+def arguments_text(arguments: Mapping[str, Any] | str) -> str:
     # A string is sent as-is (the model's own JSON text, so the server judges it
     # and its digest matches what approvers sign); a mapping is encoded here.
     if isinstance(arguments, str):
@@ -285,7 +285,7 @@ class RegistryClient:
         ``timeout`` (seconds) bounds the RPC; None waits for the tool's own limit."""
         msg = self.execute(
             name,
-            _arguments_text(arguments),
+            arguments_text(arguments),
             tokens=approval_tokens,
             request_id=approval_request_id,
             timeout=timeout,
@@ -305,7 +305,7 @@ class RegistryClient:
         event whose ``result`` is the CallResult."""
         for event in self.stream(
             name,
-            _arguments_text(arguments),
+            arguments_text(arguments),
             tokens=approval_tokens,
             request_id=approval_request_id,
             timeout=timeout,
@@ -456,6 +456,7 @@ __all__ = [
     "Status",
     "StreamEvent",
     "approval_from_message",
+    "arguments_text",
     "default_address",
     "describe_rpc_error",
     "open_channel",

@@ -48,10 +48,6 @@ def list_tools(
     return client.list_tool_definitions(parse_level(max_level), tuple(categories))
 
 
-def compact_json(arguments: Any) -> str:
-    return json.dumps(arguments, ensure_ascii=False, separators=(",", ":"))
-
-
 def canonical_key(arguments: Any) -> str:
     """A stable text of the arguments for keys (key order ignored, as the
     server's digest ignores it)."""

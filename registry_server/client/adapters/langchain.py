@@ -53,7 +53,6 @@ from registry_server.client.adapters._common import (
     approval_text,
     artifact,
     canonical_key,
-    compact_json,
     list_tools,
     model_text,
     not_approved_text,
@@ -65,6 +64,7 @@ from registry_server.client.registry_client import (
     ApprovalWaitError,
     CallResult,
     RegistryClient,
+    arguments_text,
 )
 from registry_server.domain.models import SafetyLevel, ToolDefinition
 from registry_server.domain.outcome import ApprovalRequestView
@@ -157,7 +157,7 @@ class _Calls:
     def _outcome(
         self, name: str, arguments: dict[str, Any], key: CallKey, tool_call_id: str | None
     ) -> _Outcome:
-        text = compact_json(arguments)
+        text = arguments_text(arguments)
         try:
             request = self._known_request(key)
             if request is None:
