@@ -137,6 +137,51 @@ EXECUTION_STATUS_SANDBOX_ERROR: ExecutionStatus.ValueType  # 9
 """the container engine failed"""
 Global___ExecutionStatus: _TypeAlias = ExecutionStatus  # noqa: Y015
 
+class _ApprovalEventType:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ApprovalEventTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ApprovalEventType.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    APPROVAL_EVENT_TYPE_UNSPECIFIED: _ApprovalEventType.ValueType  # 0
+    APPROVAL_EVENT_TYPE_CURRENT: _ApprovalEventType.ValueType  # 1
+    """open when the watch began (before SYNCED)"""
+    APPROVAL_EVENT_TYPE_SYNCED: _ApprovalEventType.ValueType  # 2
+    """every CURRENT event has been sent; no request"""
+    APPROVAL_EVENT_TYPE_OPENED: _ApprovalEventType.ValueType  # 3
+    """a new request"""
+    APPROVAL_EVENT_TYPE_APPROVAL_ADDED: _ApprovalEventType.ValueType  # 4
+    """an approver's token was attached (`actor`)"""
+    APPROVAL_EVENT_TYPE_APPROVED: _ApprovalEventType.ValueType  # 5
+    """enough approvals: the agent may call"""
+    APPROVAL_EVENT_TYPE_REJECTED: _ApprovalEventType.ValueType  # 6
+    """refused by `actor`, for `reason`"""
+    APPROVAL_EVENT_TYPE_CONSUMED: _ApprovalEventType.ValueType  # 7
+    """the approved call ran"""
+    APPROVAL_EVENT_TYPE_EXPIRED: _ApprovalEventType.ValueType  # 8
+    """its time ran out before it was used"""
+
+class ApprovalEventType(_ApprovalEventType, metaclass=_ApprovalEventTypeEnumTypeWrapper): ...
+
+APPROVAL_EVENT_TYPE_UNSPECIFIED: ApprovalEventType.ValueType  # 0
+APPROVAL_EVENT_TYPE_CURRENT: ApprovalEventType.ValueType  # 1
+"""open when the watch began (before SYNCED)"""
+APPROVAL_EVENT_TYPE_SYNCED: ApprovalEventType.ValueType  # 2
+"""every CURRENT event has been sent; no request"""
+APPROVAL_EVENT_TYPE_OPENED: ApprovalEventType.ValueType  # 3
+"""a new request"""
+APPROVAL_EVENT_TYPE_APPROVAL_ADDED: ApprovalEventType.ValueType  # 4
+"""an approver's token was attached (`actor`)"""
+APPROVAL_EVENT_TYPE_APPROVED: ApprovalEventType.ValueType  # 5
+"""enough approvals: the agent may call"""
+APPROVAL_EVENT_TYPE_REJECTED: ApprovalEventType.ValueType  # 6
+"""refused by `actor`, for `reason`"""
+APPROVAL_EVENT_TYPE_CONSUMED: ApprovalEventType.ValueType  # 7
+"""the approved call ran"""
+APPROVAL_EVENT_TYPE_EXPIRED: ApprovalEventType.ValueType  # 8
+"""its time ran out before it was used"""
+Global___ApprovalEventType: _TypeAlias = ApprovalEventType  # noqa: Y015
+
 @_typing.final
 class Tool(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
@@ -670,6 +715,8 @@ class ApprovalRequest(_message.Message):
     MAX_TOKEN_TTL_S_FIELD_NUMBER: _builtins.int
     APPROVALS_MISSING_FIELD_NUMBER: _builtins.int
     TOOL_FIELD_NUMBER: _builtins.int
+    REJECTED_BY_FIELD_NUMBER: _builtins.int
+    REJECTION_REASON_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     tool_name: _builtins.str
     tool_digest: _builtins.str
@@ -678,7 +725,7 @@ class ApprovalRequest(_message.Message):
     requested_by: _builtins.str
     approvals_required: _builtins.int
     state: _builtins.str
-    """PENDING, APPROVED, CONSUMED or EXPIRED."""
+    """PENDING, APPROVED, CONSUMED, REJECTED or EXPIRED."""
     audience: _builtins.str
     """What an approver's token must carry: its `aud`, and the longest lifetime
     (exp - iat) the policy accepts for this tool.
@@ -686,6 +733,9 @@ class ApprovalRequest(_message.Message):
     max_token_ttl_s: _builtins.int
     approvals_missing: _builtins.int
     """The distinct approvers still needed."""
+    rejected_by: _builtins.str
+    """Set when `state` is REJECTED: the approver who rejected it, and why."""
+    rejection_reason: _builtins.str
     @_builtins.property
     def approved_by(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -717,14 +767,104 @@ class ApprovalRequest(_message.Message):
         max_token_ttl_s: _builtins.int = ...,
         approvals_missing: _builtins.int = ...,
         tool: Global___Tool | None = ...,
+        rejected_by: _builtins.str = ...,
+        rejection_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "expires_at", b"expires_at", "tool", b"tool"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["approvals_missing", b"approvals_missing", "approvals_required", b"approvals_required", "approved_by", b"approved_by", "arguments_digest", b"arguments_digest", "arguments_json", b"arguments_json", "audience", b"audience", "created_at", b"created_at", "expires_at", b"expires_at", "id", b"id", "max_token_ttl_s", b"max_token_ttl_s", "requested_by", b"requested_by", "state", b"state", "tool", b"tool", "tool_digest", b"tool_digest", "tool_name", b"tool_name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["approvals_missing", b"approvals_missing", "approvals_required", b"approvals_required", "approved_by", b"approved_by", "arguments_digest", b"arguments_digest", "arguments_json", b"arguments_json", "audience", b"audience", "created_at", b"created_at", "expires_at", b"expires_at", "id", b"id", "max_token_ttl_s", b"max_token_ttl_s", "rejected_by", b"rejected_by", "rejection_reason", b"rejection_reason", "requested_by", b"requested_by", "state", b"state", "tool", b"tool", "tool_digest", b"tool_digest", "tool_name", b"tool_name"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ApprovalRequest: _TypeAlias = ApprovalRequest  # noqa: Y015
+
+@_typing.final
+class RejectApprovalRequestRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    reason: _builtins.str
+    """Why (shown to the agent and recorded in the audit log): 1 to 1,000
+    characters, no control characters.
+    """
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RejectApprovalRequestRequest: _TypeAlias = RejectApprovalRequestRequest  # noqa: Y015
+
+@_typing.final
+class WatchApprovalRequestsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """Only this request's events (an agent waiting for its own); empty = all
+    the caller may see.
+    """
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchApprovalRequestsRequest: _TypeAlias = WatchApprovalRequestsRequest  # noqa: Y015
+
+@_typing.final
+class ApprovalEvent(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TYPE_FIELD_NUMBER: _builtins.int
+    REQUEST_FIELD_NUMBER: _builtins.int
+    ACTOR_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    AT_FIELD_NUMBER: _builtins.int
+    SEQ_FIELD_NUMBER: _builtins.int
+    type: Global___ApprovalEventType.ValueType
+    actor: _builtins.str
+    """The approver who added an approval or rejected; empty otherwise."""
+    reason: _builtins.str
+    """REJECTED: the approver's reason."""
+    seq: _builtins.int
+    """The event's position in the store's order (0 for CURRENT and SYNCED)."""
+    @_builtins.property
+    def request(self) -> Global___ApprovalRequest:
+        """The request as it is after this event (listed form); unset for SYNCED."""
+
+    @_builtins.property
+    def at(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        type: Global___ApprovalEventType.ValueType = ...,
+        request: Global___ApprovalRequest | None = ...,
+        actor: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        at: _timestamp_pb2.Timestamp | None = ...,
+        seq: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["at", b"at", "request", b"request"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["actor", b"actor", "at", b"at", "reason", b"reason", "request", b"request", "seq", b"seq", "type", b"type"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ApprovalEvent: _TypeAlias = ApprovalEvent  # noqa: Y015
 
 @_typing.final
 class ListApprovalRequestsRequest(_message.Message):
@@ -733,7 +873,8 @@ class ListApprovalRequestsRequest(_message.Message):
     STATE_FIELD_NUMBER: _builtins.int
     LIMIT_FIELD_NUMBER: _builtins.int
     state: _builtins.str
-    """Only requests in this state (PENDING, APPROVED, CONSUMED, EXPIRED);
+    """Only requests in this state (PENDING, APPROVED, CONSUMED, REJECTED,
+    EXPIRED);
     empty = all.
     """
     limit: _builtins.int

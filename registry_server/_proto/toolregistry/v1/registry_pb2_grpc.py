@@ -80,6 +80,16 @@ class ToolRegistryStub:
                 request_serializer=toolregistry_dot_v1_dot_registry__pb2.SubmitApprovalRequest.SerializeToString,
                 response_deserializer=toolregistry_dot_v1_dot_registry__pb2.ApprovalRequest.FromString,
                 _registered_method=True)
+        self.RejectApprovalRequest = channel.unary_unary(
+                '/toolregistry.v1.ToolRegistry/RejectApprovalRequest',
+                request_serializer=toolregistry_dot_v1_dot_registry__pb2.RejectApprovalRequestRequest.SerializeToString,
+                response_deserializer=toolregistry_dot_v1_dot_registry__pb2.ApprovalRequest.FromString,
+                _registered_method=True)
+        self.WatchApprovalRequests = channel.unary_stream(
+                '/toolregistry.v1.ToolRegistry/WatchApprovalRequests',
+                request_serializer=toolregistry_dot_v1_dot_registry__pb2.WatchApprovalRequestsRequest.SerializeToString,
+                response_deserializer=toolregistry_dot_v1_dot_registry__pb2.ApprovalEvent.FromString,
+                _registered_method=True)
 
 
 class ToolRegistryServicer:
@@ -193,9 +203,48 @@ class ToolRegistryServicer:
         Errors:
         - INVALID_ARGUMENT: empty id or token.
         - NOT_FOUND: no request has that id.
-        - FAILED_PRECONDITION: the request is expired or consumed.
+        - FAILED_PRECONDITION: the request is expired, consumed or rejected.
         - PERMISSION_DENIED: the token does not verify for this request (the
         message gives the precise reason).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RejectApprovalRequest(self, request, context):
+        """RejectApprovalRequest refuses a pending or approved request with a
+        reason. The request becomes REJECTED for good: the agent's call with it
+        (and the same call without it, until the request would have expired)
+        gets APPROVAL_DENIED carrying the approver's reason. Recorded in the
+        audit log. Only an approver eligible for the tool by policy (or an
+        admin) may reject; approvers never reject their own calls.
+        Errors:
+        - INVALID_ARGUMENT: empty id, an empty reason, or a reason longer than
+        1,000 characters or holding control characters.
+        - NOT_FOUND: no request has that id (or the caller may not see it).
+        - FAILED_PRECONDITION: the request is already consumed, rejected or expired.
+        - PERMISSION_DENIED: the caller is not an approver eligible for this tool.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchApprovalRequests(self, request, context):
+        """WatchApprovalRequests streams the approval requests the caller may see:
+        first each open one (PENDING or APPROVED) as a CURRENT event, then one
+        SYNCED event, then every change as it happens (OPENED, APPROVAL_ADDED,
+        APPROVED, REJECTED, CONSUMED, EXPIRED), in the order they were stored,
+        from every server sharing the store. An approver sees the requests it
+        is eligible to approve; an agent only its own; an admin all. Requests
+        in events are in their listed form (no arguments, no parameters schema):
+        read one whole with GetApprovalRequest. The stream ends when the server
+        stops, or with ABORTED when the client reads too slowly to keep up:
+        watch again. Set a deadline to bound the wait.
+        Errors:
+        - INVALID_ARGUMENT: `request_id` is too long.
+        - NOT_FOUND: `request_id` names no request the caller may see.
+        - RESOURCE_EXHAUSTED: the caller, or the server, has as many watches
+        open as it allows; close one or retry later.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -248,6 +297,16 @@ def add_ToolRegistryServicer_to_server(servicer, server):
                     servicer.SubmitApproval,
                     request_deserializer=toolregistry_dot_v1_dot_registry__pb2.SubmitApprovalRequest.FromString,
                     response_serializer=toolregistry_dot_v1_dot_registry__pb2.ApprovalRequest.SerializeToString,
+            ),
+            'RejectApprovalRequest': grpc.unary_unary_rpc_method_handler(
+                    servicer.RejectApprovalRequest,
+                    request_deserializer=toolregistry_dot_v1_dot_registry__pb2.RejectApprovalRequestRequest.FromString,
+                    response_serializer=toolregistry_dot_v1_dot_registry__pb2.ApprovalRequest.SerializeToString,
+            ),
+            'WatchApprovalRequests': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchApprovalRequests,
+                    request_deserializer=toolregistry_dot_v1_dot_registry__pb2.WatchApprovalRequestsRequest.FromString,
+                    response_serializer=toolregistry_dot_v1_dot_registry__pb2.ApprovalEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -494,6 +553,60 @@ class ToolRegistry:
             '/toolregistry.v1.ToolRegistry/SubmitApproval',
             toolregistry_dot_v1_dot_registry__pb2.SubmitApprovalRequest.SerializeToString,
             toolregistry_dot_v1_dot_registry__pb2.ApprovalRequest.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RejectApprovalRequest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/toolregistry.v1.ToolRegistry/RejectApprovalRequest',
+            toolregistry_dot_v1_dot_registry__pb2.RejectApprovalRequestRequest.SerializeToString,
+            toolregistry_dot_v1_dot_registry__pb2.ApprovalRequest.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchApprovalRequests(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/toolregistry.v1.ToolRegistry/WatchApprovalRequests',
+            toolregistry_dot_v1_dot_registry__pb2.WatchApprovalRequestsRequest.SerializeToString,
+            toolregistry_dot_v1_dot_registry__pb2.ApprovalEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -122,9 +122,40 @@ class ToolRegistryStub:
     Errors:
     - INVALID_ARGUMENT: empty id or token.
     - NOT_FOUND: no request has that id.
-    - FAILED_PRECONDITION: the request is expired or consumed.
+    - FAILED_PRECONDITION: the request is expired, consumed or rejected.
     - PERMISSION_DENIED: the token does not verify for this request (the
       message gives the precise reason).
+    """
+    RejectApprovalRequest: _grpc.UnaryUnaryMultiCallable[_registry_pb2.RejectApprovalRequestRequest, _registry_pb2.ApprovalRequest]
+    """RejectApprovalRequest refuses a pending or approved request with a
+    reason. The request becomes REJECTED for good: the agent's call with it
+    (and the same call without it, until the request would have expired)
+    gets APPROVAL_DENIED carrying the approver's reason. Recorded in the
+    audit log. Only an approver eligible for the tool by policy (or an
+    admin) may reject; approvers never reject their own calls.
+    Errors:
+    - INVALID_ARGUMENT: empty id, an empty reason, or a reason longer than
+      1,000 characters or holding control characters.
+    - NOT_FOUND: no request has that id (or the caller may not see it).
+    - FAILED_PRECONDITION: the request is already consumed, rejected or expired.
+    - PERMISSION_DENIED: the caller is not an approver eligible for this tool.
+    """
+    WatchApprovalRequests: _grpc.UnaryStreamMultiCallable[_registry_pb2.WatchApprovalRequestsRequest, _registry_pb2.ApprovalEvent]
+    """WatchApprovalRequests streams the approval requests the caller may see:
+    first each open one (PENDING or APPROVED) as a CURRENT event, then one
+    SYNCED event, then every change as it happens (OPENED, APPROVAL_ADDED,
+    APPROVED, REJECTED, CONSUMED, EXPIRED), in the order they were stored,
+    from every server sharing the store. An approver sees the requests it
+    is eligible to approve; an agent only its own; an admin all. Requests
+    in events are in their listed form (no arguments, no parameters schema):
+    read one whole with GetApprovalRequest. The stream ends when the server
+    stops, or with ABORTED when the client reads too slowly to keep up:
+    watch again. Set a deadline to bound the wait.
+    Errors:
+    - INVALID_ARGUMENT: `request_id` is too long.
+    - NOT_FOUND: `request_id` names no request the caller may see.
+    - RESOURCE_EXHAUSTED: the caller, or the server, has as many watches
+      open as it allows; close one or retry later.
     """
 
 @_typing.type_check_only
@@ -207,9 +238,40 @@ class ToolRegistryAsyncStub(ToolRegistryStub):
     Errors:
     - INVALID_ARGUMENT: empty id or token.
     - NOT_FOUND: no request has that id.
-    - FAILED_PRECONDITION: the request is expired or consumed.
+    - FAILED_PRECONDITION: the request is expired, consumed or rejected.
     - PERMISSION_DENIED: the token does not verify for this request (the
       message gives the precise reason).
+    """
+    RejectApprovalRequest: _aio.UnaryUnaryMultiCallable[_registry_pb2.RejectApprovalRequestRequest, _registry_pb2.ApprovalRequest]  # type: ignore[assignment]
+    """RejectApprovalRequest refuses a pending or approved request with a
+    reason. The request becomes REJECTED for good: the agent's call with it
+    (and the same call without it, until the request would have expired)
+    gets APPROVAL_DENIED carrying the approver's reason. Recorded in the
+    audit log. Only an approver eligible for the tool by policy (or an
+    admin) may reject; approvers never reject their own calls.
+    Errors:
+    - INVALID_ARGUMENT: empty id, an empty reason, or a reason longer than
+      1,000 characters or holding control characters.
+    - NOT_FOUND: no request has that id (or the caller may not see it).
+    - FAILED_PRECONDITION: the request is already consumed, rejected or expired.
+    - PERMISSION_DENIED: the caller is not an approver eligible for this tool.
+    """
+    WatchApprovalRequests: _aio.UnaryStreamMultiCallable[_registry_pb2.WatchApprovalRequestsRequest, _registry_pb2.ApprovalEvent]  # type: ignore[assignment]
+    """WatchApprovalRequests streams the approval requests the caller may see:
+    first each open one (PENDING or APPROVED) as a CURRENT event, then one
+    SYNCED event, then every change as it happens (OPENED, APPROVAL_ADDED,
+    APPROVED, REJECTED, CONSUMED, EXPIRED), in the order they were stored,
+    from every server sharing the store. An approver sees the requests it
+    is eligible to approve; an agent only its own; an admin all. Requests
+    in events are in their listed form (no arguments, no parameters schema):
+    read one whole with GetApprovalRequest. The stream ends when the server
+    stops, or with ABORTED when the client reads too slowly to keep up:
+    watch again. Set a deadline to bound the wait.
+    Errors:
+    - INVALID_ARGUMENT: `request_id` is too long.
+    - NOT_FOUND: `request_id` names no request the caller may see.
+    - RESOURCE_EXHAUSTED: the caller, or the server, has as many watches
+      open as it allows; close one or retry later.
     """
 
 class ToolRegistryServicer(metaclass=_abc_1.ABCMeta):
@@ -343,9 +405,52 @@ class ToolRegistryServicer(metaclass=_abc_1.ABCMeta):
         Errors:
         - INVALID_ARGUMENT: empty id or token.
         - NOT_FOUND: no request has that id.
-        - FAILED_PRECONDITION: the request is expired or consumed.
+        - FAILED_PRECONDITION: the request is expired, consumed or rejected.
         - PERMISSION_DENIED: the token does not verify for this request (the
           message gives the precise reason).
+        """
+
+    @_abc_1.abstractmethod
+    def RejectApprovalRequest(
+        self,
+        request: _registry_pb2.RejectApprovalRequestRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_registry_pb2.ApprovalRequest, _abc.Awaitable[_registry_pb2.ApprovalRequest]]:
+        """RejectApprovalRequest refuses a pending or approved request with a
+        reason. The request becomes REJECTED for good: the agent's call with it
+        (and the same call without it, until the request would have expired)
+        gets APPROVAL_DENIED carrying the approver's reason. Recorded in the
+        audit log. Only an approver eligible for the tool by policy (or an
+        admin) may reject; approvers never reject their own calls.
+        Errors:
+        - INVALID_ARGUMENT: empty id, an empty reason, or a reason longer than
+          1,000 characters or holding control characters.
+        - NOT_FOUND: no request has that id (or the caller may not see it).
+        - FAILED_PRECONDITION: the request is already consumed, rejected or expired.
+        - PERMISSION_DENIED: the caller is not an approver eligible for this tool.
+        """
+
+    @_abc_1.abstractmethod
+    def WatchApprovalRequests(
+        self,
+        request: _registry_pb2.WatchApprovalRequestsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_registry_pb2.ApprovalEvent], _abc.AsyncIterator[_registry_pb2.ApprovalEvent]]:
+        """WatchApprovalRequests streams the approval requests the caller may see:
+        first each open one (PENDING or APPROVED) as a CURRENT event, then one
+        SYNCED event, then every change as it happens (OPENED, APPROVAL_ADDED,
+        APPROVED, REJECTED, CONSUMED, EXPIRED), in the order they were stored,
+        from every server sharing the store. An approver sees the requests it
+        is eligible to approve; an agent only its own; an admin all. Requests
+        in events are in their listed form (no arguments, no parameters schema):
+        read one whole with GetApprovalRequest. The stream ends when the server
+        stops, or with ABORTED when the client reads too slowly to keep up:
+        watch again. Set a deadline to bound the wait.
+        Errors:
+        - INVALID_ARGUMENT: `request_id` is too long.
+        - NOT_FOUND: `request_id` names no request the caller may see.
+        - RESOURCE_EXHAUSTED: the caller, or the server, has as many watches
+          open as it allows; close one or retry later.
         """
 
 def add_ToolRegistryServicer_to_server(servicer: ToolRegistryServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
