@@ -62,6 +62,7 @@ from .ownership import (
     OwnerIdentity,
     orphan_reason,
 )
+from .profiles import GVISOR_RUNTIMES
 from .spec import (
     INIT_BINARY,
     EgressConnection,
@@ -91,8 +92,9 @@ KILL_GRACE_S: Final = 5.0  # seconds to wait for the stream to end after SIGKILL
 API_TIMEOUT_S: Final = 60  # seconds: HTTP timeout of one engine call (not the tool's)
 UNPRIVILEGED_USER: Final = "65534:65534"  # nobody:nogroup
 UNROUTABLE_DNS: Final = "192.0.2.1"  # TEST-NET-1 (RFC 5737): a resolver nobody answers for
-# Runtimes known to reject a pids limit (gVisor enforces its own, and errors on ours).
-NO_PIDS_LIMIT_RUNTIMES: Final = frozenset({"runsc"})
+# Runtimes known to reject a pids limit (gVisor enforces its own, and errors on ours):
+# both of its runtimes, with and without a network.
+NO_PIDS_LIMIT_RUNTIMES: Final = GVISOR_RUNTIMES
 
 # The init (init/toolreg_init.c). Docker creates the mountpoint in the container's own
 # layer, so this works on a read-only root, in a FROM scratch image, under runc and runsc.

@@ -12,6 +12,9 @@ from .spec import Limits
 __all__ = [
     "CAUTIOUS_LIMITS",
     "DANGEROUS_LIMITS",
+    "GVISOR",
+    "GVISOR_NET",
+    "GVISOR_RUNTIMES",
     "LEVELS",
     "SAFE_LIMITS",
     "profile_for",
@@ -73,11 +76,19 @@ _BY_LEVEL: Final[dict[str, Limits]] = {
 }
 LEVELS: Final = tuple(_BY_LEVEL)  # ordered from least to most dangerous
 
+# The two gVisor runtimes scripts/ensure_docker.sh registers (README: The sandbox), one
+# binary each. The names are Docker runtime names: an engine offers them or not.
+GVISOR: Final = "runsc"  # --network=none: no network stack, only lo
+# --network=sandbox: gVisor's own netstack on the call's internal network, for dangerous
+# tools with network.egress only (their one reachable peer is the egress proxy).
+GVISOR_NET: Final = "runsc-net"
+GVISOR_RUNTIMES: Final = frozenset({GVISOR, GVISOR_NET})
+
 # gVisor for dangerous tools; others use the engine's default OCI runtime.
 _PREFERRED_RUNTIME: Final[dict[str, str]] = {
     "safe": "runc",
     "cautious": "runc",
-    "dangerous": "runsc",
+    "dangerous": GVISOR,
 }
 FALLBACK_RUNTIME: Final = "runc"
 
@@ -93,9 +104,11 @@ def profile_for(level: str) -> Limits:
     return _BY_LEVEL[level]
 
 
-def runtime_for(level: str, available: Set[str]) -> str | None:
-    """The preferred runtime of a level if the engine has it, else None (caller decides
-    whether to fall back to FALLBACK_RUNTIME with a warning or to refuse)."""
+def runtime_for(level: str, available: Set[str], *, egress: bool = False) -> str | None:
+    """The preferred runtime of a level (of a tool with network egress when ``egress``)
+    if the engine has it, else None (the caller decides whether to fall back to
+    FALLBACK_RUNTIME with a warning or to refuse). A dangerous tool with egress wants
+    GVISOR_NET: GVISOR has no network stack and could not reach the proxy."""
     _check_level(level)
-    preferred = _PREFERRED_RUNTIME[level]
+    preferred = GVISOR_NET if egress and level == "dangerous" else _PREFERRED_RUNTIME[level]
     return preferred if preferred in available else None

@@ -39,7 +39,7 @@ from registry_server.store.sqlite import SqliteStore
 from sandbox_runner import Limits, SandboxBackend, SandboxError
 from sandbox_runner.docker_backend import DockerBackend
 from sandbox_runner.egress.gateway import EgressConfig
-from sandbox_runner.profiles import profile_for
+from sandbox_runner.profiles import GVISOR, GVISOR_NET, profile_for
 
 log = logging.getLogger(__name__)
 
@@ -257,14 +257,23 @@ def _start_sandboxes(config: ServerConfig, backend: SandboxBackend, require_gvis
         # Serve the registry anyway; executions answer UNAVAILABLE until it returns.
         log.error("container engine unavailable at start-up: %s", exc)
         return
-    if "runsc" in runtimes:
-        log.info("dangerous tools run under gVisor (runsc)")
+    if GVISOR in runtimes:
+        log.info("dangerous tools run under gVisor (%s)", GVISOR)
     elif require_gvisor:
-        log.warning("gVisor (runsc) is not installed: dangerous tools will be refused")
+        log.warning("gVisor (%s) is not installed: dangerous tools will be refused", GVISOR)
     else:
         log.warning(
-            "gVisor (runsc) is not installed: dangerous tools run under runc;"
-            " set TOOLREG_REQUIRE_GVISOR=true to refuse them instead"
+            "gVisor (%s) is not installed: dangerous tools without egress run under runc;"
+            " set TOOLREG_REQUIRE_GVISOR=true to refuse them instead",
+            GVISOR,
+        )
+    if GVISOR_NET in runtimes:
+        log.info("dangerous tools with egress run under gVisor with networking (%s)", GVISOR_NET)
+    else:
+        log.warning(
+            "the engine has no %s runtime: dangerous tools with egress will be refused"
+            " (scripts/ensure_docker.sh registers it)",
+            GVISOR_NET,
         )
 
 

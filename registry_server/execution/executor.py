@@ -189,13 +189,9 @@ class Executor:
     def _plan_sandbox(
         self, record: AuditRecord, tool: ToolDefinition, arguments: ParsedArguments
     ) -> SandboxSpec:
-        runtime = self._planner.runtime_for(tool.safety_level)
+        runtime = self._planner.runtime_for(tool)
         if runtime is None:
-            raise _refusal(
-                record,
-                Status.SANDBOX_ERROR,
-                f"Tool '{tool.name}' needs gVisor (runsc), which this engine lacks",
-            )
+            raise _refusal(record, Status.SANDBOX_ERROR, self._planner.missing_runtime(tool))
         try:
             # Before the secrets are read: an owner the policy no longer lets
             # grant them never causes a read.

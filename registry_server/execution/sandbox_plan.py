@@ -25,9 +25,19 @@ from sandbox_runner import (
     SandboxSpec,
     SecretFile,
 )
-from sandbox_runner.profiles import FALLBACK_RUNTIME, profile_for, runtime_for
+from sandbox_runner.profiles import (
+    FALLBACK_RUNTIME,
+    GVISOR,
+    GVISOR_NET,
+    profile_for,
+    runtime_for,
+)
 
 WORKSPACE_TARGET = "/workspace"  # where a workspace tool sees its directory
+# seconds: how stale the engine's runtime list may be when the one a call needs is not in
+# it (one registered meanwhile, e.g. runsc-net by scripts/ensure_docker.sh, is found
+# without a restart; a missing one costs one engine query per interval, not per call)
+RUNTIMES_RECHECK_S = 5.0
 TOOL_WORKSPACE_ENV = "TOOLREG_WORKSPACE"  # tells the tool where its workspace is
 
 
@@ -39,7 +49,8 @@ class SandboxPolicy:
         default_factory=lambda: {lvl: profile_for(lvl.value) for lvl in SafetyLevel}
     )
     # Dangerous tools run under gVisor; without it, refuse (True) or fall back
-    # to runc with a warning at start-up (False).
+    # to runc with a warning at start-up (False). Never for a dangerous tool
+    # with egress: it runs under gVisor with networking or not at all.
     require_gvisor: bool = False
     workspace_dir: Path | None = None
     # Tools that get workspace_dir mounted read-write. Only dangerous tools
@@ -61,19 +72,51 @@ class SandboxPlanner:
     def __init__(self, backend: SandboxBackend, policy: SandboxPolicy) -> None:
         self._backend = backend
         self.policy = policy
-        self._runtimes: frozenset[str] | None = None  # asked of the engine once
+        self._runtimes: frozenset[str] | None = None  # what the engine offers
+        self._runtimes_at = 0.0  # time.monotonic() of that answer
 
-    def runtime_for(self, level: SafetyLevel) -> str | None:
-        """The OCI runtime a level runs under here, or None if it may not run."""
-        if self._runtimes is None:
-            try:
-                self._runtimes = self._backend.runtimes()
-            except SandboxError:
-                return FALLBACK_RUNTIME if level is not SafetyLevel.DANGEROUS else None
-        chosen = runtime_for(level.value, self._runtimes)
-        if chosen is None and not (level is SafetyLevel.DANGEROUS and self.policy.require_gvisor):
+    def runtime_for(self, tool: ToolDefinition) -> str | None:
+        """The OCI runtime ``tool`` runs under here, or None if it may not run
+        (``missing_runtime`` says why)."""
+        level, egress = tool.safety_level, bool(tool.egress)
+        chosen = self._offered(lambda offered: runtime_for(level.value, offered, egress=egress))
+        if chosen is not None:
+            return chosen
+        if level is not SafetyLevel.DANGEROUS:
             return FALLBACK_RUNTIME
-        return chosen
+        # The development-mode fallback gives a dangerous tool runc's isolation,
+        # never runc's isolation plus a way out: with egress, gVisor's netstack
+        # or nothing. Neither does an engine with runsc but no runsc-net get one.
+        if egress or self.policy.require_gvisor or self._runtimes is None:
+            return None
+        return FALLBACK_RUNTIME
+
+    def _offered(self, choose: Callable[[frozenset[str]], str | None]) -> str | None:
+        """``choose`` over the engine's runtimes (asked again when it finds none
+        and the answer is older than RUNTIMES_RECHECK_S); None when the engine
+        does not answer."""
+        now = time.monotonic()
+        stale = now - self._runtimes_at >= RUNTIMES_RECHECK_S
+        if self._runtimes is not None:
+            chosen = choose(self._runtimes)
+            if chosen is not None or not stale:
+                return chosen
+        try:
+            self._runtimes, self._runtimes_at = self._backend.runtimes(), now
+        except SandboxError:
+            return None
+        return choose(self._runtimes)
+
+    @staticmethod
+    def missing_runtime(tool: ToolDefinition) -> str:
+        """Why ``runtime_for`` found none for ``tool``, naming the fix."""
+        if tool.egress:
+            return (
+                f"Tool '{tool.name}' needs gVisor with networking (runtime '{GVISOR_NET}'),"
+                " which this engine lacks: run scripts/ensure_docker.sh as root, or register"
+                f" {GVISOR_NET} in /etc/docker/daemon.json (docs/deploying.md, 1. The engine)"
+            )
+        return f"Tool '{tool.name}' needs gVisor ({GVISOR}), which this engine lacks"
 
     def warm_spec(self, tool: ToolDefinition) -> SandboxSpec | None:
         """What a warm container of ``tool`` is made from (None: it may not run
@@ -81,7 +124,7 @@ class SandboxPlanner:
         and secret files, made for it)."""
         if tool.egress or tool.secrets:
             return None
-        runtime = self.runtime_for(tool.safety_level)
+        runtime = self.runtime_for(tool)
         return None if runtime is None else self.spec(tool, b"{}", runtime)
 
     def spec(

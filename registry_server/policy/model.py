@@ -140,11 +140,11 @@ class EffectiveRule:
         return max([0, *shortfalls])
 
 
-# Cautious only by default: dangerous tools run under gVisor, which this
-# project registers with --network=none (scripts/ensure_docker.sh), so a
-# dangerous sandbox could not reach the proxy. An operator whose runsc has
-# networking adds dangerous in the policy.
-DEFAULT_EGRESS_LEVELS = frozenset({SafetyLevel.CAUTIOUS})
+# Never safe: a tool that sends anything anywhere has an effect. Dangerous
+# tools with egress run under gVisor with its own netstack (runtime
+# runsc-net, sandbox_runner/profiles.py), every other dangerous call under
+# runsc without a network; an engine without runsc-net refuses them.
+DEFAULT_EGRESS_LEVELS = frozenset({SafetyLevel.CAUTIOUS, SafetyLevel.DANGEROUS})
 DEFAULT_MAX_EGRESS_BYTES = 16 * 1024 * 1024  # bytes each call may move through the proxy
 DEFAULT_MAX_EGRESS_CONNECTIONS = 32  # connections each call may open (refused ones count)
 MAX_EGRESS_BYTES = 1024 * 1024 * 1024  # bytes: the highest per-call cap a policy may set

@@ -127,7 +127,11 @@ def test_grants_decide_egress_and_secrets_at_registration_and_before_calls() -> 
     dangerous = tool(
         **manifest(safety_level="dangerous", network={"egress": ["api.example.com:443"]})
     )
-    assert "only for cautious" in str(egress_refusal(dangerous, "ops", UNRESTRICTED, policy))
+    assert egress_refusal(dangerous, "ops", UNRESTRICTED, policy) is None  # by default
+    only_cautious = EgressPolicy(levels=frozenset({SafetyLevel.CAUTIOUS}))
+    assert "only for cautious" in str(egress_refusal(dangerous, "ops", UNRESTRICTED, only_cautious))
+    safe = tool(**manifest(network={"egress": ["api.example.com:443"]}))
+    assert "only for cautious, dangerous" in str(egress_refusal(safe, "ops", UNRESTRICTED, policy))
 
 
 def test_secret_files_must_be_private(tmp_path: Path) -> None:

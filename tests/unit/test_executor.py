@@ -40,6 +40,7 @@ from registry_server.domain.errors import (
 )
 from registry_server.domain.models import SafetyLevel, ToolDefinition
 from registry_server.domain.outcome import ApprovalRequestView, Outcome, Status
+from registry_server.execution import sandbox_plan
 from registry_server.execution.admission import Admission
 from registry_server.execution.call_request import CallRequest
 from registry_server.execution.executor import NOT_A_NAME, Executor
@@ -645,6 +646,74 @@ def test_a_dangerous_tool_runs_under_runsc_when_the_engine_has_it(tmp_path: Path
 def test_without_require_gvisor_a_dangerous_tool_falls_back_to_runc(env: Env) -> None:
     assert env.call("wipe", approval_tokens=env.tokens(WIPE)).status is Status.OK
     assert [s.runtime for s in env.backend.prepared_specs] == ["runc"]
+
+
+# A dangerous tool with egress: gVisor with its own netstack (runsc-net), or nothing.
+FETCH = make_tool(
+    name="fetch", safety_level="dangerous", network={"egress": ["api.example.com:443"]}
+)
+NO_NET_FIX = (
+    "Tool 'fetch' needs gVisor with networking (runtime 'runsc-net'), which this engine"
+    " lacks: run scripts/ensure_docker.sh as root, or register runsc-net in"
+    " /etc/docker/daemon.json (docs/deploying.md, 1. The engine)"
+)
+
+
+def with_fetch(env: Env) -> Env:
+    env.registry.register(FETCH)
+    return env
+
+
+def test_a_dangerous_tool_with_egress_runs_under_runsc_net_and_no_other(tmp_path: Path) -> None:
+    gvisor = frozenset({"runc", "runsc", "runsc-net"})
+    env = with_fetch(build(tmp_path, require_gvisor=True, runtimes=gvisor))
+    assert env.call("fetch", approval_tokens=env.tokens(FETCH)).status is Status.OK
+    assert env.call("wipe", approval_tokens=env.tokens(WIPE)).status is Status.OK
+    assert env.call("shell").status is Status.OK
+    fetch, wipe, shell = env.backend.prepared_specs
+    assert (fetch.runtime, fetch.egress is not None) == ("runsc-net", True)
+    assert (wipe.runtime, wipe.egress) == ("runsc", None)  # no egress: no network stack
+    assert shell.runtime == "runc"
+    # an approved call: its STARTING record, then its outcome
+    runtimes = ["runsc-net", "runsc-net", "runsc", "runsc", "runc"]
+    assert [e["runtime"] for e in env.executions()] == runtimes
+
+
+@pytest.mark.parametrize("require_gvisor", [True, False], ids=["policy", "development"])
+@pytest.mark.parametrize("runtimes", [{"runc", "runsc"}, {"runc"}], ids=["runsc-only", "no-gvisor"])
+def test_an_engine_without_runsc_net_refuses_a_dangerous_tool_with_egress(
+    tmp_path: Path, require_gvisor: bool, runtimes: set[str]
+) -> None:
+    """Never runc, never runsc without a network, whatever the fallback setting:
+    the development-mode fallback covers dangerous tools without egress only."""
+    env = with_fetch(build(tmp_path, require_gvisor=require_gvisor, runtimes=frozenset(runtimes)))
+    tokens = env.tokens(FETCH)
+    outcome = env.call("fetch", approval_tokens=tokens)
+    assert (outcome.status, outcome.error) == (Status.SANDBOX_ERROR, NO_NET_FIX)
+    assert env.backend.prepared == []
+    assert not any(map(env.jti_used, jtis(tokens)))  # the approval is kept for a retry
+    entry = env.executions()[-1]
+    assert (entry["status"], entry["runtime"], entry["container_id"]) == ("SANDBOX_ERROR", "", "")
+    # A dangerous call without egress still gets what it got before.
+    wipe = env.call("wipe", approval_tokens=env.tokens(WIPE))
+    plain = "runsc" if "runsc" in runtimes else None if require_gvisor else "runc"
+    assert [s.runtime for s in env.backend.prepared_specs] == ([plain] if plain else [])
+    assert wipe.status is (Status.OK if plain else Status.SANDBOX_ERROR)
+
+
+def test_runsc_net_registered_while_the_server_runs_is_found_without_a_restart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    env = with_fetch(build(tmp_path, require_gvisor=True, runtimes=frozenset({"runc", "runsc"})))
+    tokens = env.tokens(FETCH)
+    assert env.call("fetch", approval_tokens=tokens).status is Status.SANDBOX_ERROR
+    env.backend.available_runtimes = frozenset({"runc", "runsc", "runsc-net"})
+    # Within RUNTIMES_RECHECK_S of the last answer the engine is not asked again.
+    assert env.call("fetch", approval_tokens=tokens).status is Status.SANDBOX_ERROR
+    assert env.backend.calls.count("runtimes") == 1
+    monkeypatch.setattr(sandbox_plan, "RUNTIMES_RECHECK_S", 0.0)
+    assert env.call("fetch", approval_tokens=tokens).status is Status.OK
+    assert [s.runtime for s in env.backend.prepared_specs] == ["runsc-net"]
 
 
 # ---------------------------------------------------------------- engine failures

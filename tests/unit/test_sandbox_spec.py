@@ -75,6 +75,12 @@ def test_runtime_for() -> None:
     assert runtime_for("dangerous", {"runc", "runsc"}) == "runsc"
     assert runtime_for("dangerous", {"runc"}) is None
     assert runtime_for("safe", {"runc", "runsc"}) == "runc"
+    # With egress: only a dangerous tool changes runtime, to gVisor with networking.
+    gvisor = {"runc", "runsc", "runsc-net"}
+    assert runtime_for("dangerous", gvisor, egress=True) == "runsc-net"
+    assert runtime_for("dangerous", {"runc", "runsc"}, egress=True) is None
+    assert runtime_for("dangerous", gvisor) == "runsc"
+    assert runtime_for("cautious", gvisor, egress=True) == "runc"
 
 
 def spec(**changes: object) -> SandboxSpec:
