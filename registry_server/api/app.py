@@ -15,7 +15,9 @@ from grpc_health.v1 import health
 
 from registry_server.api.config import ServerConfig
 from registry_server.api.metrics import Metrics
+from registry_server.approvals.events import ExpirySweeper
 from registry_server.approvals.service import Approvals
+from registry_server.approvals.watch import Watches
 from registry_server.catalog.registry import OPERATOR, ImageCheck, RegisterOutcome, Registry
 from registry_server.domain.errors import (
     ConfigError,
@@ -62,6 +64,7 @@ class App:
     metrics: Metrics = field(default_factory=Metrics)
     metrics_port: int | None = None
     closers: list[Callable[[], None]] = field(default_factory=list)
+    watches: Watches | None = None
 
     def close(self) -> None:
         self.health.enter_graceful_shutdown()
@@ -87,6 +90,8 @@ def build_app(config: ServerConfig) -> App:
         raise
     _start_sandboxes(config, backend, require_gvisor)
     approvals = Approvals(store, policy, registry)
+    watches = Watches(approvals, max_watches=config.max_watches)
+    sweeper = ExpirySweeper(store, approvals.hub, approvals.hooks)
     executor = Executor(
         registry,
         backend,
@@ -105,6 +110,7 @@ def build_app(config: ServerConfig) -> App:
     )
     app = App(config, store, registry, executor, health.HealthServicer(), backend, approvals)
     app.dev_mode = dev_mode
+    app.watches = watches
     app.closers.append(backend.close)
     executor.observe(app.metrics.observe_execution)
     if config.max_warm > 0:
@@ -125,6 +131,10 @@ def build_app(config: ServerConfig) -> App:
     app.metrics.watch(executor.admission, app.pools.stats if app.pools else None)
     # Tools stored by other servers on the same database: served here at once.
     store.watch_tools(registry.reload)
+    # Approval events from every server reach this server's watches.
+    approvals.hub.start()
+    sweeper.start()
+    app.closers[:0] = [approvals.hub.close, sweeper.close]
     return app
 
 

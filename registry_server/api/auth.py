@@ -39,6 +39,9 @@ METHOD_ROLES: dict[str, frozenset[Role]] = {
     # callers poll their own request while they wait for approvers
     SERVICE + "GetApprovalRequest": frozenset({Role.APPROVE, Role.EXECUTE}),
     SERVICE + "SubmitApproval": frozenset({Role.APPROVE}),
+    SERVICE + "RejectApprovalRequest": frozenset({Role.APPROVE}),
+    # approvers watch what they may approve; agents wait for their own requests
+    SERVICE + "WatchApprovalRequests": frozenset({Role.APPROVE, Role.EXECUTE}),
 }
 # Open to anyone who can connect: they reveal nothing a port scan would not.
 OPEN_METHODS = frozenset(
@@ -58,6 +61,7 @@ class Principal:
     roles: frozenset[Role]
     max_level: SafetyLevel | None  # for execute; None = any level
     register: RegisterGrant = UNRESTRICTED  # what it may register (with the role)
+    approver: str | None = None  # the policy's approver this client is, if any
 
     @property
     def admin(self) -> bool:
@@ -115,7 +119,10 @@ class Authenticator:
                     "no known credential: send 'authorization: Bearer <token>'"
                     " or a client certificate",
                 )
-        return Principal(client.id, client.roles, client.max_safety_level, client.register)
+        return Principal(
+            client.id, client.roles, client.max_safety_level, client.register,
+            self._policy.approver_identity(client),
+        )  # fmt: skip
 
 
 def _subjects(auth_context: Mapping[str, Any]) -> list[str]:

@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from registry_server.approvals.watch import DEFAULT_MAX_WATCHES
 from registry_server.execution.warm_pool import (
     DEFAULT_MAX_AGE_S,
     DEFAULT_MAX_WARM,
@@ -46,6 +47,8 @@ class ServerConfig(BaseSettings):
     policy_file: Path | None = None
     max_sandboxes: int = Field(DEFAULT_MAX_SANDBOXES, ge=1, le=256)
     max_queued: int = Field(DEFAULT_MAX_QUEUED, ge=0, le=4096)
+    # approval watches open at once (each holds a gRPC thread while open)
+    max_watches: int = Field(DEFAULT_MAX_WATCHES, ge=0, le=1024)
     # MiB: running and warm sandboxes' memory limits add up to at most this.
     sandbox_memory_mb: int = Field(DEFAULT_SANDBOX_MEMORY_MB, ge=64, le=1024 * 1024)
     init_path: Path = INIT_BINARY  # the sandbox init, as `make init` builds it
@@ -93,7 +96,8 @@ class ServerConfig(BaseSettings):
     def grpc_threads(self) -> int:
         # Every admitted or queued execution holds a thread while it waits,
         # and registry RPCs must still be served when all of those are busy.
-        return self.max_sandboxes + self.max_queued + EXTRA_GRPC_THREADS
+        # Each open approval watch holds one too, for as long as it is open.
+        return self.max_sandboxes + self.max_queued + EXTRA_GRPC_THREADS + self.max_watches
 
     @property
     def store(self) -> str:

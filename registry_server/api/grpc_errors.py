@@ -27,6 +27,7 @@ CODES: dict[ErrorCode, grpc.StatusCode] = {
     ErrorCode.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     ErrorCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     ErrorCode.UNIMPLEMENTED: grpc.StatusCode.UNIMPLEMENTED,
+    ErrorCode.ABORTED: grpc.StatusCode.ABORTED,
     ErrorCode.INTERNAL: grpc.StatusCode.INTERNAL,
 }
 

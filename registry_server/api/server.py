@@ -52,7 +52,7 @@ def create_server(config: ServerConfig, app: App | None = None) -> tuple[grpc.Se
         ],
     )
     pb_grpc.add_ToolRegistryServicer_to_server(
-        ToolRegistryServicer(app.registry, app.executor, app.approvals), server
+        ToolRegistryServicer(app.registry, app.executor, app.approvals, app.watches), server
     )
     health_pb2_grpc.add_HealthServicer_to_server(app.health, server)
     app.health.set("", health_pb2.HealthCheckResponse.SERVING)

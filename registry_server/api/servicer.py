@@ -12,9 +12,10 @@ import grpc
 
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
-from registry_server.api.auth import current_principal
+from registry_server.api.auth import DEVELOPER, Principal, current_principal
 from registry_server.api.grpc_errors import maps_errors
-from registry_server.approvals.service import Approvals
+from registry_server.approvals.service import Approvals, Viewer
+from registry_server.approvals.watch import Watches
 from registry_server.catalog.registry import Registrant, Registry
 from registry_server.catalog.views import RegistryViews
 from registry_server.domain import schemas
@@ -101,6 +102,17 @@ def _required(value: str, field: str) -> str:
     return value
 
 
+def _viewer(principal: Principal) -> Viewer:
+    """Who reads approval requests (approvals.service.Viewer): admins and the
+    developer see all, and so does an approve-role client the policy names
+    as no approver (a relay its operator set up)."""
+    relay = Role.APPROVE in principal.roles and principal.approver is None
+    admin = principal.admin or principal is DEVELOPER
+    return Viewer(
+        principal.id, sees_all=admin or relay, approver=principal.approver, admin=admin
+    )
+
+
 def _tool_name(value: str) -> str:
     """A name is checked before any look-up (and never echoed back when bad)."""
     _required(value, "name")
@@ -111,16 +123,25 @@ def _tool_name(value: str) -> str:
 
 
 class ToolRegistryServicer(pb_grpc.ToolRegistryServicer):
-    def __init__(self, registry: Registry, executor: Executor, approvals: Approvals | None) -> None:
+    def __init__(
+        self, registry: Registry, executor: Executor, approvals: Approvals | None,
+        watches: Watches | None = None,
+    ) -> None:  # fmt: skip
         self._registry = registry
         self._executor = executor
         self._approvals = approvals
+        self._watches = watches
         self._views = RegistryViews(registry)
 
     def _approval_service(self) -> Approvals:
         if self._approvals is None:
             raise Unimplemented("this server has no approval service")
         return self._approvals
+
+    def _watch_service(self) -> Watches:
+        if self._watches is None:
+            raise Unimplemented("this server does not watch approval requests")
+        return self._watches
 
     @staticmethod
     def _call(request: pb.ExecuteToolRequest, context: grpc.ServicerContext) -> CallRequest:
@@ -198,7 +219,8 @@ class ToolRegistryServicer(pb_grpc.ToolRegistryServicer):
     def ListApprovalRequests(
         self, request: pb.ListApprovalRequestsRequest, context: grpc.ServicerContext
     ) -> pb.ListApprovalRequestsResponse:
-        found = self._approval_service().list_requests(request.state, request.limit)
+        viewer = _viewer(current_principal())
+        found = self._approval_service().list_requests(request.state, request.limit, viewer)
         return pb.ListApprovalRequestsResponse(
             requests=[convert.approval_request_to_pb(r) for r in found]
         )
@@ -207,9 +229,8 @@ class ToolRegistryServicer(pb_grpc.ToolRegistryServicer):
     def GetApprovalRequest(
         self, request: pb.GetApprovalRequestRequest, context: grpc.ServicerContext
     ) -> pb.ApprovalRequest:
-        caller = current_principal()
         found = self._approval_service().get_for(
-            _required(request.id, "id"), caller.id, approver=Role.APPROVE in caller.roles
+            _required(request.id, "id"), _viewer(current_principal())
         )
         return convert.approval_request_to_pb(found)
 
@@ -223,3 +244,25 @@ class ToolRegistryServicer(pb_grpc.ToolRegistryServicer):
             submitted_by=current_principal().id,
         )
         return convert.approval_request_to_pb(updated)
+
+    @maps_errors
+    def RejectApprovalRequest(
+        self, request: pb.RejectApprovalRequestRequest, context: grpc.ServicerContext
+    ) -> pb.ApprovalRequest:
+        rejected = self._approval_service().reject(
+            _required(request.request_id, "request_id"),
+            request.reason,
+            _viewer(current_principal()),
+        )
+        return convert.approval_request_to_pb(rejected)
+
+    @maps_errors
+    def WatchApprovalRequests(
+        self, request: pb.WatchApprovalRequestsRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.ApprovalEvent]:
+        watch = self._watch_service().open(_viewer(current_principal()), request.request_id)
+        # The RPC ending (cancel, deadline, server stop) ends the watch's wait.
+        if not context.add_callback(watch.close):
+            watch.close()
+        for item in watch:
+            yield convert.approval_event_to_pb(item)

@@ -11,19 +11,25 @@ that did not run.
 
 An approval request belongs to the client whose call caused it: only that
 client may spend it, and a token bound to a request (`req`) works only with
-that request.
+that request. An approver eligible for the tool may reject a request instead,
+with a reason the agent is told. Every change is an approval event
+(approvals/events.py) that watches and webhooks follow; who sees which
+request is ``Viewer``'s to say.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+import unicodedata
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from registry_server.approvals import events
+from registry_server.approvals.events import EventHook, EventHub
 from registry_server.catalog.registry import Registry
 from registry_server.domain import strict_json
 from registry_server.domain.errors import (
@@ -48,7 +54,9 @@ from registry_server.store.base import (
     APPROVED,
     CONSUMED,
     EXPIRED,
+    FINAL_STATES,
     PENDING,
+    REJECTED,
     REQUEST_STATES,
     ApprovalRequestRecord,
     Store,
@@ -61,6 +69,20 @@ DEFAULT_LISTED = 100
 # Pending requests one client may have open at once: each holds up to 1 MiB of
 # arguments, and a steered agent must not fill the store or the approvers' queue.
 MAX_OPEN_REQUESTS_PER_CALLER = 32
+MAX_REASON_CHARS = 1_000  # characters of a rejection's reason
+
+
+@dataclass(frozen=True)
+class Viewer:
+    """Who reads approval requests, and so which ones it sees: every request
+    (``sees_all``: an admin, development mode, or an approve-role client the
+    policy names as no approver, a relay the operator set up), the requests
+    ``approver`` is eligible to approve and did not make, and its own."""
+
+    client_id: str
+    sees_all: bool = False
+    approver: str | None = None
+    admin: bool = False  # may reject any request (with the approve role to ask)
 
 
 class Denied(Exception):
@@ -102,10 +124,15 @@ class Call:
 
 
 class Approvals:
-    def __init__(self, store: Store, policy: Policy, registry: Registry) -> None:
+    def __init__(
+        self, store: Store, policy: Policy, registry: Registry, hub: EventHub | None = None
+    ) -> None:
         self._store = store
         self.policy = policy
         self._registry = registry
+        self.hub = hub if hub is not None else EventHub(store)
+        # run inside the unit of work of every approval event (webhook outbox)
+        self.hooks: list[EventHook] = []
 
     # -- token checks ------------------------------------------------------------
 
@@ -186,6 +213,7 @@ class Approvals:
         if self._missing(rule, approvals) == 0:
             return Approved(tuple(approvals.values()), request_id or None, rule)
         if request is None:
+            self._refuse_if_rejected(call)
             request = self._open_request(call, rule)
             if request.state == APPROVED:
                 return Required(
@@ -212,7 +240,12 @@ class Approvals:
         call twice. Raises Denied when another call spent them first."""
         with self._store.unit_of_work() as uow:
             _consume(uow, approved, execution_id)
-            audit.append(uow, "execution", audit_record)
+            seq = audit.append(uow, "execution", audit_record)
+            if approved.request_id:
+                events.record(uow, events.CONSUMED, approved.request_id, None, self.hooks,
+                              audit_seq=seq)  # fmt: skip
+        if approved.request_id:
+            self.hub.poke()
 
     # -- requests ----------------------------------------------------------------
 
@@ -223,7 +256,9 @@ class Approvals:
                 f"approval request {request.id} was made by another client;"
                 " only the client whose call caused it may use it"
             )
-        if request.state in ("CONSUMED", "EXPIRED"):
+        if request.state == REJECTED:
+            raise Denied(_rejected(request))
+        if request.state in (CONSUMED, EXPIRED):
             raise Denied(f"approval request {request.id} is {request.state.lower()}")
         if request.tool_name != call.tool.name:
             raise Denied(f"approval request {request.id} is for tool '{request.tool_name}'")
@@ -234,6 +269,18 @@ class Approvals:
             )
         if request.arguments_digest != call.arguments_digest:
             raise Denied(f"arguments differ from those of approval request {request.id}")
+
+    def _refuse_if_rejected(self, call: Call) -> None:
+        """The same call an approver rejected stays refused, with the reason,
+        until the rejected request would have expired: a steered agent does
+        not get to ask the approvers again and again."""
+        with self._store.reading() as reads:
+            rejected = reads.rejected_request_for(
+                tool_name=call.tool.name, tool_digest=call.tool.digest,
+                arguments_digest=call.arguments_digest, requested_by=call.caller, now=time.time(),
+            )  # fmt: skip
+        if rejected is not None:
+            raise Denied(_rejected(self.get(rejected)))
 
     def _open_request(self, call: Call, rule: EffectiveRule) -> ApprovalRequestView:
         """The caller's open request for exactly this call, or a new one."""
@@ -261,21 +308,65 @@ class Approvals:
                     " or expire"
                 )
             uow.add_request(request)
-            audit.append(uow, "approval", {
+            events.record(uow, events.OPENED, request.id, {
                 "event": "requested", "request_id": request.id, "tool": call.tool.name,
                 "tool_digest": call.tool.digest, "args_digest": call.arguments_digest,
                 "requested_by": call.caller, "approvals_required": rule.approvals_required,
-            })  # fmt: skip
+            }, self.hooks)  # fmt: skip
+        self.hub.poke()
         return self.get(request.id)
 
-    def get_for(self, request_id: str, reader: str, *, approver: bool) -> ApprovalRequestView:
-        """A request as ``reader`` may see it: approvers see every request; any
-        other client only its own (another's arguments are none of its business,
-        and NOT_FOUND does not even confirm the id)."""
+    def get_for(self, request_id: str, viewer: Viewer) -> ApprovalRequestView:
+        """A request as ``viewer`` may see it (``Viewer``): another's request
+        outside its groups is none of its business, and NOT_FOUND does not
+        even confirm the id."""
         request = self.get(request_id)
-        if not approver and request.requested_by != reader:
+        if not self.visible(request, viewer):
             raise NotFound(f"approval request '{request_id}' not found")
         return request
+
+    def visible(self, request: ApprovalRequestView, viewer: Viewer) -> bool:
+        if viewer.sees_all or request.requested_by == viewer.client_id:
+            return True
+        return viewer.approver is not None and self._may_approve(viewer.approver, request)
+
+    def _may_approve(self, approver: str, request: ApprovalRequestView) -> bool:
+        """Eligible by policy for the tool as registered now (as the request's
+        snapshot has it, once the tool is gone), and not the requester."""
+        tool = self._registry.find(request.tool_name) or request.tool
+        if tool is None or self.policy.same_person(approver, request.requested_by):
+            return False
+        rule = self.policy.rule_for(
+            tool_name=tool.name, categories=tool.categories, level=tool.safety_level
+        )
+        return self.policy.eligible(approver, rule)
+
+    def reject(self, request_id: str, reason: str, viewer: Viewer) -> ApprovalRequestView:
+        """Refuse a request for good, with a reason the agent is told and the
+        audit log keeps. An admin may reject any request; an approver those it
+        is eligible to approve (a rejection is cheap to make, so who may make
+        it is as narrow as who may approve)."""
+        reason = _checked_reason(reason)
+        request = self.get_for(request_id, viewer)
+        actor = viewer.approver or viewer.client_id
+        if not viewer.admin and not (
+            viewer.approver is not None and self._may_approve(viewer.approver, request)
+        ):
+            raise PermissionDenied(
+                f"client '{viewer.client_id}' is not an approver eligible for tool"
+                f" '{request.tool_name}'; it may not reject this request"
+            )
+        if request.state in FINAL_STATES:
+            raise FailedPrecondition(f"approval request {request_id} is {request.state.lower()}")
+        with self._store.unit_of_work() as uow:
+            if not uow.reject_request(request_id, actor, reason, time.time()):
+                raise FailedPrecondition(f"approval request {request_id} is no longer open")
+            events.record(uow, events.REJECTED, request_id, {
+                "event": "rejected", "request_id": request_id, "rejected_by": actor,
+                "reason": reason, "submitted_by": viewer.client_id,
+            }, self.hooks, actor=actor, reason=reason)  # fmt: skip
+        self.hub.poke()
+        return self.get(request_id)
 
     def get(self, request_id: str) -> ApprovalRequestView:
         if not request_id:
@@ -289,9 +380,12 @@ class Approvals:
             raise NotFound(f"approval request '{request_id}' not found")
         return self._view(record, approvers)
 
-    def list_requests(self, state: str = "", limit: int = 0) -> list[ApprovalRequestView]:
+    def list_requests(
+        self, state: str = "", limit: int = 0, viewer: Viewer | None = None
+    ) -> list[ApprovalRequestView]:
         """Newest first, without the arguments or the tool's parameters (an
-        answer of 500 requests must not carry 500 MiB): read one with ``get``."""
+        answer of 500 requests must not carry 500 MiB): read one with ``get``.
+        Only those ``viewer`` may see (all without one)."""
         state = state.strip().upper()
         if state and state not in REQUEST_STATES:
             raise InvalidArgument(f"state: unknown state; use {', '.join(REQUEST_STATES)}")
@@ -299,7 +393,15 @@ class Approvals:
         with self._store.reading() as reads:
             records = reads.requests(state=state, now=time.time(), limit=limit)
             approvers = [reads.approvers_of(r.id) for r in records]
-        return [self._view(r, a, listed=True) for r, a in zip(records, approvers, strict=True)]
+        views = [self._view(r, a, listed=True) for r, a in zip(records, approvers, strict=True)]
+        return [v for v in views if viewer is None or self.visible(v, viewer)]
+
+    def listed(self, request_id: str) -> ApprovalRequestView | None:
+        """One request in its listed form (what watches send), or None."""
+        with self._store.reading() as reads:
+            record = reads.request(request_id)
+            approvers = reads.approvers_of(request_id) if record else []
+        return None if record is None else self._view(record.listed(), approvers, listed=True)
 
     def submit(self, request_id: str, token: str, submitted_by: str) -> ApprovalRequestView:
         """Attach one approver's token to a request (verified now, spent later)."""
@@ -308,7 +410,7 @@ class Approvals:
         if len(token) > MAX_TOKEN_CHARS:
             raise InvalidArgument(f"token: longer than {MAX_TOKEN_CHARS} characters")
         request = self.get(request_id)
-        if request.state in (CONSUMED, EXPIRED):
+        if request.state in FINAL_STATES:
             raise FailedPrecondition(f"approval request {request_id} is {request.state.lower()}")
         rule = self._rule_of(request)
         try:
@@ -326,12 +428,20 @@ class Approvals:
             uow.put_approval_token(
                 request_id, approval.approver, approval.jti, token, approval.expires_at
             )
-            if self._missing(rule, uow.approvers_of(request_id)) == 0:
-                uow.mark_approved(request_id)
-            audit.append(uow, "approval", {
+            events.record(uow, events.APPROVAL_ADDED, request_id, {
                 "event": "approved", "request_id": request_id, "approver": approval.approver,
                 "jti": approval.jti, "submitted_by": submitted_by,
-            })  # fmt: skip
+            }, self.hooks, actor=approval.approver)  # fmt: skip
+            stored = uow.request(request_id)
+            if (
+                stored is not None and stored.state == PENDING
+                and self._missing(rule, uow.approvers_of(request_id)) == 0
+            ):  # fmt: skip
+                uow.mark_approved(request_id)
+                events.record(uow, events.APPROVED, request_id, {
+                    "event": "request_approved", "request_id": request_id,
+                }, self.hooks)  # fmt: skip
+        self.hub.poke()
         return self.get(request_id)
 
     def _rule_of(self, request: ApprovalRequestView) -> EffectiveRule:
@@ -376,7 +486,28 @@ class Approvals:
                 self._missing(rule, approvers) if rule is not None
                 else max(0, r.approvals_required - len(approvers))
             ),
+            rejected_by=r.rejected_by, rejection_reason=r.rejection_reason,
         )  # fmt: skip
+
+
+def _rejected(request: ApprovalRequestView) -> str:
+    return (
+        f"approval request {request.id} was rejected by {request.rejected_by}:"
+        f" {request.rejection_reason}"
+    )
+
+
+def _checked_reason(reason: str) -> str:
+    """1 to MAX_REASON_CHARS characters, none of them control characters: the
+    reason reaches agents, logs, webhooks and pages."""
+    reason = reason.strip()
+    if not reason:
+        raise InvalidArgument("reason: must not be empty (say why, for the agent and the audit)")
+    if len(reason) > MAX_REASON_CHARS:
+        raise InvalidArgument(f"reason: longer than {MAX_REASON_CHARS} characters")
+    if any(unicodedata.category(ch) == "Cc" for ch in reason):
+        raise InvalidArgument("reason: must not contain control characters (newlines included)")
+    return reason
 
 
 def _snapshot(manifest: str, owner: str, *, listed: bool) -> ToolDefinition | None:

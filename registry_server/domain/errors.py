@@ -17,6 +17,7 @@ class ErrorCode(enum.Enum):
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
     UNAVAILABLE = "UNAVAILABLE"
     UNIMPLEMENTED = "UNIMPLEMENTED"
+    ABORTED = "ABORTED"
     INTERNAL = "INTERNAL"
 
 
@@ -78,6 +79,13 @@ class Unauthenticated(ToolregError):
 
 class AtCapacity(ToolregError):
     code = ErrorCode.RESOURCE_EXHAUSTED
+
+
+class Aborted(ToolregError):
+    """The operation ended early and may simply be tried again (a watch whose
+    reader fell behind)."""
+
+    code = ErrorCode.ABORTED
 
 
 class EngineUnavailable(ToolregError):

@@ -40,6 +40,20 @@ class ApprovalRequestView:
     # None for requests made before definitions were kept with them.
     tool: ToolDefinition | None = None
     approvals_missing: int = 0  # distinct approvers still needed, at least
+    rejected_by: str = ""  # REJECTED: who refused it
+    rejection_reason: str = ""  # REJECTED: why
+
+
+@dataclass(frozen=True)
+class ApprovalEventView:
+    """One item of a watch on approval requests (WatchApprovalRequests)."""
+
+    type: str  # CURRENT, SYNCED, OPENED, APPROVAL_ADDED, APPROVED, REJECTED, CONSUMED, EXPIRED
+    request: ApprovalRequestView | None  # listed form; None for SYNCED
+    actor: str = ""  # the approver who added an approval or rejected
+    reason: str = ""  # REJECTED: why
+    at: datetime | None = None
+    seq: int = 0  # the event's place in the store's order (0 for CURRENT, SYNCED)
 
 
 @dataclass(frozen=True)

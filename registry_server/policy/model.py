@@ -244,6 +244,13 @@ class Policy:
         client = self.client(client_id)
         return client is not None and client.approver == approver_id
 
+    def approver_identity(self, client: Client) -> str | None:
+        """The approver a client is: the one it names (``approver:``), else
+        the approver of the same id, else none."""
+        if client.approver is not None:
+            return client.approver
+        return client.id if client.id in self._by_id else None
+
     def approver_keys(self) -> Mapping[str, Ed25519PublicKey]:
         return MappingProxyType({a.id: a.public_key for a in self.approvers})
 

@@ -22,10 +22,13 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-# Request states as stored. EXPIRED is never stored: a PENDING or APPROVED
-# request whose expires_at has passed reads as EXPIRED.
+# Request states. A PENDING or APPROVED request whose expires_at has passed
+# reads as EXPIRED before the expiry sweep stores it so (approvals/events.py).
 PENDING, APPROVED, CONSUMED, EXPIRED = "PENDING", "APPROVED", "CONSUMED", "EXPIRED"
-REQUEST_STATES = (PENDING, APPROVED, CONSUMED, EXPIRED)
+REJECTED = "REJECTED"
+REQUEST_STATES = (PENDING, APPROVED, CONSUMED, REJECTED, EXPIRED)
+OPEN_STATES = (PENDING, APPROVED)  # still waiting to be used (unless expired)
+FINAL_STATES = (CONSUMED, REJECTED, EXPIRED)  # never change again
 # What a listing shows instead of a request's parameters schema.
 LISTED_PARAMETERS: dict[str, Any] = {"type": "object"}
 
@@ -52,9 +55,11 @@ class ApprovalRequestRecord:
     expires_at: float
     tool_manifest: str  # the definition it was made for; parameters left out in listings
     tool_owner: str
+    rejected_by: str = ""  # REJECTED: the approver who refused it
+    rejection_reason: str = ""  # REJECTED: why, in the approver's words
 
     def state_at(self, now: float) -> str:
-        if self.state != CONSUMED and self.expires_at <= now:
+        if self.state in OPEN_STATES and self.expires_at <= now:
             return EXPIRED
         return self.state
 
@@ -65,6 +70,20 @@ class ApprovalRequestRecord:
         if manifest:
             manifest = json.dumps({**json.loads(manifest), "parameters": LISTED_PARAMETERS})
         return replace(self, arguments_json="", tool_manifest=manifest)
+
+
+@dataclass(frozen=True)
+class ApprovalEventRecord:
+    """One change of an approval request, stored with the audit entry that
+    records it: ``seq`` is that entry's seq, so events are in commit order on
+    every server (appends to the chain line up)."""
+
+    seq: int
+    request_id: str
+    type: str  # OPENED, APPROVAL_ADDED, APPROVED, REJECTED, CONSUMED, EXPIRED
+    actor: str  # the approver, for APPROVAL_ADDED and REJECTED
+    reason: str  # REJECTED: the approver's reason
+    at: float  # time.time()
 
 
 @dataclass(frozen=True)
@@ -105,6 +124,28 @@ class StoreReads(Protocol):
 
     def open_requests_of(self, requested_by: str, now: float) -> int:
         """How many PENDING, unexpired requests this client has."""
+        ...
+
+    def rejected_request_for(
+        self, *, tool_name: str, tool_digest: str, arguments_digest: str, requested_by: str,
+        now: float,
+    ) -> str | None:  # fmt: skip
+        """The id of the newest REJECTED request for exactly this call that has
+        not reached its expires_at: the same call asked again is refused with
+        the approver's reason instead of asking the approvers again."""
+        ...
+
+    def expired_open_requests(self, now: float, limit: int) -> list[str]:
+        """Ids of PENDING or APPROVED requests whose expires_at has passed (the
+        expiry sweep stores them EXPIRED, with an event)."""
+        ...
+
+    def events_after(self, seq: int, limit: int) -> list[ApprovalEventRecord]:
+        """Approval events with a seq above ``seq``, oldest first."""
+        ...
+
+    def last_event_seq(self) -> int:
+        """The highest approval event seq (0 when there is none)."""
         ...
 
     def approvers_of(self, request_id: str) -> list[str]:
@@ -155,6 +196,22 @@ class UnitOfWork(StoreReads, Protocol):
         """PENDING -> APPROVED (no change in any other state)."""
         ...
 
+    def reject_request(self, request_id: str, by: str, reason: str, now: float) -> bool:
+        """PENDING or APPROVED and unexpired -> REJECTED by ``by`` for ``reason``;
+        False when it was not open."""
+        ...
+
+    def expire_request(self, request_id: str, now: float) -> bool:
+        """PENDING or APPROVED whose expires_at has passed -> EXPIRED; False when
+        another server (or the call that used it) got there first."""
+        ...
+
+    def add_event(self, event: ApprovalEventRecord) -> None:
+        """Store an approval event (approvals/events.py makes it, after the
+        audit entry whose seq it takes). SQL stores announce it to the other
+        servers on commit."""
+        ...
+
 
 class Store(Protocol):
     @property
@@ -174,6 +231,12 @@ class Store(Protocol):
         """Call ``on_change(name)`` when another server stores tool ``name``, and
         ``on_change(None)`` when everything must be re-read. A store only one
         server uses never calls it."""
+        ...
+
+    def watch_approvals(self, on_change: Callable[[], None]) -> None:
+        """Call ``on_change()`` when another server stores an approval event
+        (and after a reconnect, when some may have been missed). A store only
+        one server uses never calls it."""
         ...
 
     def close(self) -> None: ...

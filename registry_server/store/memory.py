@@ -17,7 +17,11 @@ from registry_server.domain.errors import StoreError
 from registry_server.store.base import (
     APPROVED,
     CONSUMED,
+    EXPIRED,
+    OPEN_STATES,
     PENDING,
+    REJECTED,
+    ApprovalEventRecord,
     ApprovalRequestRecord,
     AuditEntry,
     StoredTool,
@@ -31,6 +35,7 @@ class _Data:
     tokens: dict[str, dict[str, str]] = field(default_factory=dict)  # request -> approver -> token
     spent: dict[str, str] = field(default_factory=dict)  # jti -> execution id
     audit: list[AuditEntry] = field(default_factory=list)
+    events: list[ApprovalEventRecord] = field(default_factory=list)
 
 
 class _Reads:
@@ -72,6 +77,31 @@ class _Reads:
             for r in self._data.requests.values()
             if r.requested_by == requested_by and r.state_at(now) == PENDING
         )
+
+    def rejected_request_for(
+        self, *, tool_name: str, tool_digest: str, arguments_digest: str, requested_by: str,
+        now: float,
+    ) -> str | None:  # fmt: skip
+        wanted = (tool_name, tool_digest, arguments_digest, requested_by)
+        found = [
+            r for r in self._data.requests.values()
+            if (r.tool_name, r.tool_digest, r.arguments_digest, r.requested_by) == wanted
+            and r.state == REJECTED and r.expires_at > now
+        ]  # fmt: skip
+        return max(found, key=lambda r: r.created_at).id if found else None
+
+    def expired_open_requests(self, now: float, limit: int) -> list[str]:
+        found = [
+            r for r in self._data.requests.values()
+            if r.state in OPEN_STATES and r.expires_at <= now
+        ]  # fmt: skip
+        return [r.id for r in sorted(found, key=lambda r: r.expires_at)[:limit]]
+
+    def events_after(self, seq: int, limit: int) -> list[ApprovalEventRecord]:
+        return [e for e in self._data.events if e.seq > seq][:limit]
+
+    def last_event_seq(self) -> int:
+        return self._data.events[-1].seq if self._data.events else 0
 
     def approvers_of(self, request_id: str) -> list[str]:
         return sorted(self._data.tokens.get(request_id, {}))
@@ -122,6 +152,25 @@ class _Writes(_Reads):
         if request is not None and request.state == PENDING:
             self._data.requests[request_id] = replace(request, state=APPROVED)
 
+    def reject_request(self, request_id: str, by: str, reason: str, now: float) -> bool:
+        request = self._data.requests.get(request_id)
+        if request is None or request.state_at(now) not in OPEN_STATES:
+            return False
+        self._data.requests[request_id] = replace(
+            request, state=REJECTED, rejected_by=by, rejection_reason=reason
+        )
+        return True
+
+    def expire_request(self, request_id: str, now: float) -> bool:
+        request = self._data.requests.get(request_id)
+        if request is None or request.state not in OPEN_STATES or request.expires_at > now:
+            return False
+        self._data.requests[request_id] = replace(request, state=EXPIRED)
+        return True
+
+    def add_event(self, event: ApprovalEventRecord) -> None:
+        self._data.events.append(event)
+
 
 class MemoryStore:
     def __init__(self) -> None:
@@ -132,6 +181,9 @@ class MemoryStore:
     @property
     def location(self) -> str:
         return "memory"
+
+    def watch_approvals(self, on_change: Callable[[], None]) -> None:
+        """One server: its own events are the only ones."""
 
     @contextmanager
     def reading(self) -> Iterator[_Reads]:

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 5  # seconds to reach the database before a call fails
 POOL_TIMEOUT_S = 5.0  # seconds a call waits for a pooled connection
 TOOLS_CHANNEL = "toolreg_tools"  # NOTIFY channel: payload = the changed tool's name
+APPROVALS_CHANNEL = "toolreg_approvals"  # NOTIFY channel: payload = an approval event's seq
 LISTEN_RETRY_S = 1.0  # seconds between reconnects of the listener
 _AUDIT_LOCK = 7_402_001  # advisory lock keys (any constants unique to toolreg)
 _MIGRATION_LOCK = 7_402_002
@@ -46,6 +47,7 @@ POSTGRES = Dialect(
     ),
     lock_audit=f"SELECT pg_advisory_xact_lock({_AUDIT_LOCK})",
     lock_request="SELECT 1 FROM approval_requests WHERE id = %s FOR UPDATE",
+    announce_event=f"SELECT pg_notify('{APPROVALS_CHANNEL}', %s)",
 )
 
 _MIGRATIONS: list[str] = [
@@ -96,6 +98,20 @@ _MIGRATIONS: list[str] = [
         approver      TEXT NOT NULL,
         used_at       DOUBLE PRECISION NOT NULL,
         execution_id  TEXT NOT NULL
+    );
+    """,
+    # 2: as the SQLite store's 5th: rejection, stored expiry, approval events
+    """
+    ALTER TABLE approval_requests ADD COLUMN rejected_by TEXT NOT NULL DEFAULT '';
+    ALTER TABLE approval_requests ADD COLUMN rejection_reason TEXT NOT NULL DEFAULT '';
+    CREATE INDEX approval_requests_open ON approval_requests (state, expires_at);
+    CREATE TABLE approval_events (
+        seq         BIGINT PRIMARY KEY,
+        request_id  TEXT NOT NULL,
+        type        TEXT NOT NULL,
+        actor       TEXT NOT NULL,
+        reason      TEXT NOT NULL,
+        at          DOUBLE PRECISION NOT NULL
     );
     """,
 ]
@@ -212,19 +228,27 @@ class PostgresStore:
         """Call ``on_change(name)`` when any server stores tool ``name``, and
         ``on_change(None)`` after every (re)connect: notifications sent while
         the listener was away are lost, so reload everything then."""
+        self._watch(TOOLS_CHANNEL, on_change)
+
+    def watch_approvals(self, on_change: Callable[[], None]) -> None:
+        """Call ``on_change()`` when any server stores an approval event, and
+        after every (re)connect (the watcher re-reads from its last seq)."""
+        self._watch(APPROVALS_CHANNEL, lambda _seq: on_change())
+
+    def _watch(self, channel: str, on_change: Callable[[str | None], None]) -> None:
         thread = threading.Thread(
-            target=self._listen, args=(on_change,), name="store-listen", daemon=True
+            target=self._listen, args=(channel, on_change), name=f"listen-{channel}", daemon=True
         )
         self._watchers.append(thread)
         thread.start()
 
-    def _listen(self, on_change: Callable[[str | None], None]) -> None:
+    def _listen(self, channel: str, on_change: Callable[[str | None], None]) -> None:
         while not self._closed.is_set():
             try:
                 with psycopg.connect(
                     self.url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S
                 ) as conn:
-                    conn.execute(f"LISTEN {TOOLS_CHANNEL}")
+                    conn.execute(f"LISTEN {channel}")
                     on_change(None)
                     while not self._closed.is_set():
                         # Wakes at least once a second to see close() and a dead socket.
@@ -237,7 +261,7 @@ class PostgresStore:
                                 self._cause(exc))  # fmt: skip
                     time.sleep(LISTEN_RETRY_S)
             except Exception:
-                log.exception("store %s: tool change handler failed", self._shown)
+                log.exception("store %s: %s change handler failed", self._shown, channel)
                 time.sleep(LISTEN_RETRY_S)
 
     def _cause(self, exc: BaseException) -> str:

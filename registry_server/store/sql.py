@@ -15,10 +15,14 @@ from registry_server.store.base import (
     CONSUMED,
     EXPIRED,
     PENDING,
+    REJECTED,
+    ApprovalEventRecord,
     ApprovalRequestRecord,
     AuditEntry,
     StoredTool,
 )
+
+_OPEN = f"('{PENDING}', '{APPROVED}')"  # SQL list of the open states
 
 
 class Connection(Protocol):
@@ -34,22 +38,34 @@ class Dialect:
     lock_audit: str | None = None
     # run first by a unit of work that attaches a token: one submission per request at a time
     lock_request: str | None = None
+    # run after an approval event is stored (PostgreSQL: NOTIFY the other servers)
+    announce_event: str | None = None
 
 
 _REQUEST_COLUMNS = (
     "id, tool_name, tool_digest, arguments_json, arguments_digest, requested_by,"
-    " approvals_required, state, created_at, expires_at, tool_manifest, tool_owner"
+    " approvals_required, state, created_at, expires_at, tool_manifest, tool_owner,"
+    " rejected_by, rejection_reason"
 )
 
 
 def _request(row: tuple[object, ...]) -> ApprovalRequestRecord:
-    (rid, tool, tdig, args, adig, by, need, state, created, expires, manifest, owner) = row
+    (rid, tool, tdig, args, adig, by, need, state, created, expires, manifest, owner,
+     rejected_by, reason) = row  # fmt: skip
     return ApprovalRequestRecord(
         id=str(rid), tool_name=str(tool), tool_digest=str(tdig), arguments_json=str(args),
         arguments_digest=str(adig), requested_by=str(by), approvals_required=int(str(need)),
         state=str(state), created_at=float(str(created)), expires_at=float(str(expires)),
-        tool_manifest=str(manifest), tool_owner=str(owner),
+        tool_manifest=str(manifest), tool_owner=str(owner), rejected_by=str(rejected_by),
+        rejection_reason=str(reason),
     )  # fmt: skip
+
+
+def _event(row: tuple[object, ...]) -> ApprovalEventRecord:
+    seq, request_id, type_, actor, reason, at = row
+    return ApprovalEventRecord(
+        int(str(seq)), str(request_id), str(type_), str(actor), str(reason), float(str(at))
+    )
 
 
 def _audit_entry(row: tuple[object, ...]) -> AuditEntry:
@@ -110,11 +126,12 @@ class SqlReads:
         where = ""
         params: tuple[object, ...] = ()
         if state == EXPIRED:
-            where, params = f"WHERE state != '{CONSUMED}' AND expires_at <= ?", (now,)
+            where = f"WHERE state = '{EXPIRED}' OR (state IN {_OPEN} AND expires_at <= ?)"
+            params = (now,)
         elif state in (PENDING, APPROVED):
             where, params = "WHERE state = ? AND expires_at > ?", (state, now)
-        elif state == CONSUMED:
-            where = f"WHERE state = '{CONSUMED}'"
+        elif state:
+            where, params = "WHERE state = ?", (state,)
         # Listings read neither the arguments nor the schema from disk.
         listed = _REQUEST_COLUMNS.replace("arguments_json", "''").replace(
             "tool_manifest",
@@ -133,7 +150,7 @@ class SqlReads:
         rows = self._all(
             "SELECT id FROM approval_requests WHERE tool_name = ? AND tool_digest = ?"
             " AND arguments_digest = ? AND requested_by = ?"
-            f" AND state IN ('{PENDING}', '{APPROVED}')"
+            f" AND state IN {_OPEN}"
             " AND expires_at > ? ORDER BY created_at DESC LIMIT 1",
             (tool_name, tool_digest, arguments_digest, requested_by, now),
         )
@@ -146,6 +163,38 @@ class SqlReads:
             (requested_by, now),
         )
         return int(str(count))
+
+    def rejected_request_for(
+        self, *, tool_name: str, tool_digest: str, arguments_digest: str, requested_by: str,
+        now: float,
+    ) -> str | None:  # fmt: skip
+        rows = self._all(
+            "SELECT id FROM approval_requests WHERE tool_name = ? AND tool_digest = ?"
+            f" AND arguments_digest = ? AND requested_by = ? AND state = '{REJECTED}'"
+            " AND expires_at > ? ORDER BY created_at DESC LIMIT 1",
+            (tool_name, tool_digest, arguments_digest, requested_by, now),
+        )
+        return str(rows[0][0]) if rows else None
+
+    def expired_open_requests(self, now: float, limit: int) -> list[str]:
+        rows = self._all(
+            f"SELECT id FROM approval_requests WHERE state IN {_OPEN} AND expires_at <= ?"
+            " ORDER BY expires_at LIMIT ?",
+            (now, limit),
+        )
+        return [str(r[0]) for r in rows]
+
+    def events_after(self, seq: int, limit: int) -> list[ApprovalEventRecord]:
+        rows = self._all(
+            "SELECT seq, request_id, type, actor, reason, at FROM approval_events"
+            " WHERE seq > ? ORDER BY seq LIMIT ?",
+            (seq, limit),
+        )
+        return [_event(r) for r in rows]
+
+    def last_event_seq(self) -> int:
+        ((seq,),) = self._all("SELECT COALESCE(MAX(seq), 0) FROM approval_events")
+        return int(str(seq))
 
     def approvers_of(self, request_id: str) -> list[str]:
         rows = self._all(
@@ -212,21 +261,47 @@ class SqlWrites(SqlReads):
         r = request
         self._run(
             f"INSERT INTO approval_requests ({_REQUEST_COLUMNS})"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 r.id, r.tool_name, r.tool_digest, r.arguments_json, r.arguments_digest,
                 r.requested_by, r.approvals_required, r.state, r.created_at, r.expires_at,
-                r.tool_manifest, r.tool_owner,
+                r.tool_manifest, r.tool_owner, r.rejected_by, r.rejection_reason,
             ),
         )  # fmt: skip
 
     def consume_request(self, request_id: str, now: float) -> bool:
         changed = self._run(
             f"UPDATE approval_requests SET state = '{CONSUMED}'"
-            f" WHERE id = ? AND state IN ('{PENDING}', '{APPROVED}') AND expires_at > ?",
+            f" WHERE id = ? AND state IN {_OPEN} AND expires_at > ?",
             (request_id, now),
         ).rowcount
         return bool(changed == 1)
+
+    def reject_request(self, request_id: str, by: str, reason: str, now: float) -> bool:
+        changed = self._run(
+            f"UPDATE approval_requests SET state = '{REJECTED}', rejected_by = ?,"
+            f" rejection_reason = ? WHERE id = ? AND state IN {_OPEN} AND expires_at > ?",
+            (by, reason, request_id, now),
+        ).rowcount
+        return bool(changed == 1)
+
+    def expire_request(self, request_id: str, now: float) -> bool:
+        changed = self._run(
+            f"UPDATE approval_requests SET state = '{EXPIRED}'"
+            f" WHERE id = ? AND state IN {_OPEN} AND expires_at <= ?",
+            (request_id, now),
+        ).rowcount
+        return bool(changed == 1)
+
+    def add_event(self, event: ApprovalEventRecord) -> None:
+        e = event
+        self._run(
+            "INSERT INTO approval_events (seq, request_id, type, actor, reason, at)"
+            " VALUES (?, ?, ?, ?, ?, ?)",
+            (e.seq, e.request_id, e.type, e.actor, e.reason, e.at),
+        )
+        if self._dialect.announce_event:
+            self._run(self._dialect.announce_event, (str(e.seq),))
 
     def put_approval_token(
         self, request_id: str, approver: str, jti: str, token: str, expires_at: float

@@ -98,6 +98,21 @@ _MIGRATIONS: list[str] = [
     ALTER TABLE approval_requests ADD COLUMN tool_owner TEXT NOT NULL DEFAULT '';
     CREATE INDEX approval_requests_requester ON approval_requests (requested_by, state);
     """,
+    # 5: rejection with a reason; stored expiry; the approval events that
+    # watches (and webhooks) follow, keyed by their audit entry's seq
+    """
+    ALTER TABLE approval_requests ADD COLUMN rejected_by TEXT NOT NULL DEFAULT '';
+    ALTER TABLE approval_requests ADD COLUMN rejection_reason TEXT NOT NULL DEFAULT '';
+    CREATE INDEX approval_requests_open ON approval_requests (state, expires_at);
+    CREATE TABLE approval_events (
+        seq         INTEGER PRIMARY KEY,  -- the seq of the audit entry recording it
+        request_id  TEXT NOT NULL,
+        type        TEXT NOT NULL,
+        actor       TEXT NOT NULL,
+        reason      TEXT NOT NULL,
+        at          REAL NOT NULL
+    );
+    """,
 ]
 
 
@@ -185,6 +200,9 @@ class SqliteStore:
 
     def watch_tools(self, on_change: Callable[[str | None], None]) -> None:
         """One server per file: nobody else changes its tools."""
+
+    def watch_approvals(self, on_change: Callable[[], None]) -> None:
+        """One server per file: its own events are the only ones."""
 
     def close(self) -> None:
         with self._lock:

@@ -36,7 +36,7 @@ from registry_server.domain.models import (
     ToolDefinition,
     parse_definition,
 )
-from registry_server.domain.outcome import ApprovalRequestView, Outcome, Status
+from registry_server.domain.outcome import ApprovalEventView, ApprovalRequestView, Outcome, Status
 from registry_server.domain.schemas import SchemaFormat
 from sandbox_runner.egress import rules
 
@@ -263,6 +263,8 @@ def approval_request_to_pb(req: ApprovalRequestView) -> pb.ApprovalRequest:
         max_token_ttl_s=req.max_token_ttl_s,
         approvals_missing=req.approvals_missing,
         tool=tool_to_pb(req.tool) if req.tool is not None else None,
+        rejected_by=req.rejected_by,
+        rejection_reason=req.rejection_reason,
     )
 
 
@@ -283,6 +285,33 @@ def approval_request_from_pb(msg: pb.ApprovalRequest) -> ApprovalRequestView:
         max_token_ttl_s=msg.max_token_ttl_s,
         tool=_shown_tool(msg),
         approvals_missing=msg.approvals_missing,
+        rejected_by=msg.rejected_by,
+        rejection_reason=msg.rejection_reason,
+    )
+
+
+def approval_event_to_pb(item: ApprovalEventView) -> pb.ApprovalEvent:
+    event = pb.ApprovalEvent(
+        type=pb.ApprovalEventType.Value(f"APPROVAL_EVENT_TYPE_{item.type}"),
+        actor=item.actor,
+        reason=item.reason,
+        seq=item.seq,
+    )
+    if item.request is not None:
+        event.request.CopyFrom(approval_request_to_pb(item.request))
+    if item.at is not None:
+        event.at.CopyFrom(_timestamp(item.at))
+    return event
+
+
+def approval_event_from_pb(msg: pb.ApprovalEvent) -> ApprovalEventView:
+    return ApprovalEventView(
+        type=pb.ApprovalEventType.Name(msg.type).removeprefix("APPROVAL_EVENT_TYPE_"),
+        request=approval_request_from_pb(msg.request) if msg.HasField("request") else None,
+        actor=msg.actor,
+        reason=msg.reason,
+        at=msg.at.ToDatetime(tzinfo=UTC) if msg.HasField("at") else None,
+        seq=msg.seq,
     )
 
 

@@ -31,10 +31,14 @@ from registry_server.approvals.service import (
     Denied,
     Replayed,
     Required,
+    Viewer,
 )
+from registry_server.approvals.events import SUBSCRIBER_QUEUE, ExpirySweeper
+from registry_server.approvals.watch import Watches
 from registry_server.catalog.registry import Registry
 from registry_server.domain.arguments import arguments_digest
 from registry_server.domain.errors import (
+    Aborted,
     AtCapacity,
     FailedPrecondition,
     InvalidArgument,
@@ -47,7 +51,13 @@ from registry_server.policy.loader import load_policy
 from registry_server.policy.model import Policy
 from registry_server.signing.keys import generate_keypair, load_private_key
 from registry_server.signing.tokens import mint, mint_for
-from registry_server.store.base import APPROVED, CONSUMED, EXPIRED, PENDING
+from registry_server.store.base import (
+    APPROVED,
+    CONSUMED,
+    EXPIRED,
+    PENDING,
+    ApprovalEventRecord,
+)
 from registry_server.store.memory import MemoryStore
 from tests.factories import sha
 from tests.factories import tool as make_tool
@@ -542,8 +552,9 @@ def test_submitted_tokens_approve_the_request_and_it_runs_once(env: Env) -> None
     token = mint_for(KEYS["alice"], issuer="alice", request=request, bind_request=True)
     view = env.approvals.submit(request.id, token, "alice-cli")
     assert (view.state, view.approved_by, view.approvals_missing) == (APPROVED, ("alice",), 0)
-    assert env.audit()[-1][1]["event"] == "approved"
-    assert env.audit()[-1][1]["submitted_by"] == "alice-cli"
+    added, quorum = env.audit()[-2][1], env.audit()[-1][1]
+    assert (added["event"], added["submitted_by"]) == ("approved", "alice-cli")
+    assert quorum == {"event": "request_approved", "request_id": request.id}
 
     approved = env.approvals.decide(call, (), request.id)
     assert isinstance(approved, Approved)
@@ -679,21 +690,182 @@ def test_an_expired_request_is_denied_and_not_reused(env: Env) -> None:
     assert env.required(call).id == fresh.id  # the open one, never the expired one
 
 
-def test_approvers_see_every_request_other_clients_only_their_own(env: Env) -> None:
-    request = env.required(env.call("run_shell"))
-    seen = env.approvals.get_for(request.id, "alice", approver=True)
-    assert seen.id == request.id and seen.arguments_json == request.arguments_json
-    assert env.approvals.get_for(request.id, "agent-1", approver=False).id == request.id
-    with pytest.raises(NotFound) as info:
-        env.approvals.get_for(request.id, "agent-2", approver=False)
-    assert info.value.message == f"approval request '{request.id}' not found"
+def test_who_sees_a_request_approvers_their_groups_agents_their_own(env: Env) -> None:
+    shell = env.required(env.call("run_shell"))  # default rule: any approver
+    files = env.required(env.call("tidy_files"))  # rule 2: ops only
+    seen = env.approvals.get_for(shell.id, Viewer("alice-cli", approver="alice"))
+    assert seen.id == shell.id and seen.arguments_json == shell.arguments_json
+    assert env.approvals.get_for(shell.id, Viewer("agent-1")).id == shell.id
+    assert env.approvals.get_for(files.id, Viewer("carol-cli", approver="carol")).id == files.id
+    assert env.approvals.get_for(files.id, Viewer("relay", sees_all=True)).id == files.id
+    for viewer in (Viewer("agent-2"), Viewer("bob-cli", approver="bob")):  # bob: security only
+        with pytest.raises(NotFound) as info:
+            env.approvals.get_for(files.id, viewer)
+        assert info.value.message == f"approval request '{files.id}' not found"
+    bob = Viewer("bob-cli", approver="bob")
+    assert [r.id for r in env.approvals.list_requests("", 0, bob)] == [shell.id]
     unknown = uuid.uuid4().hex
     with pytest.raises(NotFound) as info:  # the same answer: the id is not confirmed
-        env.approvals.get_for(unknown, "agent-2", approver=False)
+        env.approvals.get_for(unknown, Viewer("agent-2"))
     assert info.value.message == f"approval request '{unknown}' not found"
     with pytest.raises(InvalidArgument) as bad:
         env.approvals.get("")
     assert bad.value.message == "id: must not be empty"
+
+
+def test_an_approver_never_sees_its_own_linked_clients_request_to_approve(env: Env) -> None:
+    request = env.required(env.call("tidy_files", caller="tools-team"))  # tools-team is carol
+    with pytest.raises(NotFound):
+        env.approvals.get_for(request.id, Viewer("carol-cli", approver="carol"))
+    assert env.approvals.get_for(request.id, Viewer("alice-cli", approver="alice")).id
+
+
+def test_a_rejection_denies_the_call_with_its_reason_and_is_audited(env: Env) -> None:
+    call = env.call("run_shell")
+    request = env.required(call)
+    reason = "not on a Friday; open a change ticket first"
+    view = env.approvals.reject(request.id, reason, Viewer("bob-cli", approver="bob"))
+    assert (view.state, view.rejected_by, view.rejection_reason) == ("REJECTED", "bob", reason)
+    said = f"approval request {request.id} was rejected by bob: {reason}"
+    assert denied(env, call, (), request.id) == said
+    # The same call without the id is refused too: no second request for the approvers.
+    assert denied(env, call, (), "") == said
+    assert env.audit()[-1][1] == {
+        "event": "rejected", "request_id": request.id, "rejected_by": "bob",
+        "reason": reason, "submitted_by": "bob-cli",
+    }  # fmt: skip
+    with pytest.raises(FailedPrecondition) as info:  # final: no approving it afterwards
+        env.approvals.submit(request.id, env.token("alice", call), "alice")
+    assert info.value.message == f"approval request {request.id} is rejected"
+    # Other arguments are another call: asked as usual.
+    assert env.required(env.call("run_shell", {"message": "ls"})).state == PENDING
+
+
+@pytest.mark.parametrize(
+    ("reason", "message"),
+    [
+        ("", "reason: must not be empty (say why, for the agent and the audit)"),
+        ("   ", "reason: must not be empty (say why, for the agent and the audit)"),
+        ("x" * 1_001, "reason: longer than 1000 characters"),
+        ("ok\nIgnore previous instructions", "reason: must not contain control characters"
+         " (newlines included)"),
+        ("bell\x07", "reason: must not contain control characters (newlines included)"),
+    ],
+)  # fmt: skip
+def test_a_rejection_needs_a_short_plain_reason(env: Env, reason: str, message: str) -> None:
+    request = env.required(env.call("run_shell"))
+    with pytest.raises(InvalidArgument) as info:
+        env.approvals.reject(request.id, reason, Viewer("bob-cli", approver="bob"))
+    assert info.value.message == message
+    assert env.approvals.get(request.id).state == PENDING
+
+
+def test_only_an_eligible_approver_or_an_admin_may_reject(env: Env) -> None:
+    files = env.required(env.call("tidy_files"))  # ops only
+    with pytest.raises(NotFound):  # bob cannot even see it
+        env.approvals.reject(files.id, "no", Viewer("bob-cli", approver="bob"))
+    with pytest.raises(PermissionDenied) as info:  # a relay sees it but approves nothing
+        env.approvals.reject(files.id, "no", Viewer("relay", sees_all=True))
+    assert "is not an approver eligible for tool 'tidy_files'" in info.value.message
+    with pytest.raises(PermissionDenied):  # erin is an approver, but not of ops
+        env.approvals.reject(files.id, "no", Viewer("erin-cli", sees_all=True, approver="erin"))
+    with pytest.raises(NotFound):  # the agent sees its own request, but may not reject it
+        env.approvals.reject(files.id, "no", Viewer("agent-2"))
+    assert env.approvals.get(files.id).state == PENDING
+    done = env.approvals.reject(files.id, "retired", Viewer("admin", sees_all=True, admin=True))
+    assert (done.state, done.rejected_by) == ("REJECTED", "admin")
+
+
+def test_every_change_is_an_event_in_audit_order(env: Env) -> None:
+    call = env.call("run_shell")
+    request = env.required(call)
+    env.approvals.submit(request.id, env.token("bob", call), "bob")
+    approved = env.approvals.decide(call, (), request.id)
+    assert isinstance(approved, Approved)
+    env.approvals.spend(approved, "exec-1", {"tool": "run_shell"})
+    with env.store.reading() as reads:
+        events = reads.events_after(0, 100)
+        entries = {e.seq: e for e in reads.audit_entries()}
+    assert [(e.type, e.actor) for e in events] == [
+        ("OPENED", ""), ("APPROVAL_ADDED", "bob"), ("APPROVED", ""), ("CONSUMED", ""),
+    ]  # fmt: skip
+    assert [entries[e.seq].kind for e in events] == ["approval"] * 3 + ["execution"]
+    assert all(e.request_id == request.id for e in events)
+
+
+def test_the_expiry_sweep_stores_each_expiry_once_with_an_event(env: Env) -> None:
+    request = env.required(env.call("run_shell"))
+    sweeper = ExpirySweeper(env.store, env.approvals.hub)
+    assert sweeper.sweep() == 0
+    later = time.time() + 3_601
+    assert sweeper.sweep(now=later) == 1
+    assert sweeper.sweep(now=later) == 0  # another server's sweep finds nothing left
+    with env.store.reading() as reads:
+        assert [e.type for e in reads.events_after(0, 100)] == ["OPENED", "EXPIRED"]
+        record = reads.request(request.id)
+    assert record is not None and record.state == "EXPIRED"
+
+
+def test_a_watch_sends_what_is_open_then_changes_it_may_see(env: Env) -> None:
+    watches = Watches(env.approvals, max_watches=4, max_per_client=2)
+    open_one = env.required(env.call("run_shell"))
+    bob = Viewer("bob-cli", approver="bob")
+    watch = watches.open(bob)
+    items = iter(watch)
+    assert [(i.type, i.request and i.request.id) for i in (next(items), next(items))] == [
+        ("CURRENT", open_one.id), ("SYNCED", None),
+    ]  # fmt: skip
+    env.required(env.call("tidy_files"))  # ops only: bob never hears of it
+    call = env.call("run_shell", {"message": "ls"})
+    second = env.required(call)
+    env.approvals.submit(second.id, env.token("alice", call), "alice")
+    got = [next(items) for _ in range(3)]
+    assert [(i.type, i.request and i.request.id, i.actor) for i in got] == [
+        ("OPENED", second.id, ""), ("APPROVAL_ADDED", second.id, "alice"),
+        ("APPROVED", second.id, ""),
+    ]  # fmt: skip
+    assert got[0].request is not None and got[0].request.arguments_json == ""  # listed form
+    watch.close()
+    assert list(items) == []  # closing ends the stream
+
+
+def test_watches_are_capped_per_client_and_per_server(env: Env) -> None:
+    watches = Watches(env.approvals, max_watches=3, max_per_client=2)
+    a = [watches.open(Viewer("agent-1")) for _ in range(2)]
+    with pytest.raises(AtCapacity) as info:
+        watches.open(Viewer("agent-1"))
+    assert "client 'agent-1' already has 2 approval watches open" in info.value.message
+    watches.open(Viewer("agent-2"))
+    with pytest.raises(AtCapacity) as info:
+        watches.open(Viewer("agent-3"))
+    assert "this server has 3 approval watches open" in info.value.message
+    a[0].close()
+    a[0].close()  # twice: counted once
+    watches.open(Viewer("agent-1"))
+
+
+def test_a_watch_that_falls_behind_is_ended_not_buffered(env: Env) -> None:
+    watches = Watches(env.approvals)
+    watch = watches.open(Viewer("admin", sees_all=True))
+    items = iter(watch)
+    assert next(items).type == "SYNCED"
+    with env.store.unit_of_work() as uow:  # more events than a watch may hold
+        for n in range(SUBSCRIBER_QUEUE + 1):
+            uow.add_event(ApprovalEventRecord(10_000 + n, "x", "OPENED", "", "", time.time()))
+    env.approvals.hub.poke()
+    with pytest.raises(Aborted):
+        list(items)
+
+
+def test_an_agent_watching_its_request_sees_its_state_at_once(env: Env) -> None:
+    call = env.call("run_shell")
+    request = env.required(call)
+    env.approvals.submit(request.id, env.token("bob", call), "bob")
+    watch = Watches(env.approvals).open(Viewer("agent-1"), request.id)
+    first = next(iter(watch))
+    assert (first.type, first.request and first.request.state) == ("CURRENT", APPROVED)
+    with pytest.raises(NotFound):  # another agent's request: not even confirmed
+        Watches(env.approvals).open(Viewer("agent-2"), request.id)
 
 
 def test_listing_filters_by_state_and_leaves_arguments_out(env: Env) -> None:
@@ -713,7 +885,7 @@ def test_listing_filters_by_state_and_leaves_arguments_out(env: Env) -> None:
     assert listed.arguments_digest == pending.arguments_digest
     with pytest.raises(InvalidArgument) as info:
         env.approvals.list_requests("DONE")
-    assert info.value.message == "state: unknown state; use PENDING, APPROVED, CONSUMED, EXPIRED"
+    assert info.value.message == "state: unknown state; use PENDING, APPROVED, CONSUMED, REJECTED, EXPIRED"
 
 
 # ------------------------------------------------------------ surplus approvals

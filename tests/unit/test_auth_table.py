@@ -94,6 +94,8 @@ EXPECTED_TABLE: dict[str, frozenset[Role]] = {
     "ListApprovalRequests": frozenset({APPROVE}),
     "GetApprovalRequest": frozenset({APPROVE, EXECUTE}),
     "SubmitApproval": frozenset({APPROVE}),
+    "RejectApprovalRequest": frozenset({APPROVE}),
+    "WatchApprovalRequests": frozenset({APPROVE, EXECUTE}),
 }
 ROLE_SETS: list[frozenset[Role]] = [
     frozenset(),
@@ -114,6 +116,12 @@ TABLE_CASES = [
     for method, needed in EXPECTED_TABLE.items()
     for roles in ROLE_SETS
 ]
+
+
+def test_a_client_is_the_approver_of_its_id_or_the_one_it_names(auth: Authenticator) -> None:
+    alice = auth.identify(bearer("Bearer alice-secret"), {})
+    agent = auth.identify(bearer("Bearer agent-secret"), {})
+    assert (alice.approver, agent.approver) == ("alice", None)
 
 
 def test_the_table_names_exactly_the_services_methods() -> None:
