@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -453,6 +454,7 @@ def _request_lines(req: Any) -> list[str]:
         f"asked by  {req.requested_by} at {created} UTC; expires {expires} UTC",
         f"approvals {len(req.approved_by)} of {req.approvals_required} ({approved});"
         f" {req.approvals_missing} more needed",
+        *([f"rejected  by {req.rejected_by}: {req.rejection_reason}"] if req.rejected_by else []),
         *_tool_lines(req),
         "arguments (digest " + req.arguments_digest + "):",
         json.dumps(json.loads(req.arguments_json), indent=2, ensure_ascii=False),
@@ -499,7 +501,7 @@ def _tool_lines(req: Any) -> list[str]:
 def approvals_list(
     ctx: typer.Context,
     state: Annotated[
-        str, typer.Option("--state", help="PENDING, APPROVED, CONSUMED or EXPIRED.")
+        str, typer.Option("--state", help="PENDING, APPROVED, CONSUMED, REJECTED or EXPIRED.")
     ] = "",
     address: AddressOpt = None,
 ) -> None:
@@ -561,7 +563,7 @@ def approvals_approve(
     with _client(ctx, address) as client:
         try:
             req = client.approval_request(request_id)
-            if req.state in ("CONSUMED", "EXPIRED"):
+            if req.state in ("CONSUMED", "REJECTED", "EXPIRED"):
                 fail(f"request {request_id} is {req.state.lower()}; nothing to approve")
             if req.HasField("tool") and not _definition_matches(req):
                 fail(f"request {request_id}: the definition shown does not match tool_digest;"
@@ -579,6 +581,62 @@ def approvals_approve(
         f"approved {request_id} as {issuer}: {len(updated.approved_by)} of"
         f" {updated.approvals_required} approvals, state {updated.state}"
     )
+
+
+@approvals_app.command("reject")
+def approvals_reject(
+    ctx: typer.Context,
+    request_id: str,
+    reason: Annotated[
+        str, typer.Option("--reason", help="Why (the agent is told; the audit keeps it).")
+    ],
+    address: AddressOpt = None,
+) -> None:
+    """Refuse a request for good: the agent's call gets APPROVAL_DENIED with your reason."""
+    with _client(ctx, address) as client:
+        try:
+            rejected = client.reject_approval_request(request_id, reason)
+        except grpc.RpcError as err:
+            _rpc_failed(err, client.address)
+    typer.echo(f"rejected {request_id} as {rejected.rejected_by}")
+
+
+def _event_line(event: Any) -> str:
+    """One line per watch event; every client-supplied text escaped."""
+    if event.type == "SYNCED":
+        return "-- up to date; watching for changes (Ctrl-C to stop)"
+    req = event.request
+    at = (event.at or datetime.now(UTC)).strftime("%H:%M:%S")
+    have = f"{len(req.approved_by)}/{req.approvals_required}"
+    who = f" by {event.actor}" if event.actor else ""
+    why = f": {event.reason}" if event.reason else ""
+    return escape(
+        f"{at} {event.type:<14} {req.id}  {req.state:<9} {have:>5}  {req.tool_name}"
+        f"  asked by {req.requested_by}{who}{why}"
+    )
+
+
+@approvals_app.command("watch")
+def approvals_watch(
+    ctx: typer.Context,
+    request_id: Annotated[
+        str, typer.Option("--request", help="Only this request (e.g. your own call's).")
+    ] = "",
+    timeout: Annotated[
+        float | None, typer.Option("--timeout", help="Stop after this many seconds.")
+    ] = None,
+    address: AddressOpt = None,
+) -> None:
+    """Print the open requests you may see, then every change as it happens."""
+    with _client(ctx, address) as client:
+        try:
+            for event in client.watch_approval_requests(request_id, timeout_s=timeout):
+                typer.echo(_event_line(event))
+        except grpc.RpcError as err:
+            if err.code() is not grpc.StatusCode.DEADLINE_EXCEEDED:
+                _rpc_failed(err, client.address)
+        except KeyboardInterrupt:
+            pass
 
 
 # -------------------------------------------------------------------- keys

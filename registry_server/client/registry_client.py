@@ -5,7 +5,8 @@ Two layers share one class:
 - the *domain* API (``RegistryClient.connect`` and ``register_tool``,
   ``get_tool``, ``list_tool_definitions``, ``tool_schemas``, ``execute_tool``,
   ``stream_tool``, ``list_approval_requests``, ``get_approval_request``,
-  ``submit_approval_token``, ``wait_for_approval``): one method per RPC, taking
+  ``submit_approval_token``, ``reject_approval_request``,
+  ``watch_approval_requests``, ``wait_for_approval``): one method per RPC, taking
   and returning domain objects (``ToolDefinition``, ``CallResult``,
   ``ApprovalRequestView``), never protobuf messages;
 - the thin message-level methods the CLI uses (``register``, ``get``, ...).
@@ -38,7 +39,7 @@ from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
 from registry_server.client.trace_context import TraceContext
 from registry_server.domain.files import read_credential
 from registry_server.domain.models import SafetyLevel, ToolDefinition
-from registry_server.domain.outcome import ApprovalRequestView, Status
+from registry_server.domain.outcome import ApprovalEventView, ApprovalRequestView, Status
 from registry_server.domain.schemas import SchemaFormat
 from registry_server.wire import convert
 from registry_server.wire.endpoint import DEFAULT_HOST, DEFAULT_PORT
@@ -46,7 +47,20 @@ from registry_server.wire.endpoint import DEFAULT_HOST, DEFAULT_PORT
 ADDRESS_ENV = "TOOLREG_ADDRESS"
 DEFAULT_ADDRESS = f"{DEFAULT_HOST}:{DEFAULT_PORT}"
 DEFAULT_TIMEOUT_S = 30.0  # seconds for registry calls; executions get their own
-DEFAULT_POLL_S = 1.0  # seconds between GetApprovalRequest polls while waiting
+DEFAULT_POLL_S = 1.0  # seconds between polls, against a server that cannot watch
+
+
+def _settled(request: ApprovalRequestView) -> bool:
+    """Whether waiting is over: approved, or in a state that never changes."""
+    return request.state in ("APPROVED", "REJECTED", "EXPIRED", "CONSUMED")
+
+
+def _still_waiting(request_id: str, last: ApprovalRequestView, timeout_s: float) -> Exception:
+    return ApprovalWaitError(
+        f"approval request {request_id} still {last.state.lower()} after"
+        f" {timeout_s:g}s ({len(last.approved_by)} of {last.approvals_required} approvals)",
+        last,
+    )
 
 
 def default_address() -> str:
@@ -319,7 +333,8 @@ class RegistryClient:
                 yield StreamEvent(result=result_from_message(event.result))
 
     def list_approval_requests(self, state: str = "", limit: int = 0) -> list[ApprovalRequestView]:
-        """ListApprovalRequests (state: PENDING, APPROVED, CONSUMED, EXPIRED or "" = all)."""
+        """ListApprovalRequests (state: PENDING, APPROVED, CONSUMED, REJECTED, EXPIRED or
+        "" = all)."""
         return [approval_from_message(r) for r in self.approval_requests(state, limit)]
 
     def get_approval_request(self, request_id: str) -> ApprovalRequestView:
@@ -331,30 +346,83 @@ class RegistryClient:
         approve this request raises grpc.RpcError (the reason is in details())."""
         return approval_from_message(self.submit_approval(request_id, token))
 
+    def reject_approval_request(self, request_id: str, reason: str) -> ApprovalRequestView:
+        """RejectApprovalRequest: refuse the request for good, telling the agent
+        ``reason`` (1 to 1,000 characters, no control characters)."""
+        msg: pb.ApprovalRequest = self.stub.RejectApprovalRequest(
+            pb.RejectApprovalRequestRequest(request_id=request_id, reason=reason),
+            timeout=DEFAULT_TIMEOUT_S,
+        )
+        return approval_from_message(msg)
+
+    def watch_approval_requests(
+        self, request_id: str = "", *, timeout_s: float | None = None
+    ) -> Iterator[ApprovalEventView]:
+        """WatchApprovalRequests: the open requests the caller may see (CURRENT),
+        one SYNCED, then every change as it happens, until ``timeout_s`` (None:
+        until the server ends it) or the iterator is closed, which cancels the
+        stream. Requests come in their listed form (no arguments)."""
+        call = self.stub.WatchApprovalRequests(
+            pb.WatchApprovalRequestsRequest(request_id=request_id), timeout=timeout_s
+        )
+        try:
+            for msg in call:
+                yield convert.approval_event_from_pb(msg)
+        finally:
+            call.cancel()
+
     def wait_for_approval(
         self, request_id: str, *, timeout_s: float, poll_s: float = DEFAULT_POLL_S
     ) -> ApprovalRequestView:
-        """Poll GetApprovalRequest until the request is APPROVED and return it.
-        Raises ApprovalWaitError when it is EXPIRED or CONSUMED, or after
-        ``timeout_s`` seconds; grpc.RpcError when a poll itself fails."""
+        """Wait until the request is APPROVED and return it (whole), following
+        WatchApprovalRequests: no polling, the answer comes the moment the last
+        approver signs. Raises ApprovalWaitError when it is rejected (with the
+        approver's reason), expired or consumed, or after ``timeout_s`` seconds;
+        grpc.RpcError when the server fails. ``poll_s`` is used only against a
+        server too old to watch (UNIMPLEMENTED)."""
         deadline = time.monotonic() + timeout_s
         last: ApprovalRequestView | None = None
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                for event in self.watch_approval_requests(request_id, timeout_s=remaining):
+                    if event.request is None:
+                        continue
+                    last = event.request
+                    if _settled(last):
+                        return self._approved_or_raise(request_id, last)
+            except grpc.RpcError as err:
+                code = err.code() if isinstance(err, grpc.Call) else None
+                if code is grpc.StatusCode.UNIMPLEMENTED:
+                    return self._poll_for_approval(request_id, deadline, timeout_s, poll_s)
+                if code not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED):
+                    raise
+            # The stream ended (server stopping, fell behind, deadline): look again.
+        last = self.get_approval_request(request_id)
+        if _settled(last):
+            return self._approved_or_raise(request_id, last)
+        raise _still_waiting(request_id, last, timeout_s)
+
+    def _approved_or_raise(self, request_id: str, seen: ApprovalRequestView) -> ApprovalRequestView:
+        if seen.state == "APPROVED":
+            return self.get_approval_request(request_id)
+        if seen.state == "REJECTED":
+            raise ApprovalWaitError(
+                f"approval request {request_id} was rejected by {seen.rejected_by}:"
+                f" {seen.rejection_reason}",
+                seen,
+            )
+        raise ApprovalWaitError(f"approval request {request_id} is {seen.state.lower()}", seen)
+
+    def _poll_for_approval(
+        self, request_id: str, deadline: float, timeout_s: float, poll_s: float
+    ) -> ApprovalRequestView:
         while True:
             last = self.get_approval_request(request_id)
-            if last.state == "APPROVED":
-                return last
-            if last.state in ("EXPIRED", "CONSUMED"):
-                raise ApprovalWaitError(
-                    f"approval request {request_id} is {last.state.lower()}", last
-                )
+            if _settled(last):
+                return self._approved_or_raise(request_id, last)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise ApprovalWaitError(
-                    f"approval request {request_id} still {last.state.lower()} after"
-                    f" {timeout_s:g}s ({len(last.approved_by)} of {last.approvals_required}"
-                    " approvals)",
-                    last,
-                )
+                raise _still_waiting(request_id, last, timeout_s)
             time.sleep(min(poll_s, remaining))
 
     # ----------------------------------------------------- message-level API

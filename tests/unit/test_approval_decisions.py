@@ -23,6 +23,7 @@ import pytest
 import rfc8785
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from registry_server.approvals.events import SUBSCRIBER_QUEUE, ExpirySweeper
 from registry_server.approvals.service import (
     MAX_OPEN_REQUESTS_PER_CALLER,
     Approvals,
@@ -33,7 +34,6 @@ from registry_server.approvals.service import (
     Required,
     Viewer,
 )
-from registry_server.approvals.events import SUBSCRIBER_QUEUE, ExpirySweeper
 from registry_server.approvals.watch import Watches
 from registry_server.catalog.registry import Registry
 from registry_server.domain.arguments import arguments_digest
