@@ -27,7 +27,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file toolregistry/v1/registry.proto.
  */
 export const file_toolregistry_v1_registry: GenFile = /*@__PURE__*/
-  fileDesc("Ch50b29scmVnaXN0cnkvdjEvcmVnaXN0cnkucHJvdG8SD3Rvb2xyZWdpc3RyeS52MSLHAgoEVG9vbBIMCgRuYW1lGAEgASgJEhMKC2Rlc2NyaXB0aW9uGAIgASgJEhcKD3BhcmFtZXRlcnNfanNvbhgDIAEoCRIyCgxzYWZldHlfbGV2ZWwYBCABKA4yHC50b29scmVnaXN0cnkudjEuU2FmZXR5TGV2ZWwSEgoKY2F0ZWdvcmllcxgFIAMoCRItCgdzYW5kYm94GAYgASgLMhwudG9vbHJlZ2lzdHJ5LnYxLlNhbmRib3hTcGVjEg4KBmRpZ2VzdBgHIAEoCRIRCgl3YXJtX3Bvb2wYCCABKAUSDQoFb3duZXIYCSABKAkSLQoHbmV0d29yaxgKIAEoCzIcLnRvb2xyZWdpc3RyeS52MS5OZXR3b3JrU3BlYxIrCgdzZWNyZXRzGAsgAygLMhoudG9vbHJlZ2lzdHJ5LnYxLlNlY3JldFJlZiIdCgtOZXR3b3JrU3BlYxIOCgZlZ3Jlc3MYASADKAkiXAoJU2VjcmV0UmVmEgwKBG5hbWUYASABKAkSDwoHZGVsaXZlchgCIAEoCRIwCgZpbmplY3QYAyABKAsyIC50b29scmVnaXN0cnkudjEuU2VjcmV0SW5qZWN0aW9uIk0KD1NlY3JldEluamVjdGlvbhIMCgRob3N0GAEgASgJEgwKBHBvcnQYAiABKAUSDgoGaGVhZGVyGAMgASgJEg4KBmZvcm1hdBgEIAEoCSK+AQoLU2FuZGJveFNwZWMSDQoFaW1hZ2UYASABKAkSDwoHY29tbWFuZBgCIAMoCRIyCgNlbnYYAyADKAsyJS50b29scmVnaXN0cnkudjEuU2FuZGJveFNwZWMuRW52RW50cnkSLwoGbGltaXRzGAQgASgLMh8udG9vbHJlZ2lzdHJ5LnYxLlJlc291cmNlTGltaXRzGioKCEVudkVudHJ5EgsKA2tleRgBIAEoCRINCgV2YWx1ZRgCIAEoCToCOAEibwoOUmVzb3VyY2VMaW1pdHMSEQoJbWVtb3J5X21iGAEgASgDEhIKCmNwdV9taWxsaXMYAiABKAMSDAoEcGlkcxgDIAEoAxISCgp0aW1lb3V0X21zGAQgASgDEhQKDG91dHB1dF9ieXRlcxgFIAEoAyJLChNSZWdpc3RlclRvb2xSZXF1ZXN0EiMKBHRvb2wYASABKAsyFS50b29scmVnaXN0cnkudjEuVG9vbBIPCgdyZXBsYWNlGAIgASgIIh4KDkdldFRvb2xSZXF1ZXN0EgwKBG5hbWUYASABKAkiXgoQTGlzdFRvb2xzUmVxdWVzdBI2ChBtYXhfc2FmZXR5X2xldmVsGAEgASgOMhwudG9vbHJlZ2lzdHJ5LnYxLlNhZmV0eUxldmVsEhIKCmNhdGVnb3JpZXMYAiADKAkiOQoRTGlzdFRvb2xzUmVzcG9uc2USJAoFdG9vbHMYASADKAsyFS50b29scmVnaXN0cnkudjEuVG9vbCKSAQoVR2V0VG9vbFNjaGVtYXNSZXF1ZXN0Ei0KBmZvcm1hdBgBIAEoDjIdLnRvb2xyZWdpc3RyeS52MS5TY2hlbWFGb3JtYXQSNgoQbWF4X3NhZmV0eV9sZXZlbBgCIAEoDjIcLnRvb2xyZWdpc3RyeS52MS5TYWZldHlMZXZlbBISCgpjYXRlZ29yaWVzGAMgAygJIi4KFkdldFRvb2xTY2hlbWFzUmVzcG9uc2USFAoMc2NoZW1hc19qc29uGAEgASgJInAKEkV4ZWN1dGVUb29sUmVxdWVzdBIMCgRuYW1lGAEgASgJEhYKDmFyZ3VtZW50c19qc29uGAIgASgJEhcKD2FwcHJvdmFsX3Rva2VucxgDIAMoCRIbChNhcHByb3ZhbF9yZXF1ZXN0X2lkGAQgASgJIqYCCgpUb29sUmVzdWx0Eg8KB3N1Y2Nlc3MYASABKAgSMAoGc3RhdHVzGAIgASgOMiAudG9vbHJlZ2lzdHJ5LnYxLkV4ZWN1dGlvblN0YXR1cxIPCgdjb250ZW50GAMgASgJEhEKCWRhdGFfanNvbhgEIAEoCRINCgVlcnJvchgFIAEoCRIRCglleGl0X2NvZGUYBiABKAUSDgoGc3RkZXJyGAcgASgJEhMKC2R1cmF0aW9uX21zGAggASgDEhgKEG91dHB1dF90cnVuY2F0ZWQYCSABKAgSFAoMZXhlY3V0aW9uX2lkGAogASgJEjoKEGFwcHJvdmFsX3JlcXVlc3QYCyABKAsyIC50b29scmVnaXN0cnkudjEuQXBwcm92YWxSZXF1ZXN0ImwKDkV4ZWN1dGlvbkV2ZW50EhAKBnN0ZG91dBgBIAEoDEgAEhAKBnN0ZGVychgCIAEoDEgAEi0KBnJlc3VsdBgDIAEoCzIbLnRvb2xyZWdpc3RyeS52MS5Ub29sUmVzdWx0SABCBwoFZXZlbnQimAMKD0FwcHJvdmFsUmVxdWVzdBIKCgJpZBgBIAEoCRIRCgl0b29sX25hbWUYAiABKAkSEwoLdG9vbF9kaWdlc3QYAyABKAkSFgoOYXJndW1lbnRzX2pzb24YBCABKAkSGAoQYXJndW1lbnRzX2RpZ2VzdBgFIAEoCRIUCgxyZXF1ZXN0ZWRfYnkYBiABKAkSGgoSYXBwcm92YWxzX3JlcXVpcmVkGAcgASgFEhMKC2FwcHJvdmVkX2J5GAggAygJEg0KBXN0YXRlGAkgASgJEi4KCmNyZWF0ZWRfYXQYCiABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEi4KCmV4cGlyZXNfYXQYCyABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEhAKCGF1ZGllbmNlGAwgASgJEhcKD21heF90b2tlbl90dGxfcxgNIAEoBRIZChFhcHByb3ZhbHNfbWlzc2luZxgOIAEoBRIjCgR0b29sGA8gASgLMhUudG9vbHJlZ2lzdHJ5LnYxLlRvb2wiOwobTGlzdEFwcHJvdmFsUmVxdWVzdHNSZXF1ZXN0Eg0KBXN0YXRlGAEgASgJEg0KBWxpbWl0GAIgASgFIlIKHExpc3RBcHByb3ZhbFJlcXVlc3RzUmVzcG9uc2USMgoIcmVxdWVzdHMYASADKAsyIC50b29scmVnaXN0cnkudjEuQXBwcm92YWxSZXF1ZXN0IicKGUdldEFwcHJvdmFsUmVxdWVzdFJlcXVlc3QSCgoCaWQYASABKAkiOgoVU3VibWl0QXBwcm92YWxSZXF1ZXN0EhIKCnJlcXVlc3RfaWQYASABKAkSDQoFdG9rZW4YAiABKAkqeQoLU2FmZXR5TGV2ZWwSHAoYU0FGRVRZX0xFVkVMX1VOU1BFQ0lGSUVEEAASFQoRU0FGRVRZX0xFVkVMX1NBRkUQARIZChVTQUZFVFlfTEVWRUxfQ0FVVElPVVMQAhIaChZTQUZFVFlfTEVWRUxfREFOR0VST1VTEAMqewoMU2NoZW1hRm9ybWF0Eh0KGVNDSEVNQV9GT1JNQVRfVU5TUEVDSUZJRUQQABIYChRTQ0hFTUFfRk9STUFUX09QRU5BSRABEhsKF1NDSEVNQV9GT1JNQVRfQU5USFJPUElDEAISFQoRU0NIRU1BX0ZPUk1BVF9NQ1AQAyrzAgoPRXhlY3V0aW9uU3RhdHVzEiAKHEVYRUNVVElPTl9TVEFUVVNfVU5TUEVDSUZJRUQQABIXChNFWEVDVVRJT05fU1RBVFVTX09LEAESIwofRVhFQ1VUSU9OX1NUQVRVU19UT09MX05PVF9GT1VORBACEiYKIkVYRUNVVElPTl9TVEFUVVNfSU5WQUxJRF9BUkdVTUVOVFMQAxImCiJFWEVDVVRJT05fU1RBVFVTX0FQUFJPVkFMX1JFUVVJUkVEEAQSJAogRVhFQ1VUSU9OX1NUQVRVU19BUFBST1ZBTF9ERU5JRUQQBRIfChtFWEVDVVRJT05fU1RBVFVTX1RPT0xfRVJST1IQBhIcChhFWEVDVVRJT05fU1RBVFVTX1RJTUVPVVQQBxInCiNFWEVDVVRJT05fU1RBVFVTX1JFU09VUkNFX0VYSEFVU1RFRBAIEiIKHkVYRUNVVElPTl9TVEFUVVNfU0FOREJPWF9FUlJPUhAJMrgGCgxUb29sUmVnaXN0cnkSSwoMUmVnaXN0ZXJUb29sEiQudG9vbHJlZ2lzdHJ5LnYxLlJlZ2lzdGVyVG9vbFJlcXVlc3QaFS50b29scmVnaXN0cnkudjEuVG9vbBJBCgdHZXRUb29sEh8udG9vbHJlZ2lzdHJ5LnYxLkdldFRvb2xSZXF1ZXN0GhUudG9vbHJlZ2lzdHJ5LnYxLlRvb2wSUgoJTGlzdFRvb2xzEiEudG9vbHJlZ2lzdHJ5LnYxLkxpc3RUb29sc1JlcXVlc3QaIi50b29scmVnaXN0cnkudjEuTGlzdFRvb2xzUmVzcG9uc2USYQoOR2V0VG9vbFNjaGVtYXMSJi50b29scmVnaXN0cnkudjEuR2V0VG9vbFNjaGVtYXNSZXF1ZXN0GicudG9vbHJlZ2lzdHJ5LnYxLkdldFRvb2xTY2hlbWFzUmVzcG9uc2USTwoLRXhlY3V0ZVRvb2wSIy50b29scmVnaXN0cnkudjEuRXhlY3V0ZVRvb2xSZXF1ZXN0GhsudG9vbHJlZ2lzdHJ5LnYxLlRvb2xSZXN1bHQSWwoRU3RyZWFtRXhlY3V0ZVRvb2wSIy50b29scmVnaXN0cnkudjEuRXhlY3V0ZVRvb2xSZXF1ZXN0Gh8udG9vbHJlZ2lzdHJ5LnYxLkV4ZWN1dGlvbkV2ZW50MAEScwoUTGlzdEFwcHJvdmFsUmVxdWVzdHMSLC50b29scmVnaXN0cnkudjEuTGlzdEFwcHJvdmFsUmVxdWVzdHNSZXF1ZXN0Gi0udG9vbHJlZ2lzdHJ5LnYxLkxpc3RBcHByb3ZhbFJlcXVlc3RzUmVzcG9uc2USYgoSR2V0QXBwcm92YWxSZXF1ZXN0EioudG9vbHJlZ2lzdHJ5LnYxLkdldEFwcHJvdmFsUmVxdWVzdFJlcXVlc3QaIC50b29scmVnaXN0cnkudjEuQXBwcm92YWxSZXF1ZXN0EloKDlN1Ym1pdEFwcHJvdmFsEiYudG9vbHJlZ2lzdHJ5LnYxLlN1Ym1pdEFwcHJvdmFsUmVxdWVzdBogLnRvb2xyZWdpc3RyeS52MS5BcHByb3ZhbFJlcXVlc3RCYQobZGV2LnRvb2xyZWcudG9vbHJlZ2lzdHJ5LnYxUAFaQGdpdGh1Yi5jb20vdG9vbHJlZy90b29scmVnL2dlbi9nby90b29scmVnaXN0cnkvdjE7dG9vbHJlZ2lzdHJ5djFiBnByb3RvMw", [file_google_protobuf_timestamp]);
+  fileDesc("Ch50b29scmVnaXN0cnkvdjEvcmVnaXN0cnkucHJvdG8SD3Rvb2xyZWdpc3RyeS52MSLHAgoEVG9vbBIMCgRuYW1lGAEgASgJEhMKC2Rlc2NyaXB0aW9uGAIgASgJEhcKD3BhcmFtZXRlcnNfanNvbhgDIAEoCRIyCgxzYWZldHlfbGV2ZWwYBCABKA4yHC50b29scmVnaXN0cnkudjEuU2FmZXR5TGV2ZWwSEgoKY2F0ZWdvcmllcxgFIAMoCRItCgdzYW5kYm94GAYgASgLMhwudG9vbHJlZ2lzdHJ5LnYxLlNhbmRib3hTcGVjEg4KBmRpZ2VzdBgHIAEoCRIRCgl3YXJtX3Bvb2wYCCABKAUSDQoFb3duZXIYCSABKAkSLQoHbmV0d29yaxgKIAEoCzIcLnRvb2xyZWdpc3RyeS52MS5OZXR3b3JrU3BlYxIrCgdzZWNyZXRzGAsgAygLMhoudG9vbHJlZ2lzdHJ5LnYxLlNlY3JldFJlZiIdCgtOZXR3b3JrU3BlYxIOCgZlZ3Jlc3MYASADKAkiXAoJU2VjcmV0UmVmEgwKBG5hbWUYASABKAkSDwoHZGVsaXZlchgCIAEoCRIwCgZpbmplY3QYAyABKAsyIC50b29scmVnaXN0cnkudjEuU2VjcmV0SW5qZWN0aW9uIk0KD1NlY3JldEluamVjdGlvbhIMCgRob3N0GAEgASgJEgwKBHBvcnQYAiABKAUSDgoGaGVhZGVyGAMgASgJEg4KBmZvcm1hdBgEIAEoCSK+AQoLU2FuZGJveFNwZWMSDQoFaW1hZ2UYASABKAkSDwoHY29tbWFuZBgCIAMoCRIyCgNlbnYYAyADKAsyJS50b29scmVnaXN0cnkudjEuU2FuZGJveFNwZWMuRW52RW50cnkSLwoGbGltaXRzGAQgASgLMh8udG9vbHJlZ2lzdHJ5LnYxLlJlc291cmNlTGltaXRzGioKCEVudkVudHJ5EgsKA2tleRgBIAEoCRINCgV2YWx1ZRgCIAEoCToCOAEibwoOUmVzb3VyY2VMaW1pdHMSEQoJbWVtb3J5X21iGAEgASgDEhIKCmNwdV9taWxsaXMYAiABKAMSDAoEcGlkcxgDIAEoAxISCgp0aW1lb3V0X21zGAQgASgDEhQKDG91dHB1dF9ieXRlcxgFIAEoAyJLChNSZWdpc3RlclRvb2xSZXF1ZXN0EiMKBHRvb2wYASABKAsyFS50b29scmVnaXN0cnkudjEuVG9vbBIPCgdyZXBsYWNlGAIgASgIIh4KDkdldFRvb2xSZXF1ZXN0EgwKBG5hbWUYASABKAkiXgoQTGlzdFRvb2xzUmVxdWVzdBI2ChBtYXhfc2FmZXR5X2xldmVsGAEgASgOMhwudG9vbHJlZ2lzdHJ5LnYxLlNhZmV0eUxldmVsEhIKCmNhdGVnb3JpZXMYAiADKAkiOQoRTGlzdFRvb2xzUmVzcG9uc2USJAoFdG9vbHMYASADKAsyFS50b29scmVnaXN0cnkudjEuVG9vbCKSAQoVR2V0VG9vbFNjaGVtYXNSZXF1ZXN0Ei0KBmZvcm1hdBgBIAEoDjIdLnRvb2xyZWdpc3RyeS52MS5TY2hlbWFGb3JtYXQSNgoQbWF4X3NhZmV0eV9sZXZlbBgCIAEoDjIcLnRvb2xyZWdpc3RyeS52MS5TYWZldHlMZXZlbBISCgpjYXRlZ29yaWVzGAMgAygJIi4KFkdldFRvb2xTY2hlbWFzUmVzcG9uc2USFAoMc2NoZW1hc19qc29uGAEgASgJInAKEkV4ZWN1dGVUb29sUmVxdWVzdBIMCgRuYW1lGAEgASgJEhYKDmFyZ3VtZW50c19qc29uGAIgASgJEhcKD2FwcHJvdmFsX3Rva2VucxgDIAMoCRIbChNhcHByb3ZhbF9yZXF1ZXN0X2lkGAQgASgJIqYCCgpUb29sUmVzdWx0Eg8KB3N1Y2Nlc3MYASABKAgSMAoGc3RhdHVzGAIgASgOMiAudG9vbHJlZ2lzdHJ5LnYxLkV4ZWN1dGlvblN0YXR1cxIPCgdjb250ZW50GAMgASgJEhEKCWRhdGFfanNvbhgEIAEoCRINCgVlcnJvchgFIAEoCRIRCglleGl0X2NvZGUYBiABKAUSDgoGc3RkZXJyGAcgASgJEhMKC2R1cmF0aW9uX21zGAggASgDEhgKEG91dHB1dF90cnVuY2F0ZWQYCSABKAgSFAoMZXhlY3V0aW9uX2lkGAogASgJEjoKEGFwcHJvdmFsX3JlcXVlc3QYCyABKAsyIC50b29scmVnaXN0cnkudjEuQXBwcm92YWxSZXF1ZXN0ImwKDkV4ZWN1dGlvbkV2ZW50EhAKBnN0ZG91dBgBIAEoDEgAEhAKBnN0ZGVychgCIAEoDEgAEi0KBnJlc3VsdBgDIAEoCzIbLnRvb2xyZWdpc3RyeS52MS5Ub29sUmVzdWx0SABCBwoFZXZlbnQixwMKD0FwcHJvdmFsUmVxdWVzdBIKCgJpZBgBIAEoCRIRCgl0b29sX25hbWUYAiABKAkSEwoLdG9vbF9kaWdlc3QYAyABKAkSFgoOYXJndW1lbnRzX2pzb24YBCABKAkSGAoQYXJndW1lbnRzX2RpZ2VzdBgFIAEoCRIUCgxyZXF1ZXN0ZWRfYnkYBiABKAkSGgoSYXBwcm92YWxzX3JlcXVpcmVkGAcgASgFEhMKC2FwcHJvdmVkX2J5GAggAygJEg0KBXN0YXRlGAkgASgJEi4KCmNyZWF0ZWRfYXQYCiABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEi4KCmV4cGlyZXNfYXQYCyABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEhAKCGF1ZGllbmNlGAwgASgJEhcKD21heF90b2tlbl90dGxfcxgNIAEoBRIZChFhcHByb3ZhbHNfbWlzc2luZxgOIAEoBRIjCgR0b29sGA8gASgLMhUudG9vbHJlZ2lzdHJ5LnYxLlRvb2wSEwoLcmVqZWN0ZWRfYnkYECABKAkSGAoQcmVqZWN0aW9uX3JlYXNvbhgRIAEoCSJCChxSZWplY3RBcHByb3ZhbFJlcXVlc3RSZXF1ZXN0EhIKCnJlcXVlc3RfaWQYASABKAkSDgoGcmVhc29uGAIgASgJIjIKHFdhdGNoQXBwcm92YWxSZXF1ZXN0c1JlcXVlc3QSEgoKcmVxdWVzdF9pZBgBIAEoCSLIAQoNQXBwcm92YWxFdmVudBIwCgR0eXBlGAEgASgOMiIudG9vbHJlZ2lzdHJ5LnYxLkFwcHJvdmFsRXZlbnRUeXBlEjEKB3JlcXVlc3QYAiABKAsyIC50b29scmVnaXN0cnkudjEuQXBwcm92YWxSZXF1ZXN0Eg0KBWFjdG9yGAMgASgJEg4KBnJlYXNvbhgEIAEoCRImCgJhdBgFIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASCwoDc2VxGAYgASgDIjsKG0xpc3RBcHByb3ZhbFJlcXVlc3RzUmVxdWVzdBINCgVzdGF0ZRgBIAEoCRINCgVsaW1pdBgCIAEoBSJSChxMaXN0QXBwcm92YWxSZXF1ZXN0c1Jlc3BvbnNlEjIKCHJlcXVlc3RzGAEgAygLMiAudG9vbHJlZ2lzdHJ5LnYxLkFwcHJvdmFsUmVxdWVzdCInChlHZXRBcHByb3ZhbFJlcXVlc3RSZXF1ZXN0EgoKAmlkGAEgASgJIjoKFVN1Ym1pdEFwcHJvdmFsUmVxdWVzdBISCgpyZXF1ZXN0X2lkGAEgASgJEg0KBXRva2VuGAIgASgJKnkKC1NhZmV0eUxldmVsEhwKGFNBRkVUWV9MRVZFTF9VTlNQRUNJRklFRBAAEhUKEVNBRkVUWV9MRVZFTF9TQUZFEAESGQoVU0FGRVRZX0xFVkVMX0NBVVRJT1VTEAISGgoWU0FGRVRZX0xFVkVMX0RBTkdFUk9VUxADKnsKDFNjaGVtYUZvcm1hdBIdChlTQ0hFTUFfRk9STUFUX1VOU1BFQ0lGSUVEEAASGAoUU0NIRU1BX0ZPUk1BVF9PUEVOQUkQARIbChdTQ0hFTUFfRk9STUFUX0FOVEhST1BJQxACEhUKEVNDSEVNQV9GT1JNQVRfTUNQEAMq8wIKD0V4ZWN1dGlvblN0YXR1cxIgChxFWEVDVVRJT05fU1RBVFVTX1VOU1BFQ0lGSUVEEAASFwoTRVhFQ1VUSU9OX1NUQVRVU19PSxABEiMKH0VYRUNVVElPTl9TVEFUVVNfVE9PTF9OT1RfRk9VTkQQAhImCiJFWEVDVVRJT05fU1RBVFVTX0lOVkFMSURfQVJHVU1FTlRTEAMSJgoiRVhFQ1VUSU9OX1NUQVRVU19BUFBST1ZBTF9SRVFVSVJFRBAEEiQKIEVYRUNVVElPTl9TVEFUVVNfQVBQUk9WQUxfREVOSUVEEAUSHwobRVhFQ1VUSU9OX1NUQVRVU19UT09MX0VSUk9SEAYSHAoYRVhFQ1VUSU9OX1NUQVRVU19USU1FT1VUEAcSJwojRVhFQ1VUSU9OX1NUQVRVU19SRVNPVVJDRV9FWEhBVVNURUQQCBIiCh5FWEVDVVRJT05fU1RBVFVTX1NBTkRCT1hfRVJST1IQCSrIAgoRQXBwcm92YWxFdmVudFR5cGUSIwofQVBQUk9WQUxfRVZFTlRfVFlQRV9VTlNQRUNJRklFRBAAEh8KG0FQUFJPVkFMX0VWRU5UX1RZUEVfQ1VSUkVOVBABEh4KGkFQUFJPVkFMX0VWRU5UX1RZUEVfU1lOQ0VEEAISHgoaQVBQUk9WQUxfRVZFTlRfVFlQRV9PUEVORUQQAxImCiJBUFBST1ZBTF9FVkVOVF9UWVBFX0FQUFJPVkFMX0FEREVEEAQSIAocQVBQUk9WQUxfRVZFTlRfVFlQRV9BUFBST1ZFRBAFEiAKHEFQUFJPVkFMX0VWRU5UX1RZUEVfUkVKRUNURUQQBhIgChxBUFBST1ZBTF9FVkVOVF9UWVBFX0NPTlNVTUVEEAcSHwobQVBQUk9WQUxfRVZFTlRfVFlQRV9FWFBJUkVEEAgyjAgKDFRvb2xSZWdpc3RyeRJLCgxSZWdpc3RlclRvb2wSJC50b29scmVnaXN0cnkudjEuUmVnaXN0ZXJUb29sUmVxdWVzdBoVLnRvb2xyZWdpc3RyeS52MS5Ub29sEkEKB0dldFRvb2wSHy50b29scmVnaXN0cnkudjEuR2V0VG9vbFJlcXVlc3QaFS50b29scmVnaXN0cnkudjEuVG9vbBJSCglMaXN0VG9vbHMSIS50b29scmVnaXN0cnkudjEuTGlzdFRvb2xzUmVxdWVzdBoiLnRvb2xyZWdpc3RyeS52MS5MaXN0VG9vbHNSZXNwb25zZRJhCg5HZXRUb29sU2NoZW1hcxImLnRvb2xyZWdpc3RyeS52MS5HZXRUb29sU2NoZW1hc1JlcXVlc3QaJy50b29scmVnaXN0cnkudjEuR2V0VG9vbFNjaGVtYXNSZXNwb25zZRJPCgtFeGVjdXRlVG9vbBIjLnRvb2xyZWdpc3RyeS52MS5FeGVjdXRlVG9vbFJlcXVlc3QaGy50b29scmVnaXN0cnkudjEuVG9vbFJlc3VsdBJbChFTdHJlYW1FeGVjdXRlVG9vbBIjLnRvb2xyZWdpc3RyeS52MS5FeGVjdXRlVG9vbFJlcXVlc3QaHy50b29scmVnaXN0cnkudjEuRXhlY3V0aW9uRXZlbnQwARJzChRMaXN0QXBwcm92YWxSZXF1ZXN0cxIsLnRvb2xyZWdpc3RyeS52MS5MaXN0QXBwcm92YWxSZXF1ZXN0c1JlcXVlc3QaLS50b29scmVnaXN0cnkudjEuTGlzdEFwcHJvdmFsUmVxdWVzdHNSZXNwb25zZRJiChJHZXRBcHByb3ZhbFJlcXVlc3QSKi50b29scmVnaXN0cnkudjEuR2V0QXBwcm92YWxSZXF1ZXN0UmVxdWVzdBogLnRvb2xyZWdpc3RyeS52MS5BcHByb3ZhbFJlcXVlc3QSWgoOU3VibWl0QXBwcm92YWwSJi50b29scmVnaXN0cnkudjEuU3VibWl0QXBwcm92YWxSZXF1ZXN0GiAudG9vbHJlZ2lzdHJ5LnYxLkFwcHJvdmFsUmVxdWVzdBJoChVSZWplY3RBcHByb3ZhbFJlcXVlc3QSLS50b29scmVnaXN0cnkudjEuUmVqZWN0QXBwcm92YWxSZXF1ZXN0UmVxdWVzdBogLnRvb2xyZWdpc3RyeS52MS5BcHByb3ZhbFJlcXVlc3QSaAoVV2F0Y2hBcHByb3ZhbFJlcXVlc3RzEi0udG9vbHJlZ2lzdHJ5LnYxLldhdGNoQXBwcm92YWxSZXF1ZXN0c1JlcXVlc3QaHi50b29scmVnaXN0cnkudjEuQXBwcm92YWxFdmVudDABQmEKG2Rldi50b29scmVnLnRvb2xyZWdpc3RyeS52MVABWkBnaXRodWIuY29tL3Rvb2xyZWcvdG9vbHJlZy9nZW4vZ28vdG9vbHJlZ2lzdHJ5L3YxO3Rvb2xyZWdpc3RyeXYxYgZwcm90bzM", [file_google_protobuf_timestamp]);
 
 /**
  * @generated from message toolregistry.v1.Tool
@@ -621,7 +621,7 @@ export type ApprovalRequest = Message<"toolregistry.v1.ApprovalRequest"> & {
   approvedBy: string[];
 
   /**
-   * PENDING, APPROVED, CONSUMED or EXPIRED.
+   * PENDING, APPROVED, CONSUMED, REJECTED or EXPIRED.
    *
    * @generated from field: string state = 9;
    */
@@ -665,6 +665,18 @@ export type ApprovalRequest = Message<"toolregistry.v1.ApprovalRequest"> & {
    * @generated from field: toolregistry.v1.Tool tool = 15;
    */
   tool?: Tool | undefined;
+
+  /**
+   * Set when `state` is REJECTED: the approver who rejected it, and why.
+   *
+   * @generated from field: string rejected_by = 16;
+   */
+  rejectedBy: string;
+
+  /**
+   * @generated from field: string rejection_reason = 17;
+   */
+  rejectionReason: string;
 };
 
 /**
@@ -675,11 +687,107 @@ export const ApprovalRequestSchema: GenMessage<ApprovalRequest> = /*@__PURE__*/
   messageDesc(file_toolregistry_v1_registry, 15);
 
 /**
+ * @generated from message toolregistry.v1.RejectApprovalRequestRequest
+ */
+export type RejectApprovalRequestRequest = Message<"toolregistry.v1.RejectApprovalRequestRequest"> & {
+  /**
+   * @generated from field: string request_id = 1;
+   */
+  requestId: string;
+
+  /**
+   * Why (shown to the agent and recorded in the audit log): 1 to 1,000
+   * characters, no control characters.
+   *
+   * @generated from field: string reason = 2;
+   */
+  reason: string;
+};
+
+/**
+ * Describes the message toolregistry.v1.RejectApprovalRequestRequest.
+ * Use `create(RejectApprovalRequestRequestSchema)` to create a new message.
+ */
+export const RejectApprovalRequestRequestSchema: GenMessage<RejectApprovalRequestRequest> = /*@__PURE__*/
+  messageDesc(file_toolregistry_v1_registry, 16);
+
+/**
+ * @generated from message toolregistry.v1.WatchApprovalRequestsRequest
+ */
+export type WatchApprovalRequestsRequest = Message<"toolregistry.v1.WatchApprovalRequestsRequest"> & {
+  /**
+   * Only this request's events (an agent waiting for its own); empty = all
+   * the caller may see.
+   *
+   * @generated from field: string request_id = 1;
+   */
+  requestId: string;
+};
+
+/**
+ * Describes the message toolregistry.v1.WatchApprovalRequestsRequest.
+ * Use `create(WatchApprovalRequestsRequestSchema)` to create a new message.
+ */
+export const WatchApprovalRequestsRequestSchema: GenMessage<WatchApprovalRequestsRequest> = /*@__PURE__*/
+  messageDesc(file_toolregistry_v1_registry, 17);
+
+/**
+ * @generated from message toolregistry.v1.ApprovalEvent
+ */
+export type ApprovalEvent = Message<"toolregistry.v1.ApprovalEvent"> & {
+  /**
+   * @generated from field: toolregistry.v1.ApprovalEventType type = 1;
+   */
+  type: ApprovalEventType;
+
+  /**
+   * The request as it is after this event (listed form); unset for SYNCED.
+   *
+   * @generated from field: toolregistry.v1.ApprovalRequest request = 2;
+   */
+  request?: ApprovalRequest | undefined;
+
+  /**
+   * The approver who added an approval or rejected; empty otherwise.
+   *
+   * @generated from field: string actor = 3;
+   */
+  actor: string;
+
+  /**
+   * REJECTED: the approver's reason.
+   *
+   * @generated from field: string reason = 4;
+   */
+  reason: string;
+
+  /**
+   * @generated from field: google.protobuf.Timestamp at = 5;
+   */
+  at?: Timestamp | undefined;
+
+  /**
+   * The event's position in the store's order (0 for CURRENT and SYNCED).
+   *
+   * @generated from field: int64 seq = 6;
+   */
+  seq: bigint;
+};
+
+/**
+ * Describes the message toolregistry.v1.ApprovalEvent.
+ * Use `create(ApprovalEventSchema)` to create a new message.
+ */
+export const ApprovalEventSchema: GenMessage<ApprovalEvent> = /*@__PURE__*/
+  messageDesc(file_toolregistry_v1_registry, 18);
+
+/**
  * @generated from message toolregistry.v1.ListApprovalRequestsRequest
  */
 export type ListApprovalRequestsRequest = Message<"toolregistry.v1.ListApprovalRequestsRequest"> & {
   /**
-   * Only requests in this state (PENDING, APPROVED, CONSUMED, EXPIRED);
+   * Only requests in this state (PENDING, APPROVED, CONSUMED, REJECTED,
+   * EXPIRED);
    * empty = all.
    *
    * @generated from field: string state = 1;
@@ -699,7 +807,7 @@ export type ListApprovalRequestsRequest = Message<"toolregistry.v1.ListApprovalR
  * Use `create(ListApprovalRequestsRequestSchema)` to create a new message.
  */
 export const ListApprovalRequestsRequestSchema: GenMessage<ListApprovalRequestsRequest> = /*@__PURE__*/
-  messageDesc(file_toolregistry_v1_registry, 16);
+  messageDesc(file_toolregistry_v1_registry, 19);
 
 /**
  * @generated from message toolregistry.v1.ListApprovalRequestsResponse
@@ -716,7 +824,7 @@ export type ListApprovalRequestsResponse = Message<"toolregistry.v1.ListApproval
  * Use `create(ListApprovalRequestsResponseSchema)` to create a new message.
  */
 export const ListApprovalRequestsResponseSchema: GenMessage<ListApprovalRequestsResponse> = /*@__PURE__*/
-  messageDesc(file_toolregistry_v1_registry, 17);
+  messageDesc(file_toolregistry_v1_registry, 20);
 
 /**
  * @generated from message toolregistry.v1.GetApprovalRequestRequest
@@ -733,7 +841,7 @@ export type GetApprovalRequestRequest = Message<"toolregistry.v1.GetApprovalRequ
  * Use `create(GetApprovalRequestRequestSchema)` to create a new message.
  */
 export const GetApprovalRequestRequestSchema: GenMessage<GetApprovalRequestRequest> = /*@__PURE__*/
-  messageDesc(file_toolregistry_v1_registry, 18);
+  messageDesc(file_toolregistry_v1_registry, 21);
 
 /**
  * @generated from message toolregistry.v1.SubmitApprovalRequest
@@ -755,7 +863,7 @@ export type SubmitApprovalRequest = Message<"toolregistry.v1.SubmitApprovalReque
  * Use `create(SubmitApprovalRequestSchema)` to create a new message.
  */
 export const SubmitApprovalRequestSchema: GenMessage<SubmitApprovalRequest> = /*@__PURE__*/
-  messageDesc(file_toolregistry_v1_registry, 19);
+  messageDesc(file_toolregistry_v1_registry, 22);
 
 /**
  * @generated from enum toolregistry.v1.SafetyLevel
@@ -915,6 +1023,78 @@ export const ExecutionStatusSchema: GenEnum<ExecutionStatus> = /*@__PURE__*/
   enumDesc(file_toolregistry_v1_registry, 2);
 
 /**
+ * @generated from enum toolregistry.v1.ApprovalEventType
+ */
+export enum ApprovalEventType {
+  /**
+   * @generated from enum value: APPROVAL_EVENT_TYPE_UNSPECIFIED = 0;
+   */
+  UNSPECIFIED = 0,
+
+  /**
+   * open when the watch began (before SYNCED)
+   *
+   * @generated from enum value: APPROVAL_EVENT_TYPE_CURRENT = 1;
+   */
+  CURRENT = 1,
+
+  /**
+   * every CURRENT event has been sent; no request
+   *
+   * @generated from enum value: APPROVAL_EVENT_TYPE_SYNCED = 2;
+   */
+  SYNCED = 2,
+
+  /**
+   * a new request
+   *
+   * @generated from enum value: APPROVAL_EVENT_TYPE_OPENED = 3;
+   */
+  OPENED = 3,
+
+  /**
+   * an approver's token was attached (`actor`)
+   *
+   * @generated from enum value: APPROVAL_EVENT_TYPE_APPROVAL_ADDED = 4;
+   */
+  APPROVAL_ADDED = 4,
+
+  /**
+   * enough approvals: the agent may call
+   *
+   * @generated from enum value: APPROVAL_EVENT_TYPE_APPROVED = 5;
+   */
+  APPROVED = 5,
+
+  /**
+   * refused by `actor`, for `reason`
+   *
+   * @generated from enum value: APPROVAL_EVENT_TYPE_REJECTED = 6;
+   */
+  REJECTED = 6,
+
+  /**
+   * the approved call ran
+   *
+   * @generated from enum value: APPROVAL_EVENT_TYPE_CONSUMED = 7;
+   */
+  CONSUMED = 7,
+
+  /**
+   * its time ran out before it was used
+   *
+   * @generated from enum value: APPROVAL_EVENT_TYPE_EXPIRED = 8;
+   */
+  EXPIRED = 8,
+}
+
+/**
+ * Describes the enum toolregistry.v1.ApprovalEventType.
+ */
+export const ApprovalEventTypeSchema: GenEnum<ApprovalEventType> = /*@__PURE__*/
+  enumDesc(file_toolregistry_v1_registry, 3);
+
+/**
  * ToolRegistry holds tool definitions and executes them in sandboxes.
  *
  * @generated from service toolregistry.v1.ToolRegistry
@@ -1051,7 +1231,7 @@ export const ToolRegistry: GenService<{
    * Errors:
    * - INVALID_ARGUMENT: empty id or token.
    * - NOT_FOUND: no request has that id.
-   * - FAILED_PRECONDITION: the request is expired or consumed.
+   * - FAILED_PRECONDITION: the request is expired, consumed or rejected.
    * - PERMISSION_DENIED: the token does not verify for this request (the
    *   message gives the precise reason).
    *
@@ -1061,6 +1241,51 @@ export const ToolRegistry: GenService<{
     methodKind: "unary";
     input: typeof SubmitApprovalRequestSchema;
     output: typeof ApprovalRequestSchema;
+  },
+  /**
+   * RejectApprovalRequest refuses a pending or approved request with a
+   * reason. The request becomes REJECTED for good: the agent's call with it
+   * (and the same call without it, until the request would have expired)
+   * gets APPROVAL_DENIED carrying the approver's reason. Recorded in the
+   * audit log. Only an approver eligible for the tool by policy (or an
+   * admin) may reject; approvers never reject their own calls.
+   * Errors:
+   * - INVALID_ARGUMENT: empty id, an empty reason, or a reason longer than
+   *   1,000 characters or holding control characters.
+   * - NOT_FOUND: no request has that id (or the caller may not see it).
+   * - FAILED_PRECONDITION: the request is already consumed, rejected or expired.
+   * - PERMISSION_DENIED: the caller is not an approver eligible for this tool.
+   *
+   * @generated from rpc toolregistry.v1.ToolRegistry.RejectApprovalRequest
+   */
+  rejectApprovalRequest: {
+    methodKind: "unary";
+    input: typeof RejectApprovalRequestRequestSchema;
+    output: typeof ApprovalRequestSchema;
+  },
+  /**
+   * WatchApprovalRequests streams the approval requests the caller may see:
+   * first each open one (PENDING or APPROVED) as a CURRENT event, then one
+   * SYNCED event, then every change as it happens (OPENED, APPROVAL_ADDED,
+   * APPROVED, REJECTED, CONSUMED, EXPIRED), in the order they were stored,
+   * from every server sharing the store. An approver sees the requests it
+   * is eligible to approve; an agent only its own; an admin all. Requests
+   * in events are in their listed form (no arguments, no parameters schema):
+   * read one whole with GetApprovalRequest. The stream ends when the server
+   * stops, or with ABORTED when the client reads too slowly to keep up:
+   * watch again. Set a deadline to bound the wait.
+   * Errors:
+   * - INVALID_ARGUMENT: `request_id` is too long.
+   * - NOT_FOUND: `request_id` names no request the caller may see.
+   * - RESOURCE_EXHAUSTED: the caller, or the server, has as many watches
+   *   open as it allows; close one or retry later.
+   *
+   * @generated from rpc toolregistry.v1.ToolRegistry.WatchApprovalRequests
+   */
+  watchApprovalRequests: {
+    methodKind: "server_streaming";
+    input: typeof WatchApprovalRequestsRequestSchema;
+    output: typeof ApprovalEventSchema;
   },
 }> = /*@__PURE__*/
   serviceDesc(file_toolregistry_v1_registry, 0);
