@@ -17,6 +17,8 @@ from registry_server.store.base import (
     CONSUMED,
     EXPIRED,
     PENDING,
+    REJECTED,
+    ApprovalEventRecord,
     ApprovalRequestRecord,
     Store,
     StoredTool,
@@ -124,6 +126,50 @@ def test_requests_states_listing_and_consumption(store: Store) -> None:
         assert [r.id for r in reads.requests(state=CONSUMED, now=NOW, limit=10)] == ["r1"]
         args = {"tool_name": "t", "tool_digest": "d", "arguments_digest": "ad", "now": NOW}
         assert reads.open_request_for(requested_by="agent", **args) is None  # type: ignore[arg-type]
+
+
+def test_rejection_expiry_and_events(store: Store) -> None:
+    args = {"tool_name": "t", "tool_digest": "d", "arguments_digest": "ad", "now": NOW}
+    with store.unit_of_work() as uow:
+        uow.add_request(record("r1", created=NOW - 3))
+        uow.add_request(record("r2", created=NOW - 2, expires=NOW - 1))  # due to expire
+        uow.add_request(record("r3", created=NOW - 1))
+        uow.mark_approved("r3")
+    with store.unit_of_work() as uow:
+        assert uow.reject_request("r1", "bob", "not today", NOW) is True
+        assert uow.reject_request("r1", "alice", "again", NOW) is False  # final
+        assert uow.reject_request("r2", "bob", "late", NOW) is False  # expired
+        assert uow.consume_request("r1", NOW) is False
+    with store.reading() as reads:
+        rejected = reads.request("r1")
+        assert rejected is not None
+        assert (rejected.state, rejected.rejected_by, rejected.rejection_reason) == (
+            REJECTED, "bob", "not today",
+        )  # fmt: skip
+        assert rejected.state_at(NOW + 1_000) == REJECTED  # stays rejected past its expiry
+        assert [r.id for r in reads.requests(state=REJECTED, now=NOW, limit=10)] == ["r1"]
+        assert reads.rejected_request_for(requested_by="agent", **args) == "r1"  # type: ignore[arg-type]
+        later = {**args, "now": NOW + 100}
+        assert reads.rejected_request_for(requested_by="agent", **later) is None  # type: ignore[arg-type]
+        assert reads.expired_open_requests(NOW, 10) == ["r2"]
+        assert reads.expired_open_requests(NOW + 100, 10) == ["r2", "r3"]
+    with store.unit_of_work() as uow:
+        assert uow.expire_request("r2", NOW) is True
+        assert uow.expire_request("r2", NOW) is False  # once
+        assert uow.expire_request("r3", NOW) is False  # not due yet
+    with store.reading() as reads:
+        assert reads.expired_open_requests(NOW, 10) == []
+        assert [r.id for r in reads.requests(state=EXPIRED, now=NOW, limit=10)] == ["r2"]
+        assert reads.last_event_seq() == 0
+    with store.unit_of_work() as uow:
+        for seq, kind in ((3, "OPENED"), (7, "REJECTED"), (9, "EXPIRED")):
+            uow.add_event(ApprovalEventRecord(seq, "r1", kind, "bob", "why", NOW + seq))
+    with store.reading() as reads:
+        assert [e.seq for e in reads.events_after(0, 10)] == [3, 7, 9]
+        assert reads.events_after(3, 1) == [
+            ApprovalEventRecord(7, "r1", "REJECTED", "bob", "why", NOW + 7)
+        ]
+        assert reads.last_event_seq() == 9
 
 
 def test_the_audit_chain_appends_and_verifies(store: Store) -> None:
