@@ -4,20 +4,23 @@ the database stopped, a server killed, a connection failed over."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
+from registry_server.store.postgres import PostgresStore
 from registry_server.wire import convert
-from tests.cluster.conftest import ROOT, Cluster, StartCluster, postgres, wait_for
+from tests.cluster.conftest import AUDIENCE, ROOT, Cluster, StartCluster, postgres, wait_for
 from tests.factories import tool
 
 ECHO_ARGS = json.dumps({"message": "hi"})
@@ -134,6 +137,81 @@ def test_an_approval_requested_on_a_approved_through_b_runs_through_c_once(
     )
     assert again.status == pb.EXECUTION_STATUS_APPROVAL_DENIED
     assert f"approval request {request_id} is consumed" in again.error
+
+
+def _watch(cluster: Cluster, index: int, client: str) -> tuple[Any, list[pb.ApprovalEvent]]:
+    """A watch on server ``index`` read on its own thread into a list."""
+    call = cluster.stub(index, client).WatchApprovalRequests(
+        pb.WatchApprovalRequestsRequest(), timeout=60
+    )
+    seen: list[pb.ApprovalEvent] = []
+
+    def read() -> None:
+        with contextlib.suppress(grpc.RpcError):  # cancelled at the end
+            seen.extend(call)
+
+    threading.Thread(target=read, daemon=True).start()
+    return call, seen
+
+
+def _kinds(events: list[pb.ApprovalEvent], request_id: str) -> list[str]:
+    return [
+        pb.ApprovalEventType.Name(e.type).removeprefix("APPROVAL_EVENT_TYPE_")
+        for e in events
+        if e.request.id == request_id
+    ]
+
+
+def test_a_watch_on_one_server_sees_changes_made_on_the_others(start_cluster: StartCluster) -> None:
+    cluster = start_cluster(3)
+    watch, seen = _watch(cluster, 0, "alice")
+    agent_watch, agent_seen = _watch(cluster, 0, "agent2")
+    wait_for("both watches synced", lambda: len(seen) >= 1 and len(agent_seen) >= 1)
+    request_id = request_for_write(cluster, 1)
+    took = wait_for("OPENED on server 0", lambda: _kinds(seen, request_id) == ["OPENED"])
+    assert took < 1.0
+    cluster.approve(2, request_id)
+    done = cluster.stub(1, "agent").ExecuteTool(
+        pb.ExecuteToolRequest(
+            name="write_file", arguments_json=WRITE_ARGS, approval_request_id=request_id
+        )
+    )
+    assert done.success, done.error
+    expected = ["OPENED", "APPROVAL_ADDED", "APPROVED", "CONSUMED"]
+    wait_for("every change on server 0", lambda: _kinds(seen, request_id) == expected)
+    ours = [e for e in seen if e.request.id == request_id]
+    assert [e.seq for e in ours] == sorted(e.seq for e in ours)  # one order for every server
+    assert _kinds(agent_seen, request_id) == []  # agent's request: agent2 never hears of it
+    watch.cancel()
+    agent_watch.cancel()
+
+
+def test_an_expiry_is_recorded_once_across_servers(start_cluster: StartCluster) -> None:
+    cluster = start_cluster(3)
+    text = cluster.policy.read_text().replace(
+        f"audience: {AUDIENCE}", f"audience: {AUDIENCE}\napproval_request_ttl_s: 2"
+    )
+    cluster.policy.write_text(text)
+    cluster.stop()
+    cluster.servers.clear()
+    for index in range(3):
+        cluster.start(index)
+    watch, seen = _watch(cluster, 2, "alice")
+    request_id = request_for_write(cluster, 0)
+    wait_for("EXPIRED seen", lambda: "EXPIRED" in _kinds(seen, request_id))
+    time.sleep(2.5)  # every server has swept at least twice since
+    assert _kinds(seen, request_id) == ["OPENED", "EXPIRED"]
+    store = PostgresStore(cluster.store_url, must_exist=True)
+    try:
+        with store.reading() as reads:
+            records = [json.loads(e.record) for e in reads.audit_entries()]
+            events = reads.events_after(0, 100)
+    finally:
+        store.close()
+    expired = [r for r in records if r.get("event") == "expired"]
+    assert expired == [{"event": "expired", "request_id": request_id}]
+    assert [e.type for e in events if e.request_id == request_id] == ["OPENED", "EXPIRED"]
+    watch.cancel()
 
 
 def test_one_approved_call_sent_to_three_servers_at_once_runs_exactly_once(
