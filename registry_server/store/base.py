@@ -31,6 +31,9 @@ OPEN_STATES = (PENDING, APPROVED)  # still waiting to be used (unless expired)
 FINAL_STATES = (CONSUMED, REJECTED, EXPIRED)  # never change again
 # What a listing shows instead of a request's parameters schema.
 LISTED_PARAMETERS: dict[str, Any] = {"type": "object"}
+# Webhook delivery states (notify/outbox.py): pending until a 2xx, or until
+# its attempts run out.
+DELIVERY_PENDING, DELIVERED, DELIVERY_FAILED = "pending", "delivered", "failed"
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,32 @@ class ApprovalEventRecord:
     actor: str  # the approver, for APPROVAL_ADDED and REJECTED
     reason: str  # REJECTED: the approver's reason
     at: float  # time.time()
+
+
+@dataclass(frozen=True)
+class WebhookDeliveryRecord:
+    """One approval event to post to one webhook endpoint: a row of the
+    outbox, inserted in the event's own transaction. The body is made then,
+    so every attempt sends the same bytes, as the request was at that event."""
+
+    event_seq: int  # the approval event's seq
+    endpoint: str  # the policy's webhook id
+    webhook_id: str  # the `webhook-id` header: the same on every attempt
+    payload: str  # the JSON body
+    created_at: float  # time.time()
+    next_attempt_at: float
+    state: str = DELIVERY_PENDING
+    attempts: int = 0
+    last_error: str = ""  # the last failed attempt's reason, capped
+    delivered_at: float | None = None
+    claimed_by: str = ""  # the dispatcher sending it now ("" when none)
+    claim_until: float = 0.0  # when that claim lapses (a dead server's is taken over)
+
+
+@dataclass(frozen=True)
+class WebhookBacklog:
+    pending: int  # deliveries not yet delivered nor given up
+    next_due: float | None  # the earliest next_attempt_at among them
 
 
 @dataclass(frozen=True)
@@ -164,6 +193,12 @@ class StoreReads(Protocol):
         """The last ``count`` entries, by seq."""
         ...
 
+    def webhook_delivery(self, event_seq: int, endpoint: str) -> WebhookDeliveryRecord | None: ...
+
+    def webhook_backlog(self) -> WebhookBacklog:
+        """How many deliveries are pending, and when the first is due."""
+        ...
+
 
 class UnitOfWork(StoreReads, Protocol):
     """Reads and writes inside one transaction."""
@@ -210,6 +245,31 @@ class UnitOfWork(StoreReads, Protocol):
         """Store an approval event (approvals/events.py makes it, after the
         audit entry whose seq it takes). SQL stores announce it to the other
         servers on commit."""
+        ...
+
+    def add_webhook_delivery(self, delivery: WebhookDeliveryRecord) -> None:
+        """Queue one delivery (a hook does, in the transaction of its event)."""
+        ...
+
+    def claim_webhook_deliveries(
+        self, owner: str, now: float, until: float, limit: int
+    ) -> list[WebhookDeliveryRecord]:
+        """Claim up to ``limit`` pending deliveries that are due and not claimed
+        (or whose claim lapsed) for ``owner`` until ``until``, earliest due
+        first. Claims of concurrent transactions never overlap (PostgreSQL:
+        FOR UPDATE SKIP LOCKED), so each is sent by one server at a time."""
+        ...
+
+    def finish_webhook_delivery(self, delivery: WebhookDeliveryRecord, owner: str) -> bool:
+        """Store the outcome of an attempt (state, attempts, next_attempt_at,
+        last_error, delivered_at as ``delivery`` has them) and release the
+        claim; False when ``owner`` no longer holds it (it lapsed and another
+        server took it over)."""
+        ...
+
+    def prune_webhook_deliveries(self, before: float, limit: int) -> int:
+        """Delete up to ``limit`` delivered or failed deliveries created before
+        ``before``; returns how many."""
         ...
 
 

@@ -17,6 +17,9 @@ from registry_server.domain.errors import StoreError
 from registry_server.store.base import (
     APPROVED,
     CONSUMED,
+    DELIVERED,
+    DELIVERY_FAILED,
+    DELIVERY_PENDING,
     EXPIRED,
     OPEN_STATES,
     PENDING,
@@ -25,6 +28,8 @@ from registry_server.store.base import (
     ApprovalRequestRecord,
     AuditEntry,
     StoredTool,
+    WebhookBacklog,
+    WebhookDeliveryRecord,
 )
 
 
@@ -36,6 +41,8 @@ class _Data:
     spent: dict[str, str] = field(default_factory=dict)  # jti -> execution id
     audit: list[AuditEntry] = field(default_factory=list)
     events: list[ApprovalEventRecord] = field(default_factory=list)
+    # (event seq, endpoint) -> the outbox row
+    deliveries: dict[tuple[int, str], WebhookDeliveryRecord] = field(default_factory=dict)
 
 
 class _Reads:
@@ -116,6 +123,14 @@ class _Reads:
     def audit_tail(self, count: int) -> list[AuditEntry]:
         return self._data.audit[-count:] if count > 0 else []
 
+    def webhook_delivery(self, event_seq: int, endpoint: str) -> WebhookDeliveryRecord | None:
+        return self._data.deliveries.get((event_seq, endpoint))
+
+    def webhook_backlog(self) -> WebhookBacklog:
+        due = [d.next_attempt_at for d in self._data.deliveries.values()
+               if d.state == DELIVERY_PENDING]  # fmt: skip
+        return WebhookBacklog(len(due), min(due, default=None))
+
 
 class _Writes(_Reads):
     def put_tool(self, tool: StoredTool, now: float) -> None:
@@ -170,6 +185,46 @@ class _Writes(_Reads):
 
     def add_event(self, event: ApprovalEventRecord) -> None:
         self._data.events.append(event)
+
+    def add_webhook_delivery(self, delivery: WebhookDeliveryRecord) -> None:
+        key = (delivery.event_seq, delivery.endpoint)
+        if key in self._data.deliveries:
+            raise StoreError(f"webhook delivery {key} exists")  # a primary key
+        self._data.deliveries[key] = delivery
+
+    def claim_webhook_deliveries(
+        self, owner: str, now: float, until: float, limit: int
+    ) -> list[WebhookDeliveryRecord]:
+        due = sorted(
+            (d for d in self._data.deliveries.values()
+             if d.state == DELIVERY_PENDING and d.next_attempt_at <= now
+             and d.claim_until <= now),
+            key=lambda d: (d.next_attempt_at, d.event_seq),
+        )[:limit]  # fmt: skip
+        claimed = [replace(d, claimed_by=owner, claim_until=until) for d in due]
+        for d in claimed:
+            self._data.deliveries[(d.event_seq, d.endpoint)] = d
+        return claimed
+
+    def finish_webhook_delivery(self, delivery: WebhookDeliveryRecord, owner: str) -> bool:
+        key = (delivery.event_seq, delivery.endpoint)
+        held = self._data.deliveries.get(key)
+        if held is None or held.claimed_by != owner or held.state != DELIVERY_PENDING:
+            return False
+        self._data.deliveries[key] = replace(
+            held, state=delivery.state, attempts=delivery.attempts,
+            next_attempt_at=delivery.next_attempt_at, last_error=delivery.last_error,
+            delivered_at=delivery.delivered_at, claimed_by="", claim_until=0.0,
+        )  # fmt: skip
+        return True
+
+    def prune_webhook_deliveries(self, before: float, limit: int) -> int:
+        done = (DELIVERED, DELIVERY_FAILED)
+        old = [k for k, d in self._data.deliveries.items()
+               if d.state in done and d.created_at < before][:limit]  # fmt: skip
+        for key in old:
+            del self._data.deliveries[key]
+        return len(old)
 
 
 class MemoryStore:

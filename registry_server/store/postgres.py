@@ -9,7 +9,9 @@ agree:
   advisory lock first, so appends from every server line up;
 * approvals submitted at once through two servers lock their request row;
 * a changed tool is announced with NOTIFY in the transaction that stores it,
-  and ``watch_tools`` LISTENs for it: every server reloads it at once.
+  and ``watch_tools`` LISTENs for it: every server reloads it at once;
+* webhook deliveries are claimed with FOR UPDATE SKIP LOCKED and a lease:
+  each is sent by one server at a time, and a dead server's are taken over.
 
 Messages name the database by its URL without the password.
 """
@@ -48,6 +50,7 @@ POSTGRES = Dialect(
     lock_audit=f"SELECT pg_advisory_xact_lock({_AUDIT_LOCK})",
     lock_request="SELECT 1 FROM approval_requests WHERE id = %s FOR UPDATE",
     announce_event=f"SELECT pg_notify('{APPROVALS_CHANNEL}', %s)",
+    skip_locked=" FOR UPDATE SKIP LOCKED",
 )
 
 _MIGRATIONS: list[str] = [
@@ -113,6 +116,25 @@ _MIGRATIONS: list[str] = [
         reason      TEXT NOT NULL,
         at          DOUBLE PRECISION NOT NULL
     );
+    """,
+    # 3: as the SQLite store's 6th: the webhook outbox
+    """
+    CREATE TABLE webhook_deliveries (
+        event_seq        BIGINT NOT NULL,
+        endpoint         TEXT NOT NULL,
+        webhook_id       TEXT NOT NULL,
+        payload          TEXT NOT NULL,
+        created_at       DOUBLE PRECISION NOT NULL,
+        next_attempt_at  DOUBLE PRECISION NOT NULL,
+        state            TEXT NOT NULL,
+        attempts         INTEGER NOT NULL,
+        last_error       TEXT NOT NULL,
+        delivered_at     DOUBLE PRECISION,
+        claimed_by       TEXT NOT NULL,
+        claim_until      DOUBLE PRECISION NOT NULL,
+        PRIMARY KEY (event_seq, endpoint)
+    );
+    CREATE INDEX webhook_deliveries_due ON webhook_deliveries (state, next_attempt_at);
     """,
 ]
 

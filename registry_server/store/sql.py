@@ -13,6 +13,9 @@ from registry_server.domain.errors import StoreError
 from registry_server.store.base import (
     APPROVED,
     CONSUMED,
+    DELIVERED,
+    DELIVERY_FAILED,
+    DELIVERY_PENDING,
     EXPIRED,
     PENDING,
     REJECTED,
@@ -20,6 +23,8 @@ from registry_server.store.base import (
     ApprovalRequestRecord,
     AuditEntry,
     StoredTool,
+    WebhookBacklog,
+    WebhookDeliveryRecord,
 )
 
 _OPEN = f"('{PENDING}', '{APPROVED}')"  # SQL list of the open states
@@ -40,6 +45,9 @@ class Dialect:
     lock_request: str | None = None
     # run after an approval event is stored (PostgreSQL: NOTIFY the other servers)
     announce_event: str | None = None
+    # ends the select of rows to claim (PostgreSQL: FOR UPDATE SKIP LOCKED, so
+    # servers claiming at once take different rows; SQLite has one writer)
+    skip_locked: str = ""
 
 
 _REQUEST_COLUMNS = (
@@ -66,6 +74,24 @@ def _event(row: tuple[object, ...]) -> ApprovalEventRecord:
     return ApprovalEventRecord(
         int(str(seq)), str(request_id), str(type_), str(actor), str(reason), float(str(at))
     )
+
+
+_DELIVERY_COLUMNS = (
+    "event_seq, endpoint, webhook_id, payload, created_at, next_attempt_at, state, attempts,"
+    " last_error, delivered_at, claimed_by, claim_until"
+)
+
+
+def _delivery(row: tuple[object, ...]) -> WebhookDeliveryRecord:
+    (seq, endpoint, webhook_id, payload, created, due, state, attempts, error, delivered,
+     owner, until) = row  # fmt: skip
+    return WebhookDeliveryRecord(
+        event_seq=int(str(seq)), endpoint=str(endpoint), webhook_id=str(webhook_id),
+        payload=str(payload), created_at=float(str(created)), next_attempt_at=float(str(due)),
+        state=str(state), attempts=int(str(attempts)), last_error=str(error),
+        delivered_at=None if delivered is None else float(str(delivered)),
+        claimed_by=str(owner), claim_until=float(str(until)),
+    )  # fmt: skip
 
 
 def _audit_entry(row: tuple[object, ...]) -> AuditEntry:
@@ -221,6 +247,21 @@ class SqlReads:
         )
         return [_audit_entry(r) for r in reversed(rows)]
 
+    def webhook_delivery(self, event_seq: int, endpoint: str) -> WebhookDeliveryRecord | None:
+        rows = self._all(
+            f"SELECT {_DELIVERY_COLUMNS} FROM webhook_deliveries"
+            " WHERE event_seq = ? AND endpoint = ?",
+            (event_seq, endpoint),
+        )
+        return _delivery(rows[0]) if rows else None
+
+    def webhook_backlog(self) -> WebhookBacklog:
+        ((count, due),) = self._all(
+            "SELECT COUNT(*), MIN(next_attempt_at) FROM webhook_deliveries WHERE state = ?",
+            (DELIVERY_PENDING,),
+        )
+        return WebhookBacklog(int(str(count)), None if due is None else float(str(due)))
+
 
 class SqlWrites(SqlReads):
     """Used only inside a store's transaction."""
@@ -321,3 +362,50 @@ class SqlWrites(SqlReads):
             f" WHERE id = ? AND state = '{PENDING}'",
             (request_id,),
         )
+
+    def add_webhook_delivery(self, delivery: WebhookDeliveryRecord) -> None:
+        d = delivery
+        self._run(
+            f"INSERT INTO webhook_deliveries ({_DELIVERY_COLUMNS})"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                d.event_seq, d.endpoint, d.webhook_id, d.payload, d.created_at,
+                d.next_attempt_at, d.state, d.attempts, d.last_error, d.delivered_at,
+                d.claimed_by, d.claim_until,
+            ),
+        )  # fmt: skip
+
+    def claim_webhook_deliveries(
+        self, owner: str, now: float, until: float, limit: int
+    ) -> list[WebhookDeliveryRecord]:
+        rows = self._all(
+            "UPDATE webhook_deliveries SET claimed_by = ?, claim_until = ?"
+            " WHERE (event_seq, endpoint) IN (SELECT event_seq, endpoint FROM webhook_deliveries"
+            " WHERE state = ? AND next_attempt_at <= ? AND claim_until <= ?"
+            f" ORDER BY next_attempt_at, event_seq LIMIT ?{self._dialect.skip_locked})"
+            f" RETURNING {_DELIVERY_COLUMNS}",
+            (owner, until, DELIVERY_PENDING, now, now, limit),
+        )
+        # RETURNING promises no order
+        return sorted(map(_delivery, rows), key=lambda d: (d.next_attempt_at, d.event_seq))
+
+    def finish_webhook_delivery(self, delivery: WebhookDeliveryRecord, owner: str) -> bool:
+        d = delivery
+        changed = self._run(
+            "UPDATE webhook_deliveries SET state = ?, attempts = ?, next_attempt_at = ?,"
+            " last_error = ?, delivered_at = ?, claimed_by = '', claim_until = 0"
+            " WHERE event_seq = ? AND endpoint = ? AND claimed_by = ? AND state = ?",
+            (
+                d.state, d.attempts, d.next_attempt_at, d.last_error, d.delivered_at,
+                d.event_seq, d.endpoint, owner, DELIVERY_PENDING,
+            ),
+        ).rowcount  # fmt: skip
+        return bool(changed == 1)
+
+    def prune_webhook_deliveries(self, before: float, limit: int) -> int:
+        deleted = self._run(
+            "DELETE FROM webhook_deliveries WHERE (event_seq, endpoint) IN (SELECT event_seq,"
+            " endpoint FROM webhook_deliveries WHERE state IN (?, ?) AND created_at < ? LIMIT ?)",
+            (DELIVERED, DELIVERY_FAILED, before, limit),
+        ).rowcount
+        return int(deleted)

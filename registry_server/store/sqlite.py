@@ -113,6 +113,26 @@ _MIGRATIONS: list[str] = [
         at          REAL NOT NULL
     );
     """,
+    # 6: the webhook outbox (notify/outbox.py): one row per (event, endpoint),
+    # inserted with the event, claimed and retried by the dispatcher
+    """
+    CREATE TABLE webhook_deliveries (
+        event_seq        INTEGER NOT NULL,  -- approval_events.seq
+        endpoint         TEXT NOT NULL,     -- the policy's webhook id
+        webhook_id       TEXT NOT NULL,     -- the webhook-id header, the same on every attempt
+        payload          TEXT NOT NULL,     -- the JSON body
+        created_at       REAL NOT NULL,
+        next_attempt_at  REAL NOT NULL,
+        state            TEXT NOT NULL,     -- pending, delivered, failed
+        attempts         INTEGER NOT NULL,
+        last_error       TEXT NOT NULL,
+        delivered_at     REAL,
+        claimed_by       TEXT NOT NULL,     -- the dispatcher sending it ('' when none)
+        claim_until      REAL NOT NULL,     -- when that claim lapses
+        PRIMARY KEY (event_seq, endpoint)
+    );
+    CREATE INDEX webhook_deliveries_due ON webhook_deliveries (state, next_attempt_at);
+    """,
 ]
 
 
