@@ -13,7 +13,7 @@ from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from registry_server.domain.errors import ErrorCode, InvalidArgument, ToolregError
+from registry_server.domain.errors import ErrorCode, InvalidArgument, QuotaExceeded, ToolregError
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +47,30 @@ def to_status(exc: ToolregError) -> grpc.Status:
         packed = any_pb2.Any()
         packed.Pack(detail)
         status.details.append(packed)
+    if isinstance(exc, QuotaExceeded):
+        _quota_details(status, exc)
     result: grpc.Status = rpc_status.to_status(status)
     return result
+
+
+def _quota_details(status: status_pb2.Status, exc: QuotaExceeded) -> None:
+    """google.rpc.QuotaFailure names the quota; RetryInfo says when to retry."""
+    failure = error_details_pb2.QuotaFailure(
+        violations=[
+            error_details_pb2.QuotaFailure.Violation(
+                subject=exc.subject, description=f"{exc.limit}: {exc.message}"
+            )
+        ]
+    )
+    details: list[Any] = [failure]
+    if exc.retry_after_s is not None:
+        retry = error_details_pb2.RetryInfo()
+        retry.retry_delay.FromMilliseconds(max(1, round(exc.retry_after_s * 1000)))
+        details.append(retry)
+    for detail in details:
+        packed = any_pb2.Any()
+        packed.Pack(detail)
+        status.details.append(packed)
 
 
 def _abort(context: grpc.ServicerContext, exc: Exception) -> None:

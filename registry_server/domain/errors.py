@@ -88,6 +88,21 @@ class Aborted(ToolregError):
     code = ErrorCode.ABORTED
 
 
+class QuotaExceeded(AtCapacity):
+    """A share of the service is used up: ``subject`` ("server", or
+    "client:<id>") hit ``limit`` (max_queued, max_concurrent, rate, ...). The
+    answer carries google.rpc.QuotaFailure, and RetryInfo when waiting
+    ``retry_after_s`` seconds helps."""
+
+    def __init__(
+        self, message: str, *, subject: str, limit: str, retry_after_s: float | None = None
+    ) -> None:
+        super().__init__(message)
+        self.subject = subject
+        self.limit = limit
+        self.retry_after_s = retry_after_s
+
+
 class EngineUnavailable(ToolregError):
     code = ErrorCode.UNAVAILABLE
 

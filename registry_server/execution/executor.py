@@ -28,6 +28,7 @@ from registry_server.domain.errors import (
     InvalidArgument,
     NotFound,
     PermissionDenied,
+    QuotaExceeded,
     ToolregError,
     Violation,
 )
@@ -37,6 +38,7 @@ from registry_server.execution import tracing
 from registry_server.execution.admission import Admission, Cancelled
 from registry_server.execution.audit_record import AuditRecord, decision_of
 from registry_server.execution.call_request import CallRequest
+from registry_server.execution.quotas import RateLimits
 from registry_server.execution.redaction import Redactor
 from registry_server.execution.results import outcome_of
 from registry_server.execution.sandbox_plan import (
@@ -84,10 +86,12 @@ class Executor:
         policy: SandboxPolicy,
         store: Store,
         approvals: Approvals,
+        rates: RateLimits | None = None,
     ) -> None:
         self._registry = registry
         self._backend = backend
         self._admission = admission
+        self._rates = rates
         self._planner = SandboxPlanner(backend, policy)
         self._store = store
         self._approvals = approvals
@@ -124,6 +128,9 @@ class Executor:
             # log line, an audit row or a metric label.
             return Outcome(Status.TOOL_NOT_FOUND, error=NOT_A_NAME)
         _check_request_id(call.approval_request_id)
+        if self._rates is not None:
+            # First: a client over its rate costs no look-up, no check, no row.
+            self._rates.check(call.caller)
         record = AuditRecord(uuid.uuid4().hex, call)
         with tracing.execution(record.execution_id):
             try:
@@ -268,12 +275,19 @@ class Executor:
         cancel: threading.Event | None,
     ) -> SandboxResult:
         pools = self._pools
-        warm = pools.take(tool, spec) if pools is not None else None
+        caller = record.call.caller
+        warm = None
+        if pools is not None and self._admission.may_take_warm(caller):
+            warm = pools.take(tool, spec)
         if warm is not None:
             assert pools is not None
             with ExitStack() as held:
                 with tracing.step(tracing.ADMISSION):
-                    held.enter_context(self._admission.claim(warm.reservation))
+                    try:
+                        held.enter_context(self._admission.claim(warm.reservation, caller))
+                    except QuotaExceeded:
+                        pools.discard(warm)
+                        raise
                 with tracing.step(tracing.SANDBOX_START, **{tracing.WARM: True}):
                     # Made before the call: taking it is all there is to wait for.
                     record.container_id, record.warm = warm.container_id, True
@@ -283,7 +297,7 @@ class Executor:
                     pools.call_done()
         with ExitStack() as held:
             with tracing.step(tracing.ADMISSION):
-                held.enter_context(self._admission.slot(cancel, spec.limits.memory_mb))
+                held.enter_context(self._admission.slot(cancel, spec.limits.memory_mb, caller))
             if cancel is not None and cancel.is_set():
                 raise Cancelled()
             with tracing.step(tracing.SANDBOX_START, **{tracing.WARM: False}):

@@ -163,6 +163,11 @@ class WarmPools:
         self._discard_all(stale)
         return found
 
+    def discard(self, warm: WarmSandbox) -> None:
+        """A taken container its call could not use (its client hit a cap
+        meanwhile): removed, never handed to another call."""
+        self._discard_all([warm])
+
     def evict_one(self) -> bool:
         """Give back the room of the oldest warm container (a call needs it)."""
         with self._cond:

@@ -13,10 +13,17 @@ from collections.abc import Callable
 
 import pytest
 
-from registry_server.domain.errors import AtCapacity
-from registry_server.execution.admission import CANCEL_CHECK_S, Admission, Cancelled
+from registry_server.domain.errors import AtCapacity, QuotaExceeded
+from registry_server.execution.admission import (
+    CANCEL_CHECK_S,
+    Admission,
+    Cancelled,
+    ClientLimits,
+)
+from registry_server.execution.quotas import Rate, RateLimits
 
 JOIN_S = 1.0  # seconds: the longest any thread is waited for
+ENTERED: list[Caller] = []  # every Caller, in the order it got its slot
 
 
 def wait_until(condition: Callable[[], bool], what: str) -> None:
@@ -34,20 +41,24 @@ class Caller:
     """One call in its own thread: takes a slot, holds it until told to leave."""
 
     def __init__(
-        self, admission: Admission, memory_mb: int = 0, cancel: threading.Event | None = None
-    ) -> None:
+        self, admission: Admission, memory_mb: int = 0, cancel: threading.Event | None = None,
+        client: str = "",
+    ) -> None:  # fmt: skip
         self._admission = admission
         self._memory_mb = memory_mb
+        self.client = client
         self.cancel = cancel if cancel is not None else threading.Event()
         self.entered = threading.Event()
         self.leave = threading.Event()
         self.error: BaseException | None = None
+        self.order: list[Caller] = ENTERED
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         try:
-            with self._admission.slot(self.cancel, self._memory_mb):
+            with self._admission.slot(self.cancel, self._memory_mb, self.client):
                 self.entered.set()
+                self.order.append(self)
                 self.leave.wait(JOIN_S)
         except BaseException as exc:  # handed to the test thread
             self.error = exc
@@ -316,3 +327,116 @@ def test_a_call_cancelled_before_it_waits_never_queues() -> None:
         with pytest.raises(Cancelled), admission.slot(cancel):
             pytest.fail("a cancelled call must not run")
         assert counters(admission) == (1, 0, 0, 0)
+
+
+# ------------------------------------------------------------ fairness and quotas
+
+
+def in_line(admission: Admission, client: str, count: int) -> list[Caller]:
+    """``count`` calls of ``client``, each queued before the next starts."""
+    callers = []
+    for _ in range(count):
+        before = admission.waiting
+        callers.append(Caller(admission, client=client).start())
+        queued(admission, before + 1)
+    return callers
+
+
+def test_a_freed_slot_goes_to_the_client_running_the_fewest_calls() -> None:
+    admission = Admission(max_running=2, max_waiting=10)
+    busy = [Caller(admission, client="flood").start() for _ in range(2)]
+    for caller in busy:
+        assert caller.entered.wait(JOIN_S)
+    flood_waiting = in_line(admission, "flood", 3)
+    quiet = Caller(admission, client="quiet").start()  # arrives last
+    queued(admission, 4)
+    ENTERED.clear()
+    busy[0].finish()
+    assert quiet.entered.wait(JOIN_S)  # flood runs 1, quiet 0: quiet goes first
+    assert [quiet] == ENTERED
+    busy[1].finish()
+    assert flood_waiting[0].entered.wait(JOIN_S)
+    quiet.finish()
+    flood_waiting[0].finish()
+    for caller in flood_waiting[1:]:  # within one client: first come, first served
+        assert caller.entered.wait(JOIN_S)
+        caller.finish()
+    assert [quiet, *flood_waiting] == ENTERED
+    assert counters(admission) == (0, 0, 0, 0)
+
+
+def test_a_client_at_its_cap_waits_while_others_run() -> None:
+    limits = {"flood": ClientLimits(max_running=1)}
+    admission = Admission(4, 10, limits_of=lambda c: limits.get(c, ClientLimits()))
+    first = Caller(admission, client="flood").start()
+    assert first.entered.wait(JOIN_S)
+    second = Caller(admission, client="flood").start()
+    queued(admission)  # three slots free, and still it waits
+    other = Caller(admission, client="quiet").start()
+    assert other.entered.wait(JOIN_S)
+    assert admission.running_of("flood") == 1 and admission.waiting_of("flood") == 1
+    first.finish()
+    assert second.entered.wait(JOIN_S)
+    second.finish()
+    other.finish()
+    assert counters(admission) == (0, 0, 0, 0)
+
+
+def test_a_clients_queue_is_capped_and_the_refusal_names_the_quota() -> None:
+    limits = {"flood": ClientLimits(max_queued=2)}
+    admission = Admission(1, 10, limits_of=lambda c: limits.get(c, ClientLimits()))
+    holder = Caller(admission, client="flood").start()
+    assert holder.entered.wait(JOIN_S)
+    waiting = in_line(admission, "flood", 2)
+    with pytest.raises(QuotaExceeded) as info, admission.slot(client="flood"):
+        pytest.fail("a call past its client's queue must not run")
+    exc = info.value
+    assert (exc.subject, exc.limit, exc.retry_after_s) == ("client:flood", "max_queued", 1.0)
+    assert exc.message.startswith("client 'flood' already has 2 calls queued")
+    assert admission.refused_by[("flood", "max_queued")] == 1
+    quiet = Caller(admission, client="quiet").start()  # another client still queues
+    queued(admission, 3)
+    holder.finish()
+    for caller in (*waiting, quiet):  # equal shares (none running): by arrival
+        assert caller.entered.wait(JOIN_S)
+        caller.finish()
+
+
+def test_a_warm_container_is_not_taken_past_the_clients_cap() -> None:
+    limits = {"flood": ClientLimits(max_running=1)}
+    admission = Admission(4, 10, limits_of=lambda c: limits.get(c, ClientLimits()))
+    warm = admission.reserve(10)
+    assert warm is not None
+    with admission.slot(client="flood"):
+        assert not admission.may_take_warm("flood")
+        assert admission.may_take_warm("quiet")
+        with pytest.raises(QuotaExceeded), admission.claim(warm, "flood"):
+            pytest.fail("past its cap")
+        with admission.claim(warm, "quiet"):
+            assert admission.running_of("quiet") == 1
+    assert counters(admission) == (0, 0, 0, 0)
+
+
+def test_a_rate_is_a_token_bucket_per_client() -> None:
+    now = [0.0]
+    rates = {"agent": Rate(per_s=2.0, burst=3)}
+    limits = RateLimits(rates.get, clock=lambda: now[0])
+    for _ in range(3):
+        limits.check("agent")  # the burst
+    with pytest.raises(QuotaExceeded) as info:
+        limits.check("agent")
+    assert (info.value.limit, info.value.retry_after_s) == ("rate", pytest.approx(0.5))
+    assert "over its call rate (2/s, burst 3); retry in 500 ms" in info.value.message
+    for _ in range(100):
+        limits.check("other")  # no rate: never refused
+    now[0] = 0.5
+    limits.check("agent")  # one token back after 1/rate seconds
+    with pytest.raises(QuotaExceeded):
+        limits.check("agent")
+    now[0] = 100.0
+    for _ in range(3):
+        limits.check("agent")  # refilled to the burst, never beyond
+    with pytest.raises(QuotaExceeded):
+        limits.check("agent")
+    rates["agent"] = Rate(per_s=1.0, burst=1)  # a changed policy: a new bucket, full
+    limits.check("agent")
