@@ -257,7 +257,7 @@ class UnitOfWork(StoreReads, Protocol):
         """Claim up to ``limit`` pending deliveries that are due and not claimed
         (or whose claim lapsed) for ``owner`` until ``until``, earliest due
         first. Claims of concurrent transactions never overlap (PostgreSQL:
-        FOR UPDATE SKIP LOCKED), so each is sent by one server at a time."""
+        locked rows are skipped), so each is sent by one server at a time."""
         ...
 
     def finish_webhook_delivery(self, delivery: WebhookDeliveryRecord, owner: str) -> bool:
