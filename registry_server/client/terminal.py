@@ -1,29 +1,13 @@
 """Text from clients, made safe to print on an operator's terminal.
 
 An approver decides from what `toolreg approvals show` prints, so a request
-must not be able to rewrite it: control characters (cursor moves, colour,
-clearing the line) and invisible format characters (bidi overrides that
-reverse what follows, zero-width spaces) are shown as escapes, never obeyed.
+must not be able to rewrite it: control characters and invisible format
+characters are shown as escapes, never obeyed. The rule is the domain's
+(domain/text.py), shared with the server's webhook payloads.
 """
 
 from __future__ import annotations
 
-import unicodedata
+from registry_server.domain.text import ESCAPED_CATEGORIES, escape
 
-# Categories printed as \uXXXX: controls, format (bidi marks, zero-width),
-# line/paragraph separators, surrogates, private use, unassigned.
-ESCAPED_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs", "Co", "Cn"})
-
-
-def escape(text: str, *, keep_newlines: bool = False) -> str:
-    """``text`` with every character an attacker could hide behind escaped."""
-    out: list[str] = []
-    for char in text:
-        if keep_newlines and char == "\n":
-            out.append(char)
-        elif unicodedata.category(char) in ESCAPED_CATEGORIES:
-            code = ord(char)
-            out.append(f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}")
-        else:
-            out.append(char)
-    return "".join(out)
+__all__ = ["ESCAPED_CATEGORIES", "escape"]

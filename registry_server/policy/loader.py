@@ -13,6 +13,7 @@ when there is one, and the field path. The validated file becomes a frozen
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -66,7 +67,13 @@ def load_policy(path: Path) -> Policy:
     problems = _problems(source, root, list(_cross_check(parsed)))
     if problems:
         raise PolicyError(problems)
-    return _freeze(parsed, source)
+    # Each endpoint keeps where it was written: its secret is read only at the
+    # server's start (notify/endpoints.py), whose errors must name the line too.
+    webhooks = tuple(
+        w.spec(f"{source} line {_line_of(root, ('webhooks', i))}: webhooks[{i}]")
+        for i, w in enumerate(parsed.webhooks)
+    )
+    return replace(_freeze(parsed, source), webhooks=webhooks, console_url=parsed.console_url or "")
 
 
 def _parse_yaml(data: bytes, source: str) -> tuple[yaml.Node, dict[str, Any]]:
@@ -189,6 +196,15 @@ def _cross_check(policy: _PolicyIn) -> Iterator[tuple[Loc, str]]:
             yield (("clients", i, "approver"), f"unknown approver {client.approver!r}")
         if client.grant is not None and "register" not in client.roles:
             yield (("clients", i, "register"), "given without the register role")
+
+    ids = [w.id for w in policy.webhooks]  # at most MAX_WEBHOOKS
+    for i, webhook_id in enumerate(ids):
+        if webhook_id in ids[:i]:
+            first = ids.index(webhook_id)
+            yield (
+                ("webhooks", i, "id"),
+                f"duplicate webhook id {webhook_id!r} (also webhooks[{first}])",
+            )
 
 
 def _freeze(policy: _PolicyIn, source: str) -> Policy:

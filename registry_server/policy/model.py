@@ -16,6 +16,7 @@ from types import MappingProxyType
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from registry_server.domain.models import OPERATOR_OWNER, SafetyLevel
+from registry_server.policy.webhooks import WebhookSpec
 from registry_server.signing.keys import public_key_from_text, raw_public_bytes
 from sandbox_runner.egress import rules
 
@@ -223,6 +224,8 @@ class Policy:
     clients: tuple[Client, ...] = ()
     egress: EgressPolicy = field(default_factory=EgressPolicy)
     source: str = "policy"  # the file it came from, for messages
+    webhooks: tuple[WebhookSpec, ...] = ()  # where approval events are posted (notify/)
+    console_url: str = ""  # the approval console's base URL, without a trailing slash
     _by_id: Mapping[str, Approver] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -43,6 +43,7 @@ from registry_server.policy.model import (
     SHA256_HEX_PATTERN,
     Role,
 )
+from registry_server.policy.webhooks import MAX_WEBHOOKS, _WebhookIn, check_url
 from registry_server.signing.keys import public_key_from_text
 from sandbox_runner.egress import rules
 
@@ -302,6 +303,18 @@ class _PolicyIn(_Strict):
     profiles: _ProfilesIn = Field(default_factory=lambda: _ProfilesIn())
     clients: list[_ClientIn] = Field(default_factory=list)
     egress: _EgressIn = Field(default_factory=lambda: _EgressIn())
+    webhooks: list[_WebhookIn] = Field(default_factory=list, max_length=MAX_WEBHOOKS)
+    console_url: str | None = None  # the approval console's base URL, for links in webhooks
+
+    @field_validator("console_url")
+    @classmethod
+    def _console_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        check_url(value)
+        if "?" in value:
+            raise ValueError("must not have a ?query (links append #/requests/<id>)")
+        return value.rstrip("/")
 
     @field_validator("audience")
     @classmethod
