@@ -62,7 +62,7 @@ from .ownership import (
     OwnerIdentity,
     orphan_reason,
 )
-from .profiles import GVISOR_RUNTIMES
+from .profiles import GVISOR_NET, GVISOR_RUNTIMES
 from .spec import (
     INIT_BINARY,
     EgressConnection,
@@ -79,6 +79,7 @@ __all__ = [
     "INIT_NOT_RELEASED_EXIT",
     "INIT_PROTOCOL",
     "INIT_TARGET",
+    "NETSTACK_UNSUPPORTED",
     "DockerBackend",
     "Prepared",
 ]
@@ -95,6 +96,11 @@ UNROUTABLE_DNS: Final = "192.0.2.1"  # TEST-NET-1 (RFC 5737): a resolver nobody 
 # Runtimes known to reject a pids limit (gVisor enforces its own, and errors on ours):
 # both of its runtimes, with and without a network.
 NO_PIDS_LIMIT_RUNTIMES: Final = GVISOR_RUNTIMES
+# What runsc says when it takes the call's network namespace for the host's. Builds that
+# decide so by whether /proc/sys/net/core/rmem_default exists (Debian's 20221219 and
+# 20240729 do) are wrong on kernels where every namespace has it (6.18 here): their
+# netstack never starts there, and the call fails before its tool does.
+NETSTACK_UNSUPPORTED: Final = "cannot run with network enabled in root network namespace"
 
 # The init (init/toolreg_init.c). Docker creates the mountpoint in the container's own
 # layer, so this works on a read-only root, in a FROM scratch image, under runc and runsc.
@@ -156,6 +162,20 @@ def _engine_call(what: str, *, image: str | None = None) -> Iterator[None]:
         if _is_connection_error(e):
             raise EngineUnavailable(f"Docker engine unavailable during {what}: {e}") from e
         raise SandboxError(f"{what} failed: {e}") from e
+
+
+@contextlib.contextmanager
+def _netstack_hint(runtime: str) -> Iterator[None]:
+    """A start that failed on NETSTACK_UNSUPPORTED says what would fix it."""
+    try:
+        yield
+    except SandboxError as e:
+        if runtime != GVISOR_NET or NETSTACK_UNSUPPORTED not in str(e):
+            raise
+        raise SandboxError(
+            f"{e} (this runsc cannot give gVisor its own network stack on this kernel;"
+            " install a newer runsc: docs/deploying.md, 1. The engine)"
+        ) from e
 
 
 def _status(exc: BaseException) -> int | None:
@@ -949,7 +969,7 @@ class DockerBackend:
                 )
             try:
                 sock = _raw_socket(attached)
-                with _engine_call("container start"):
+                with _netstack_hint(spec.runtime), _engine_call("container start"):
                     api.start(container_id)
                 if self.init_path is not None:
                     _await_hello(sock, container_id)

@@ -1,14 +1,18 @@
-"""gVisor (runsc): the runtime of dangerous tools. This engine has it, so no skipping."""
+"""gVisor: the runtimes of dangerous tools, runsc (no network) and runsc-net (gVisor's
+netstack, for tools with egress). This engine has both, so no skipping."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
 
+import docker
 import pytest
 
 from sandbox_runner import CAUTIOUS_LIMITS, SandboxSpec
 from sandbox_runner.docker_backend import DockerBackend
+from sandbox_runner.profiles import GVISOR, GVISOR_NET
+from tests.gvisor_netstack import netstack_problem
 
 Eid = Callable[[], str]
 SpecFactory = Callable[..., SandboxSpec]
@@ -16,11 +20,11 @@ SpecFactory = Callable[..., SandboxSpec]
 
 @pytest.fixture
 def gvisor(make_spec: SpecFactory) -> SpecFactory:
-    return lambda script, **kw: make_spec(script, runtime="runsc", limits=CAUTIOUS_LIMITS, **kw)
+    return lambda script, **kw: make_spec(script, runtime=GVISOR, limits=CAUTIOUS_LIMITS, **kw)
 
 
-def test_engine_offers_runsc(runner: DockerBackend) -> None:
-    assert "runsc" in runner.runtimes()
+def test_engine_offers_both_gvisor_runtimes(runner: DockerBackend) -> None:
+    assert {GVISOR, GVISOR_NET} <= runner.runtimes()
 
 
 def test_runsc_round_trip(runner: DockerBackend, gvisor: SpecFactory, eid: Eid) -> None:
@@ -28,14 +32,22 @@ def test_runsc_round_trip(runner: DockerBackend, gvisor: SpecFactory, eid: Eid) 
     assert (res.exit_code, res.stdout, res.stderr) == (4, b"via gvisor", b"err\n")
 
 
-def test_runsc_is_really_gvisor_and_locked_down(
-    runner: DockerBackend, gvisor: SpecFactory, eid: Eid
+@pytest.mark.parametrize("runtime", [GVISOR, GVISOR_NET])
+def test_gvisor_is_really_gvisor_and_locked_down(
+    runner: DockerBackend,
+    make_spec: SpecFactory,
+    eid: Eid,
+    runtime: str,
+    docker_client: docker.DockerClient,
 ) -> None:
-    res = runner.run(
-        gvisor("dmesg | head -1; id -u; grep CapEff /proc/self/status; cat /proc/net/dev"),
-        execution_id=eid(),
-    )
+    """runsc-net too: without a call's egress network (network_mode none) its
+    netstack has nothing but lo; the pids limit it would refuse is left out."""
+    if runtime == GVISOR_NET and (problem := netstack_problem(docker_client)):
+        pytest.skip(f"this engine's {GVISOR_NET} cannot start its netstack: {problem}")
+    script = "dmesg | head -1; id -u; grep CapEff /proc/self/status; cat /proc/net/dev"
+    res = runner.run(make_spec(script, runtime=runtime, limits=CAUTIOUS_LIMITS), execution_id=eid())
     out = res.stdout.decode()
+    assert res.exit_code == 0, res.stderr
     assert "gVisor" in out.splitlines()[0]
     assert "\n65534\n" in out
     assert "CapEff:\t0000000000000000" in out

@@ -1,17 +1,26 @@
 """Egress allow-lists and secrets, against real parts: a real server on
 loopback, the real egress proxy container, and upstreams of the test's own
 (tests/egress_world: HTTPS/HTTP servers and a DNS server in containers on a
-network the test creates). The tools are hostile: they try every way out."""
+network the test creates). The tools are hostile: they try every way out.
+
+Every row runs twice, once per level that may have egress, each with its own
+server and world: cautious tools under runc, and dangerous tools (approved by
+a token the test signs) under gVisor: runsc-net, its own netstack, for a tool
+with egress, runsc without any network for one without. Each call's audit
+record must name that runtime. Where this engine's runsc cannot start its
+netstack at all (tests/gvisor_netstack.py), the dangerous rows with egress
+skip and test_a_runsc_net_that_cannot_network_fails_closed runs instead."""
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,23 +34,34 @@ from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
 from registry_server.api.app import App
 from registry_server.api.config import ServerConfig
 from registry_server.api.server import create_server
+from registry_server.domain.arguments import arguments_digest
 from registry_server.domain.models import parse_definition
 from registry_server.signing.keys import generate_keypair, load_private_key
-from registry_server.signing.tokens import mint_for
+from registry_server.signing.tokens import mint, mint_for
 from registry_server.store import audit_chain
 from registry_server.wire import convert
+from sandbox_runner.docker_backend import NETSTACK_UNSUPPORTED
+from sandbox_runner.profiles import GVISOR, GVISOR_NET
 from tests.egress_world import UpstreamWorld
 from tests.factories import sha
+from tests.gvisor_netstack import netstack_problem
 
 CANARY = "canary-7f3a9c-header-secret"  # header-delivered: must never enter a sandbox
 FILE_CANARY = "canary-51d0e2-file-secret"  # file-delivered: the tool sees it, output must not
 MAX_BYTES = 256 * 1024  # the test policy's per-call byte cap
 MAX_CONNECTIONS = 6  # the test policy's per-call connection cap
 TOKENS = {"ops": "ops-token", "team": "team-token", "other": "other-token"}
+AUDIENCE = "egress-test"
+APPROVERS = ("boss", "deputy")  # both in group ops; boss alone approves most dangerous tools
+TWO_OF_TWO = "approved_fetch"  # the dangerous tool the policy wants both approvers for
+# The runtime a tool of each level gets, with egress and without.
+WITH_EGRESS = {"cautious": "runc", "dangerous": GVISOR_NET}
+WITHOUT_EGRESS = {"cautious": "runc", "dangerous": GVISOR}
+LEVELS = list(WITH_EGRESS)
 
 # The hostile tool: each argument op is one attempt; it reports, never raises.
 TOOL = r"""
-import json, os, socket, sys, urllib.request
+import json, os, socket, sys, time, urllib.request
 args = json.load(sys.stdin)
 out = []
 for op in args.get("ops", []):
@@ -96,6 +116,9 @@ for op in args.get("ops", []):
             out.append({"ok": True, "seen": seen})
         elif kind == "cat":
             out.append({"ok": True, "text": open(op["path"]).read()})
+        elif kind == "sleep":
+            time.sleep(op["s"])
+            out.append({"ok": True})
         elif kind == "many":
             n_ok = 0
             for _ in range(op["n"]):
@@ -118,8 +141,11 @@ class Deployment:
     port: int
     stub: pb_grpc.ToolRegistryStub
     data: Path
-    approver_key: bytes
+    approver_keys: dict[str, bytes]  # approver id -> private key PEM
     metrics_port: int
+    level: str  # what the tools of this deployment are: cautious or dangerous
+    engine: docker.DockerClient
+    tools: dict[str, pb.Tool] = field(default_factory=dict)  # as last registered
 
     def md(self, who: str = "ops") -> list[tuple[str, str]]:
         return [("authorization", f"Bearer {TOKENS[who]}")]
@@ -129,7 +155,7 @@ class Deployment:
             {
                 "description": "egress test tool",
                 "parameters": {"type": "object"},
-                "safety_level": "cautious",
+                "safety_level": self.level,
                 "sandbox": {"image": "toolreg/python", "command": ["python3", "-c", TOOL],
                             "limits": {"timeout_ms": 30_000}},
                 **manifest,
@@ -139,24 +165,60 @@ class Deployment:
             pb.RegisterToolRequest(tool=convert.tool_to_pb(tool), replace=True),
             metadata=self.md(who),
         )
+        self.tools[answer.name] = answer
         return answer
 
-    def run(self, name: str, *ops: dict[str, Any], tokens: list[str] = ()) -> pb.ToolResult:  # type: ignore[assignment]
+    def approve(self, approver: str, request: pb.ApprovalRequest) -> str:
+        key = load_private_key(self.approver_keys[approver])
+        return mint_for(key, issuer=approver, request=request, ttl_s=300)
+
+    def run(
+        self, name: str, *ops: dict[str, Any], tokens: list[str] | None = None
+    ) -> pb.ToolResult:
+        """One call as ``ops``. A dangerous tool gets boss's token for exactly
+        this call unless ``tokens`` are given; a call that reached a sandbox
+        must have run under its level's runtime."""
+        args = {"ops": list(ops)}
+        tool = self.tools[name]
+        if tokens is None:
+            tokens = [self._token(tool, args)] if self._dangerous(tool) else []
         result: pb.ToolResult = self.stub.ExecuteTool(
             pb.ExecuteToolRequest(
-                name=name, arguments_json=json.dumps({"ops": list(ops)}),
-                approval_tokens=list(tokens),
+                name=name, arguments_json=json.dumps(args), approval_tokens=tokens
             ),
             metadata=self.md(),
             timeout=120,
-        )  # fmt: skip
+        )
+        if result.status not in REFUSED_BEFORE_A_SANDBOX:
+            runtimes = WITH_EGRESS if tool.network.egress else WITHOUT_EGRESS
+            level = "dangerous" if self._dangerous(tool) else "cautious"
+            assert self.audit(result.execution_id)["runtime"] == runtimes[level], result
         return result
 
+    @staticmethod
+    def _dangerous(tool: pb.Tool) -> bool:
+        return tool.safety_level == pb.SAFETY_LEVEL_DANGEROUS
+
+    def _token(self, tool: pb.Tool, args: dict[str, Any]) -> str:
+        return mint(
+            load_private_key(self.approver_keys["boss"]), issuer="boss", audience=AUDIENCE,
+            tool_name=tool.name, tool_digest=tool.digest, args_digest=arguments_digest(args),
+            requester="ops", ttl_s=300,
+        )  # fmt: skip
+
     def audit(self, execution_id: str) -> dict[str, Any]:
-        for entry in audit_chain.tail(self.app.store, 50):
+        """The call's outcome record (an approved call has a STARTING one before it)."""
+        for entry in reversed(audit_chain.tail(self.app.store, 50)):
             if entry["record"].get("execution_id") == execution_id:
                 return dict(entry["record"])
         raise AssertionError(f"no audit record for {execution_id}")
+
+
+REFUSED_BEFORE_A_SANDBOX = {
+    pb.EXECUTION_STATUS_APPROVAL_REQUIRED,
+    pb.EXECUTION_STATUS_APPROVAL_DENIED,
+    pb.EXECUTION_STATUS_SANDBOX_ERROR,
+}
 
 
 def results(result: pb.ToolResult) -> list[dict[str, Any]]:
@@ -165,8 +227,10 @@ def results(result: pb.ToolResult) -> list[dict[str, Any]]:
     return out
 
 
-@pytest.fixture(scope="module")
-def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+@pytest.fixture(scope="module", params=LEVELS, ids=[f"{lvl}-{WITH_EGRESS[lvl]}" for lvl in LEVELS])
+def deployment(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Deployment]:
     engine = docker.from_env()
     with UpstreamWorld(engine) as world:
         data = tmp_path_factory.mktemp("egress") / "data"
@@ -176,12 +240,14 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
                             ("OTHER_TEAM", "not-for-team")):  # fmt: skip
             (secrets / name).write_text(value + "\n")
             (secrets / name).chmod(0o600)
-        private, public = generate_keypair()
+        keys = {who: generate_keypair() for who in APPROVERS}
         policy = {
-            "audience": "egress-test",
-            "approvers": [{"id": "boss", "public_key": public, "groups": ["ops"]}],
-            "egress": {
-                "levels": ["cautious", "dangerous"],  # dangerous: registered, never run here
+            "audience": AUDIENCE,
+            "approvers": [{"id": who, "public_key": keys[who][1], "groups": ["ops"]}
+                          for who in APPROVERS],
+            "approval_rules": [{"match": {"tool": TWO_OF_TWO}, "approvals_required": 2,
+                                "groups": ["ops"], "max_token_ttl_s": 600}],
+            "egress": {  # levels: the default, cautious and dangerous
                 "allow_private": [world.subnet],
                 "max_bytes_per_call": MAX_BYTES,
                 "max_connections_per_call": MAX_CONNECTIONS,
@@ -207,7 +273,8 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
         try:
             yield Deployment(world, app, port, pb_grpc.ToolRegistryStub(channel), data,
-                             private, app.metrics_port or 0)  # fmt: skip
+                             {who: pair[0] for who, pair in keys.items()},
+                             app.metrics_port or 0, request.param, engine)  # fmt: skip
         finally:
             channel.close()
             server.stop(grace=None).wait()
@@ -220,8 +287,23 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
 
 
 @pytest.fixture(scope="module")
-def fetcher(deployment: Deployment) -> str:
-    deployment.register(
+def netstack(deployment: Deployment) -> str | None:
+    """What keeps this engine's runsc-net from networking, for a dangerous deployment."""
+    return netstack_problem(deployment.engine) if deployment.level == "dangerous" else None
+
+
+@pytest.fixture(scope="module")
+def networked(deployment: Deployment, netstack: str | None) -> Deployment:
+    """The deployment, where its tools with egress can run at all (see the
+    module's docstring)."""
+    if netstack is not None:
+        pytest.skip(f"this engine's {GVISOR_NET} cannot network: {netstack}")
+    return deployment
+
+
+@pytest.fixture(scope="module")
+def fetcher(networked: Deployment) -> str:
+    networked.register(
         name="fetcher",
         network={"egress": ["api.world.test:443", "plain.world.test:80", "other.world.test:443",
                             "rebind.world.test:443", "rebind-first-bad.world.test:443",
@@ -408,24 +490,6 @@ def test_a_tool_without_egress_still_has_only_lo(deployment: Deployment) -> None
     )
 
 
-def test_changing_egress_voids_approvals_signed_for_the_old_definition(
-    deployment: Deployment,
-) -> None:
-    def register(egress: list[str]) -> None:
-        deployment.register(name="dangerous_fetch", safety_level="dangerous",
-                            network={"egress": egress})  # fmt: skip
-
-    register(["api.world.test:443"])
-    first = deployment.run("dangerous_fetch")
-    assert first.status == pb.EXECUTION_STATUS_APPROVAL_REQUIRED
-    token = mint_for(load_private_key(deployment.approver_key), issuer="boss",
-                     request=first.approval_request, ttl_s=300)  # fmt: skip
-    register(["api.world.test:443", "forbidden.world.test:443"])
-    replay = deployment.run("dangerous_fetch", tokens=[token])
-    assert replay.status == pb.EXECUTION_STATUS_APPROVAL_DENIED
-    assert "digest" in replay.error
-
-
 def test_a_flood_is_cut_at_the_caps_without_slowing_other_calls(
     deployment: Deployment, fetcher: str
 ) -> None:
@@ -451,6 +515,7 @@ def test_a_flood_is_cut_at_the_caps_without_slowing_other_calls(
     assert sum(1 for c in storm_record if "connection cap" in c["reason"]) == 2 * MAX_CONNECTIONS
 
 
+@pytest.mark.parametrize("deployment", ["cautious"], indirect=True)  # team: cautious only
 def test_clients_grant_only_the_hosts_and_secrets_the_policy_gives_them(
     deployment: Deployment,
 ) -> None:
@@ -474,3 +539,120 @@ def test_clients_grant_only_the_hosts_and_secrets_the_policy_gives_them(
         assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED, extra
     with pytest.raises(grpc.RpcError):
         deployment.stub.GetTool(pb.GetToolRequest(name="team_bad"), metadata=deployment.md())
+
+
+# ---------------------------------------------------------------- runtimes and approvals
+
+
+def sandbox_during(deployment: Deployment, name: str) -> tuple[dict[str, Any], pb.ToolResult]:
+    """The engine's HostConfig of the call's container, inspected while the tool
+    sleeps, and the call's result."""
+    deployment.app.backend.flush()  # earlier calls' containers are gone: this one is the call's
+    done: list[pb.ToolResult] = []
+    call = threading.Thread(
+        target=lambda: done.append(deployment.run(name, {"kind": "sleep", "s": 2}))
+    )
+    call.start()
+    instance = f"io.toolreg.instance={deployment.app.backend.instance_id}"  # type: ignore[attr-defined]
+    host_config: dict[str, Any] = {}
+    deadline = time.monotonic() + 30
+    while not host_config and call.is_alive() and time.monotonic() < deadline:
+        for c in deployment.engine.api.containers(filters={"label": instance}):
+            if not any("egress-proxy" in n for n in c["Names"]):
+                host_config = deployment.engine.api.inspect_container(c["Id"])["HostConfig"]
+        time.sleep(0.05)
+    call.join(60)
+    assert host_config, "no sandbox seen while the call ran"
+    return host_config, done[0]
+
+
+def test_a_call_without_egress_runs_under_its_levels_runtime_with_no_network(
+    deployment: Deployment,
+) -> None:
+    """Dangerous: runsc (--network=none), never runsc-net, when the tool has no egress."""
+    deployment.register(name="offline")
+    host_config, result = sandbox_during(deployment, "offline")
+    assert result.status == pb.EXECUTION_STATUS_OK, result.error
+    runtime = WITHOUT_EGRESS[deployment.level]
+    assert (host_config["Runtime"], host_config["NetworkMode"]) == (runtime, "none")
+    assert deployment.audit(result.execution_id)["runtime"] == runtime
+
+
+def test_a_call_with_egress_runs_under_its_levels_runtime_on_its_own_network(
+    networked: Deployment, fetcher: str
+) -> None:
+    host_config, result = sandbox_during(networked, fetcher)
+    assert result.status == pb.EXECUTION_STATUS_OK, result.error
+    assert host_config["Runtime"] == WITH_EGRESS[networked.level]
+    assert host_config["NetworkMode"].endswith(f"net-{result.execution_id}")
+    interfaces = results(networked.run(fetcher, {"kind": "interfaces"}))[0]["names"]
+    assert len(interfaces) == 2 and "lo" in interfaces  # lo and the call's own link
+
+
+@pytest.mark.parametrize("deployment", ["dangerous"], indirect=True)
+def test_a_dangerous_tool_with_a_header_secret_approved_2_of_2_reaches_its_upstream(
+    networked: Deployment,
+) -> None:
+    world = networked.world
+    networked.register(
+        name=TWO_OF_TWO, network={"egress": ["api.world.test:443"]},
+        secrets=[{"name": "CANARY", "inject": {"host": "api.world.test"}}],
+    )  # fmt: skip
+    ops = ({"kind": "fetch", "url": "https://api.world.test/two-of-two"},)
+    asked = networked.run(TWO_OF_TWO, *ops, tokens=[])
+    assert asked.status == pb.EXECUTION_STATUS_APPROVAL_REQUIRED
+    request = asked.approval_request
+    assert request.approvals_required == 2
+    assert list(request.tool.network.egress) == ["api.world.test:443"]
+    assert [s.name for s in request.tool.secrets] == ["CANARY"]  # what the approvers sign
+    one = networked.run(TWO_OF_TWO, *ops, tokens=[networked.approve("boss", request)])
+    assert one.status == pb.EXECUTION_STATUS_APPROVAL_REQUIRED  # 1 of 2 is not enough
+    both = [networked.approve(who, request) for who in APPROVERS]
+    got = results(networked.run(TWO_OF_TWO, *ops, tokens=both))
+    assert got[0]["ok"] and json.loads(got[0]["body"])["host"] == "api.world.test", got
+    sent = [r for r in world.requests("api.world.test") if r["path"] == "/two-of-two"]
+    assert [r["headers"]["Authorization"] for r in sent] == [f"Bearer {CANARY}"]
+    replayed = networked.run(TWO_OF_TWO, *ops, tokens=both)
+    assert replayed.status == pb.EXECUTION_STATUS_APPROVAL_DENIED  # each token works once
+
+
+@pytest.mark.parametrize("deployment", ["dangerous"], indirect=True)
+def test_an_approval_binds_the_egress_list_and_the_secret_names(deployment: Deployment) -> None:
+    """Both are in the digest an approval signs: changing either voids it."""
+    egress = ["api.world.test:443"]
+    secrets = [{"name": "CANARY", "inject": {"host": "api.world.test"}}]
+    signed = deployment.register(name=TWO_OF_TWO, network={"egress": egress}, secrets=secrets)
+    asked = deployment.run(TWO_OF_TWO, tokens=[])
+    assert asked.approval_request.tool_digest == signed.digest
+    tokens = [deployment.approve(who, asked.approval_request) for who in APPROVERS]
+    changes: tuple[dict[str, Any], ...] = (
+        {"network": {"egress": [*egress, "other.world.test:443"]}, "secrets": secrets},
+        {"network": {"egress": egress},
+         "secrets": [*secrets, {"name": "FILE_CANARY", "deliver": "file"}]},
+    )  # fmt: skip
+    digests = {signed.digest}
+    for change in changes:
+        digests.add(deployment.register(name=TWO_OF_TWO, **change).digest)
+        refused = deployment.run(TWO_OF_TWO, tokens=tokens)
+        assert refused.status == pb.EXECUTION_STATUS_APPROVAL_DENIED, refused
+        assert "digest" in refused.error
+    assert len(digests) == 3
+
+
+@pytest.mark.parametrize("deployment", ["dangerous"], indirect=True)
+def test_a_runsc_net_that_cannot_network_fails_closed(
+    deployment: Deployment, netstack: str | None
+) -> None:
+    """Where runsc cannot set up its netstack (test ``netstack``), a dangerous
+    call with egress fails before its tool starts, with the reason and the fix;
+    nothing reaches an upstream and its approval stays unspent."""
+    if netstack is None:
+        pytest.skip(f"{GVISOR_NET} networks on this engine: the rows above run instead")
+    deployment.register(name="stuck", network={"egress": ["api.world.test:443"]})
+    ops = ({"kind": "fetch", "url": "https://api.world.test/stuck"},)
+    token = deployment._token(deployment.tools["stuck"], {"ops": list(ops)})
+    for _ in range(2):  # the same token again: it was not spent
+        refused = deployment.run("stuck", *ops, tokens=[token])
+        assert refused.status == pb.EXECUTION_STATUS_SANDBOX_ERROR, refused
+        assert NETSTACK_UNSUPPORTED in refused.error and "newer runsc" in refused.error
+    assert [r for r in deployment.world.requests("api.world.test") if r["path"] == "/stuck"] == []
