@@ -71,10 +71,22 @@ def test_endpoints_and_console_url_load(tmp_path: Path) -> None:
     assert "hooks.example" not in repr(chat)  # a URL may hold a credential (Slack's do)
 
 
-def test_the_example_policy_names_a_webhook() -> None:
-    policy = load_policy(EXAMPLE)
-    assert [w.id for w in policy.webhooks] == ["chat"]
-    assert policy.console_url.startswith("https://")
+def test_the_example_policys_webhook_loads_once_uncommented(tmp_path: Path) -> None:
+    """The example keeps its webhook commented out (servers started with it
+    have no secret file); uncommented, it is a valid endpoint."""
+    text = EXAMPLE.read_text()
+    start = text.index("\n# webhooks:\n") + 1
+    end = text.find("\n\n", start)
+    block = text[start : len(text) if end < 0 else end].splitlines()
+    uncommented = "\n".join(line.removeprefix("# ") for line in block)
+    path = tmp_path / "policy.yaml"
+    path.write_text(text[:start] + uncommented + "\n")
+    policy = load_policy(path)
+    assert [(w.id, w.format, w.secret_file) for w in policy.webhooks] == [
+        ("chat", "slack", "/etc/toolreg/chat.whsec")
+    ]
+    assert policy.console_url == "https://toolreg.example/console"
+    assert load_policy(EXAMPLE).webhooks == ()
 
 
 @pytest.mark.parametrize(
