@@ -3,6 +3,7 @@ import type { MessageInitShape } from "@bufbuild/protobuf";
 import { createClient, type Client } from "@connectrpc/connect";
 
 import {
+  approvalEventFromPb,
   approvalFromPb,
   argumentsText,
   formatToPb,
@@ -11,10 +12,15 @@ import {
   toolFromPb,
   toolToPb,
 } from "./convert.js";
-import { ApprovalWaitError, toRpcError } from "./errors.js";
-import { ExecuteToolRequestSchema, ToolRegistry } from "./gen/toolregistry/v1/registry_pb.js";
+import { ApprovalWaitError, RpcError, toRpcError } from "./errors.js";
+import {
+  ExecuteToolRequestSchema,
+  ToolRegistry,
+  type ApprovalEvent as PbApprovalEvent,
+} from "./gen/toolregistry/v1/registry_pb.js";
 import { openConnection, type Connection, type ConnectionOptions } from "./transport.js";
 import type {
+  ApprovalEvent,
   ApprovalRequestView,
   ApprovalState,
   CallResult,
@@ -27,7 +33,11 @@ import type {
 } from "./types.js";
 
 export const DEFAULT_TIMEOUT_MS = 30_000; // milliseconds for registry calls; executions get their own
-export const DEFAULT_POLL_MS = 1_000; // milliseconds between GetApprovalRequest polls while waiting
+export const DEFAULT_POLL_MS = 1_000; // milliseconds between polls, against a server that cannot watch
+// A watch that ended less than QUICK_END_MS after it began is watched again only
+// after REWATCH_PAUSE_MS: a server ending every watch at once is not hammered.
+const QUICK_END_MS = 1_000;
+const REWATCH_PAUSE_MS = 250;
 
 export interface ClientOptions extends ConnectionOptions {
   /** Deadline of every registry call (not executions), in milliseconds. Default 30 s. */
@@ -63,9 +73,22 @@ export interface ToolFilter {
 export interface WaitOptions {
   /** Give up after this many milliseconds (ApprovalWaitError, reason TIMEOUT). */
   timeoutMs: number;
-  /** Milliseconds between polls; default 1000. */
+  /**
+   * Milliseconds between GetApprovalRequest polls; default 1000. Used only
+   * against a server that cannot watch (WatchApprovalRequests UNIMPLEMENTED):
+   * otherwise the wait follows the watch stream and never polls.
+   */
   pollMs?: number;
   /** Stops waiting: rejects with the signal's reason. */
+  signal?: AbortSignal;
+}
+
+export interface WatchOptions {
+  /** Only this request's events (an agent waiting for its own); default: every request the caller may see. */
+  requestId?: string;
+  /** Ends the watch after this many milliseconds (the loop then throws RpcError DEADLINE_EXCEEDED); default none. */
+  timeoutMs?: number;
+  /** Ends the watch (the loop then throws RpcError CANCELLED). */
   signal?: AbortSignal;
 }
 
@@ -162,41 +185,26 @@ export class ToolregClient {
    */
   async *streamTool(name: string, args: Arguments = {}, options: ExecuteOptions = {}): AsyncGenerator<StreamEvent> {
     const request = executeRequest(name, args, options);
-    // Our own signal: leaving the loop early must cancel the RPC (Connect's
-    // iterator does not), so the server stops the container.
-    const cancel = new AbortController();
-    const onAbort = () => cancel.abort(options.signal?.reason);
-    if (options.signal?.aborted) onAbort();
-    options.signal?.addEventListener("abort", onAbort, { once: true });
-    let finished = false;
-    const call = { timeoutMs: whole(options.timeoutMs), signal: cancel.signal };
-    try {
-      for await (const msg of this.stub.streamExecuteTool(request, call)) {
-        const event = msg.event;
-        switch (event.case) {
-          case "stdout":
-            yield { kind: "stdout", stdout: event.value };
-            break;
-          case "stderr":
-            yield { kind: "stderr", stderr: event.value };
-            break;
-          case "result":
-            yield { kind: "result", result: resultFromPb(event.value) };
-            break;
-          default:
-            break; // an event kind a newer server added: not ours to interpret
-        }
+    // Leaving the loop early cancels the RPC, so the server stops the container.
+    for await (const msg of this.#stream((call) => this.stub.streamExecuteTool(request, call), options)) {
+      const event = msg.event;
+      switch (event.case) {
+        case "stdout":
+          yield { kind: "stdout", stdout: event.value };
+          break;
+        case "stderr":
+          yield { kind: "stderr", stderr: event.value };
+          break;
+        case "result":
+          yield { kind: "result", result: resultFromPb(event.value) };
+          break;
+        default:
+          break; // an event kind a newer server added: not ours to interpret
       }
-      finished = true;
-    } catch (err) {
-      throw toRpcError(err);
-    } finally {
-      options.signal?.removeEventListener("abort", onAbort);
-      if (!finished) cancel.abort(new Error("the caller stopped reading the stream"));
     }
   }
 
-  /** ListApprovalRequests, newest first (state: PENDING, APPROVED, CONSUMED, EXPIRED; default all). */
+  /** ListApprovalRequests, newest first (state: PENDING, APPROVED, CONSUMED, REJECTED, EXPIRED; default all). */
   async listApprovalRequests(
     options: CallOptions & { state?: ApprovalState; limit?: number } = {},
   ): Promise<ApprovalRequestView[]> {
@@ -218,38 +226,172 @@ export class ToolregClient {
   }
 
   /**
-   * Polls GetApprovalRequest until the request is APPROVED and returns it.
-   * Throws ApprovalWaitError when it is EXPIRED or CONSUMED, or after
-   * `timeoutMs`; RpcError when a poll itself fails; the signal's reason when
-   * aborted.
+   * RejectApprovalRequest: refuses the request for good, telling the agent
+   * `reason` (1 to 1,000 characters, no control characters; also recorded in
+   * the audit log). Returns the REJECTED request. Throws RpcError:
+   * PERMISSION_DENIED (not an approver eligible for the tool, or an admin),
+   * FAILED_PRECONDITION (already consumed, rejected or expired), NOT_FOUND,
+   * INVALID_ARGUMENT (an empty or invalid reason).
+   */
+  async rejectApprovalRequest(requestId: string, reason: string, options?: CallOptions): Promise<ApprovalRequestView> {
+    const request = { requestId, reason };
+    return approvalFromPb(await this.#call(() => this.stub.rejectApprovalRequest(request, this.#opts(options))));
+  }
+
+  /**
+   * WatchApprovalRequests: the open requests the caller may see (PENDING or
+   * APPROVED, as CURRENT events; with `requestId`, that request whatever its
+   * state), one SYNCED event, then every change as it is stored (OPENED,
+   * APPROVAL_ADDED, APPROVED, REJECTED, CONSUMED, EXPIRED). An approver sees
+   * what it may approve, an agent its own requests, an admin all. Requests
+   * come in their listed form (read one whole with getApprovalRequest).
+   *
+   * Runs until the server ends it (the loop then ends; watch again), the
+   * deadline (`timeoutMs`: RpcError DEADLINE_EXCEEDED) or the signal
+   * (RpcError CANCELLED). Leaving the loop early (`break`, `return`, a throw)
+   * cancels the stream, so the server closes the watch at once. Throws
+   * RpcError: NOT_FOUND (`requestId` names no request the caller may see),
+   * RESOURCE_EXHAUSTED (the caller, or the server, has as many watches open
+   * as it allows), ABORTED (this reader fell too far behind: watch again).
+   */
+  async *watchApprovalRequests(options: WatchOptions = {}): AsyncGenerator<ApprovalEvent> {
+    for await (const msg of this.#watch(options)) {
+      const event = approvalEventFromPb(msg);
+      if (event) yield event; // null: an event type a newer server added, not ours to interpret
+    }
+  }
+
+  /**
+   * Waits until the request is APPROVED and returns it (read whole), following
+   * WatchApprovalRequests: no polling, the answer comes the moment the last
+   * approver signs. Throws ApprovalWaitError when it is REJECTED (the message
+   * carries the approver's reason), EXPIRED or CONSUMED, or after `timeoutMs`
+   * (TIMEOUT); RpcError when the server fails (e.g. NOT_FOUND); the signal's
+   * reason when aborted. A watch the server ends (stopping, or ABORTED) is
+   * watched again. Only a server that cannot watch (UNIMPLEMENTED) is polled,
+   * every `pollMs`.
    */
   async waitForApproval(id: string, options: WaitOptions): Promise<ApprovalRequestView> {
-    const { timeoutMs, pollMs = DEFAULT_POLL_MS, signal } = options;
+    const { timeoutMs, signal } = options;
     const deadline = performance.now() + timeoutMs;
-    for (;;) {
+    for (let left = timeoutMs; left > 0; left = deadline - performance.now()) {
       signal?.throwIfAborted();
+      const began = performance.now();
+      let seen: ApprovalRequestView | null = null;
+      try {
+        for await (const msg of this.#watch({ requestId: id, timeoutMs: left, signal })) {
+          if (!msg.request) continue; // SYNCED
+          const request = approvalFromPb(msg.request);
+          if (settled(request)) {
+            seen = request;
+            break; // ends the watch
+          }
+        }
+      } catch (err) {
+        signal?.throwIfAborted(); // an abort is the caller's, not a failed watch
+        if (!(err instanceof RpcError)) throw err;
+        if (err.code === "UNIMPLEMENTED") return this.#pollForApproval(id, deadline, options);
+        if (err.code !== "DEADLINE_EXCEEDED" && err.code !== "ABORTED") throw err;
+      }
+      if (seen) return this.#approvedOrThrow(id, seen, signal);
+      // The watch ended (the server stopping, a reader that fell behind, the
+      // deadline): watch again while there is time.
+      const lived = performance.now() - began;
       const remaining = deadline - performance.now();
-      const last = await this.getApprovalRequest(id, {
-        signal,
-        timeoutMs: Math.min(this.#timeoutMs, Math.max(remaining, pollMs)),
-      }).catch((err: unknown) => {
-        signal?.throwIfAborted(); // an abort during the poll is the caller's, not a failed poll
-        throw err;
-      });
-      if (last.state === "APPROVED") return last;
-      if (last.state === "EXPIRED" || last.state === "CONSUMED") {
-        throw new ApprovalWaitError(`approval request ${id} is ${last.state.toLowerCase()}`, last.state, last);
-      }
+      if (lived < QUICK_END_MS && remaining > 0) await sleep(Math.min(REWATCH_PAUSE_MS, remaining), signal);
+    }
+    const last = await this.#getForWait(id, signal);
+    if (settled(last)) return this.#approvedOrThrow(id, last, signal);
+    throw stillWaiting(id, last, timeoutMs);
+  }
+
+  #watch(options: WatchOptions): AsyncGenerator<PbApprovalEvent> {
+    const request = { requestId: options.requestId ?? "" };
+    return this.#stream((call) => this.stub.watchApprovalRequests(request, call), options);
+  }
+
+  async #pollForApproval(id: string, deadline: number, options: WaitOptions): Promise<ApprovalRequestView> {
+    const { timeoutMs, pollMs = DEFAULT_POLL_MS, signal } = options;
+    for (;;) {
+      const remaining = deadline - performance.now();
+      const last = await this.#getForWait(id, signal, Math.max(remaining, pollMs));
+      if (settled(last)) return this.#approvedOrThrow(id, last, signal);
       const left = deadline - performance.now();
-      if (left <= 0) {
-        throw new ApprovalWaitError(
-          `approval request ${id} still ${last.state.toLowerCase()} after ${timeoutMs} ms` +
-            ` (${last.approvedBy.length} of ${last.approvalsRequired} approvals)`,
-          "TIMEOUT",
-          last,
-        );
-      }
+      if (left <= 0) throw stillWaiting(id, last, timeoutMs);
       await sleep(Math.min(pollMs, left), signal);
+    }
+  }
+
+  /** The request whole, once settled: APPROVED is returned, any other state thrown. */
+  async #approvedOrThrow(
+    id: string,
+    seen: ApprovalRequestView,
+    signal: AbortSignal | undefined,
+  ): Promise<ApprovalRequestView> {
+    if (seen.state === "APPROVED") return this.#getForWait(id, signal);
+    if (seen.state === "REJECTED") {
+      throw new ApprovalWaitError(
+        `approval request ${id} was rejected by ${seen.rejectedBy}: ${seen.rejectionReason}`,
+        "REJECTED",
+        seen,
+      );
+    }
+    const state = seen.state as "EXPIRED" | "CONSUMED"; // settled() let no other state through
+    throw new ApprovalWaitError(`approval request ${id} is ${state.toLowerCase()}`, state, seen);
+  }
+
+  async #getForWait(id: string, signal: AbortSignal | undefined, timeoutMs?: number): Promise<ApprovalRequestView> {
+    signal?.throwIfAborted();
+    const deadline = Math.min(this.#timeoutMs, timeoutMs ?? this.#timeoutMs);
+    return this.getApprovalRequest(id, { signal, timeoutMs: deadline }).catch((err: unknown) => {
+      signal?.throwIfAborted(); // an abort during the call is the caller's, not a failed call
+      throw err;
+    });
+  }
+
+  /**
+   * A server stream as an async generator of its messages. Leaving the loop
+   * early cancels the RPC (Connect's own iterator does not), so the server
+   * ends its side; `options.signal` cancels it too; errors are RpcErrors.
+   */
+  async *#stream<T>(
+    start: (call: { timeoutMs?: number; signal: AbortSignal }) => AsyncIterable<T>,
+    options: { timeoutMs?: number; signal?: AbortSignal },
+  ): AsyncGenerator<T> {
+    const cancel = new AbortController();
+    const onAbort = () => cancel.abort(options.signal?.reason);
+    if (options.signal?.aborted) onAbort();
+    options.signal?.addEventListener("abort", onAbort, { once: true });
+    const messages = start({ timeoutMs: whole(options.timeoutMs), signal: cancel.signal })[Symbol.asyncIterator]();
+    let ended = false; // the stream ended or failed: Connect has settled the call
+    try {
+      for (;;) {
+        let next: IteratorResult<T>;
+        try {
+          next = await messages.next();
+        } catch (err) {
+          ended = true;
+          throw toRpcError(err);
+        }
+        if (next.done) {
+          ended = true;
+          return;
+        }
+        yield next.value;
+      }
+    } finally {
+      options.signal?.removeEventListener("abort", onAbort);
+      if (!ended) {
+        cancel.abort(new Error("the caller stopped reading the stream"));
+        // Connect clears the call's deadline timer only when a read fails or
+        // the stream ends: read the cancelled stream out, or the timer would
+        // keep the process alive until the deadline.
+        try {
+          while (!(await messages.next()).done);
+        } catch {
+          // the cancellation itself
+        }
+      }
     }
   }
 
@@ -260,6 +402,20 @@ export class ToolregClient {
       throw toRpcError(err);
     }
   }
+}
+
+/** Whether waiting is over: approved, or in a state that never changes. */
+function settled(request: ApprovalRequestView): boolean {
+  return ["APPROVED", "REJECTED", "EXPIRED", "CONSUMED"].includes(request.state);
+}
+
+function stillWaiting(id: string, last: ApprovalRequestView, timeoutMs: number): ApprovalWaitError {
+  return new ApprovalWaitError(
+    `approval request ${id} still ${last.state.toLowerCase()} after ${timeoutMs} ms` +
+      ` (${last.approvedBy.length} of ${last.approvalsRequired} approvals)`,
+    "TIMEOUT",
+    last,
+  );
 }
 
 function executeRequest(

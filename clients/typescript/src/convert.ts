@@ -3,15 +3,19 @@ import { create } from "@bufbuild/protobuf";
 import { timestampDate, type Timestamp } from "@bufbuild/protobuf/wkt";
 
 import {
+  ApprovalEventType as PbApprovalEventType,
   ExecutionStatus,
   SafetyLevel as PbSafetyLevel,
   SchemaFormat as PbSchemaFormat,
   ToolSchema,
+  type ApprovalEvent as PbApprovalEvent,
   type ApprovalRequest,
   type Tool,
   type ToolResult,
 } from "./gen/toolregistry/v1/registry_pb.js";
 import type {
+  ApprovalEvent,
+  ApprovalEventType,
   ApprovalRequestView,
   ApprovalState,
   CallResult,
@@ -45,6 +49,17 @@ const STATUS_FROM_PB: Partial<Record<ExecutionStatus, Status>> = {
   [ExecutionStatus.TIMEOUT]: "TIMEOUT",
   [ExecutionStatus.RESOURCE_EXHAUSTED]: "RESOURCE_EXHAUSTED",
   [ExecutionStatus.SANDBOX_ERROR]: "SANDBOX_ERROR",
+};
+
+const EVENT_TYPE_FROM_PB: Partial<Record<PbApprovalEventType, ApprovalEventType>> = {
+  [PbApprovalEventType.CURRENT]: "CURRENT",
+  [PbApprovalEventType.SYNCED]: "SYNCED",
+  [PbApprovalEventType.OPENED]: "OPENED",
+  [PbApprovalEventType.APPROVAL_ADDED]: "APPROVAL_ADDED",
+  [PbApprovalEventType.APPROVED]: "APPROVED",
+  [PbApprovalEventType.REJECTED]: "REJECTED",
+  [PbApprovalEventType.CONSUMED]: "CONSUMED",
+  [PbApprovalEventType.EXPIRED]: "EXPIRED",
 };
 
 export function levelToPb(level: SafetyLevel | undefined): PbSafetyLevel {
@@ -204,6 +219,23 @@ export function approvalFromPb(msg: ApprovalRequest): ApprovalRequestView {
     maxTokenTtlS: msg.maxTokenTtlS,
     approvalsMissing: msg.approvalsMissing,
     tool: shownTool(msg),
+    rejectedBy: msg.rejectedBy,
+    rejectionReason: msg.rejectionReason,
+  };
+}
+
+/** The domain form of an ApprovalEvent; null for an event type this client
+ * does not know (a newer server's): not ours to interpret. */
+export function approvalEventFromPb(msg: PbApprovalEvent): ApprovalEvent | null {
+  const type = EVENT_TYPE_FROM_PB[msg.type];
+  if (type === undefined) return null;
+  return {
+    type,
+    request: msg.request ? approvalFromPb(msg.request) : null,
+    actor: msg.actor,
+    reason: msg.reason,
+    at: msg.at ? timestampDate(msg.at) : null,
+    seq: Number(msg.seq),
   };
 }
 

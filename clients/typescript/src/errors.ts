@@ -87,12 +87,14 @@ export function toRpcError(err: unknown): RpcError {
 }
 
 /** Why waitForApproval gave up. */
-export type ApprovalWaitReason = "EXPIRED" | "CONSUMED" | "TIMEOUT";
+export type ApprovalWaitReason = "REJECTED" | "EXPIRED" | "CONSUMED" | "TIMEOUT";
 
 /**
- * waitForApproval gave up: the request expired, was already used, or the
- * wait timed out. `request` is the last state seen (null if the wait timed
- * out before the first answer).
+ * waitForApproval gave up: an approver rejected the request (the message
+ * names who and gives their reason, as do `request.rejectedBy` and
+ * `request.rejectionReason`), it expired, was already used, or the wait timed
+ * out. `request` is the last state seen (null if the wait timed out before
+ * the first answer).
  */
 export class ApprovalWaitError extends Error {
   override readonly name = "ApprovalWaitError";

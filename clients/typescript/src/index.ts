@@ -8,6 +8,7 @@ export {
   type ExecuteOptions,
   type ToolFilter,
   type WaitOptions,
+  type WatchOptions,
 } from "./client.js";
 export {
   ApprovalWaitError,
@@ -25,6 +26,8 @@ export {
   type TlsOptions,
 } from "./transport.js";
 export type {
+  ApprovalEvent,
+  ApprovalEventType,
   ApprovalRequestView,
   ApprovalState,
   CallResult,

@@ -23,8 +23,23 @@ export type Status =
   | "RESOURCE_EXHAUSTED"
   | "SANDBOX_ERROR";
 
-/** The states of an approval request. */
-export type ApprovalState = "PENDING" | "APPROVED" | "CONSUMED" | "EXPIRED";
+/** The states of an approval request (REJECTED, CONSUMED and EXPIRED are final). */
+export type ApprovalState = "PENDING" | "APPROVED" | "CONSUMED" | "REJECTED" | "EXPIRED";
+
+/**
+ * What an `ApprovalEvent` says happened (on the wire
+ * `APPROVAL_EVENT_TYPE_<name>`): CURRENT (open when the watch began), SYNCED
+ * (every CURRENT event has been sent), then the changes.
+ */
+export type ApprovalEventType =
+  | "CURRENT"
+  | "SYNCED"
+  | "OPENED"
+  | "APPROVAL_ADDED"
+  | "APPROVED"
+  | "REJECTED"
+  | "CONSUMED"
+  | "EXPIRED";
 
 /** A JSON value as `JSON.parse` returns it. */
 export type JsonValue = null | boolean | number | string | JsonValue[] | { [key: string]: JsonValue };
@@ -126,6 +141,28 @@ export interface ApprovalRequestView {
   approvalsMissing: number;
   /** The definition approvers sign; null in listings (its schema is left out). */
   tool: ToolDefinition | null;
+  /** Set when `state` is REJECTED: the approver who rejected it, and why. */
+  rejectedBy: string;
+  rejectionReason: string;
+}
+
+/** One item of `watchApprovalRequests` (the domain form of ApprovalEvent). */
+export interface ApprovalEvent {
+  type: ApprovalEventType;
+  /**
+   * The request as it is after this event, in its listed form (no
+   * `argumentsJson`, `tool` null: read it whole with getApprovalRequest);
+   * null for SYNCED.
+   */
+  request: ApprovalRequestView | null;
+  /** The approver who added an approval (APPROVAL_ADDED) or rejected (REJECTED); else empty. */
+  actor: string;
+  /** REJECTED: the approver's reason; else empty. */
+  reason: string;
+  /** When it happened; null for CURRENT and SYNCED. */
+  at: Date | null;
+  /** The event's place in the store's order (0 for CURRENT and SYNCED). */
+  seq: number;
 }
 
 /** The outcome of one tool call (the domain form of ToolResult). */
