@@ -24,13 +24,16 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "clients" / "typescript"
 EXAMPLES = ROOT / "examples" / "tools"
 NODE_TIMEOUT_S = 240  # seconds for the whole TypeScript suite (it starts a few dozen containers)
-TOKENS = {"agent": "ts-agent", "admin": "ts-admin", "alice": "ts-alice"}
+TOKENS = {"agent": "ts-agent", "agent2": "ts-agent2", "admin": "ts-admin", "alice": "ts-alice"}
 MTLS_SUBJECT = "CN=ts-agent-tls"
 
 
 def write_policy(path: Path, public_keys: dict[str, str]) -> None:
     clients = [
         token_client("agent", TOKENS["agent"], ["execute"], "dangerous"),
+        # Another agent: may not see the first one's approval requests; the
+        # watch tests use it alone, so its watch count is theirs.
+        token_client("agent2", TOKENS["agent2"], ["execute"], "dangerous"),
         token_client("admin", TOKENS["admin"], ["register"]),
         token_client("alice", TOKENS["alice"], ["approve"]),
         {"id": "agent-tls", "mtls_subject": MTLS_SUBJECT, "roles": ["execute"]},
@@ -112,6 +115,7 @@ def test_typescript_client_suite(tmp_path: Path) -> None:
             "TOOLREG_TLS_CLIENT_CERT_FILE": str(certs["client_cert"]),
             "TOOLREG_TLS_CLIENT_KEY_FILE": str(certs["client_key"]),
             "TOOLREG_AGENT_TOKEN": TOKENS["agent"],
+            "TOOLREG_OTHER_AGENT_TOKEN": TOKENS["agent2"],
             "TOOLREG_ADMIN_TOKEN": TOKENS["admin"],
             "TOOLREG_APPROVER_TOKEN": TOKENS["alice"],
             "TOOLREG_APPROVER_ID": "alice",

@@ -1,12 +1,27 @@
 // The approval flow of a dangerous tool (the policy's write_file rule needs one
 // approval from the security group): APPROVAL_REQUIRED -> an approver signs ->
-// submitApproval -> waitForApproval -> the call runs once.
+// submitApproval -> waitForApproval -> the call runs once; or an approver
+// rejects it, and the agent is told why.
 import { strict as assert } from "node:assert";
 import { after, before, describe, test } from "node:test";
 
 import { ApprovalWaitError, type ToolregClient } from "toolreg-client";
 
-import { closeAll, connect, env, mintApproval, rpcError, sha256Hex, tokens, uniqueName } from "./helpers.js";
+import {
+  askForApproval as ask,
+  closeAll,
+  connect,
+  env,
+  mintApproval,
+  rejection,
+  rpcError,
+  sha256Hex,
+  tokens,
+} from "./helpers.js";
+
+// The old poll interval (DEFAULT_POLL_MS): waitForApproval follows the watch
+// stream, so it answers well within this of the approval.
+const OLD_POLL_MS = 1_000;
 
 let agent: ToolregClient;
 let approver: ToolregClient;
@@ -17,28 +32,7 @@ before(() => {
 });
 after(closeAll);
 
-/** A fresh write_file call that needs approval, and its canonical arguments. */
-async function askForApproval() {
-  const file = `ts-client/${uniqueName("note")}.txt`;
-  const args = { path: file, content: "from typescript" };
-  const result = await agent.executeTool("write_file", args);
-  assert.equal(result.status, "APPROVAL_REQUIRED", result.error);
-  assert.equal(result.success, false);
-  assert.equal(result.needsApproval, true);
-  assert.ok(result.approvalRequest, "APPROVAL_REQUIRED carries the approval request");
-  // RFC 8785 for this ASCII-only object: keys sorted, no whitespace.
-  const canonical = JSON.stringify({ content: args.content, path: file });
-  return { args, canonical, request: result.approvalRequest };
-}
-
-async function rejection(promise: Promise<unknown>): Promise<unknown> {
-  try {
-    await promise;
-  } catch (err) {
-    return err;
-  }
-  assert.fail("the promise resolved; a rejection was expected");
-}
+const askForApproval = () => ask(agent);
 
 describe("approvals (dangerous write_file)", () => {
   test("APPROVAL_REQUIRED -> sign -> submitApproval -> waitForApproval -> SUCCESS, once", async () => {
@@ -55,19 +49,31 @@ describe("approvals (dangerous write_file)", () => {
     assert.equal(request.tool?.name, "write_file");
     assert.equal(request.tool?.safetyLevel, "dangerous");
 
-    // The agent waits while the approver reads the request in full and signs it.
-    const waiting = agent.waitForApproval(request.id, { timeoutMs: 30_000, pollMs: 100 });
+    // The agent waits while the approver reads the request in full and signs
+    // it. pollMs is far beyond the test: the wait follows the watch stream.
+    let answeredAt = 0;
+    const waiting = agent.waitForApproval(request.id, { timeoutMs: 30_000, pollMs: 60_000 }).then((r) => {
+      answeredAt = performance.now();
+      return r;
+    });
     const seen = await approver.getApprovalRequest(request.id);
     assert.equal(seen.argumentsJson, canonical);
     assert.equal(seen.tool?.owner, "[operator]");
+    assert.equal(seen.rejectedBy, "");
+    assert.equal(seen.rejectionReason, "");
     const token = mintApproval(env("TOOLREG_APPROVER_KEY_PEM"), env("TOOLREG_APPROVER_ID"), seen);
+    await new Promise((resolve) => setTimeout(resolve, 300)); // the wait is watching by now
     const updated = await approver.submitApproval(request.id, token);
+    const approvedAt = performance.now();
     assert.deepEqual(updated.approvedBy, [env("TOOLREG_APPROVER_ID")]);
     assert.equal(updated.state, "APPROVED");
 
     const approved = await waiting;
     assert.equal(approved.id, request.id);
     assert.equal(approved.state, "APPROVED");
+    assert.equal(approved.argumentsJson, canonical, "the approved request comes whole");
+    const lag = answeredAt - approvedAt;
+    assert.ok(lag < OLD_POLL_MS / 2, `waitForApproval answered ${lag.toFixed(0)} ms after the approval`);
 
     const result = await agent.executeTool("write_file", args, { approvalRequestId: request.id });
     assert.equal(result.status, "OK", result.error);
@@ -95,6 +101,51 @@ describe("approvals (dangerous write_file)", () => {
     assert.equal(listed.argumentsDigest, request.argumentsDigest);
     const consumed = await approver.listApprovalRequests({ state: "CONSUMED" });
     assert.ok(!consumed.some((r) => r.id === request.id));
+  });
+
+  test("a rejection ends waitForApproval with the approver's reason, and the call stays refused", async () => {
+    const { args, request } = await askForApproval();
+    const reason = "not on a Friday: file a change ticket first";
+    let answeredAt = 0;
+    const waiting = rejection(
+      agent.waitForApproval(request.id, { timeoutMs: 30_000, pollMs: 60_000 }).finally(() => {
+        answeredAt = performance.now();
+      }),
+    );
+    await new Promise((resolve) => setTimeout(resolve, 300)); // the wait is watching by now
+
+    // Only an eligible approver may reject, with a reason.
+    const byAgent = await rpcError(agent.rejectApprovalRequest(request.id, "I changed my mind"));
+    assert.equal(byAgent.code, "PERMISSION_DENIED", byAgent.message);
+    const noReason = await rpcError(approver.rejectApprovalRequest(request.id, ""));
+    assert.equal(noReason.code, "INVALID_ARGUMENT", noReason.message);
+
+    const rejected = await approver.rejectApprovalRequest(request.id, reason);
+    const rejectedAt = performance.now();
+    assert.equal(rejected.state, "REJECTED");
+    assert.equal(rejected.rejectedBy, env("TOOLREG_APPROVER_ID"));
+    assert.equal(rejected.rejectionReason, reason);
+
+    const err = await waiting;
+    assert.ok(err instanceof ApprovalWaitError, String(err));
+    assert.equal(err.reason, "REJECTED");
+    assert.equal(err.message, `approval request ${request.id} was rejected by alice: ${reason}`);
+    assert.equal(err.request?.state, "REJECTED");
+    assert.equal(err.request?.rejectionReason, reason);
+    const lag = answeredAt - rejectedAt;
+    assert.ok(lag < OLD_POLL_MS / 2, `waitForApproval answered ${lag.toFixed(0)} ms after the rejection`);
+
+    // Final: waiting again fails at once, rejecting again is refused, and the
+    // call (with the request or without) is denied with the reason.
+    const again = await rejection(agent.waitForApproval(request.id, { timeoutMs: 5_000 }));
+    assert.ok(again instanceof ApprovalWaitError && again.reason === "REJECTED", String(again));
+    const twice = await rpcError(approver.rejectApprovalRequest(request.id, reason));
+    assert.equal(twice.code, "FAILED_PRECONDITION", twice.message);
+    for (const options of [{ approvalRequestId: request.id }, {}]) {
+      const result = await agent.executeTool("write_file", args, options);
+      assert.equal(result.status, "APPROVAL_DENIED", result.error);
+      assert.ok(result.error.includes(reason), result.error);
+    }
   });
 
   test("waitForApproval times out with the last state seen", async () => {
@@ -127,6 +178,6 @@ describe("approvals (dangerous write_file)", () => {
     const missing = await rpcError(approver.getApprovalRequest("no-such-request"));
     assert.equal(missing.code, "NOT_FOUND");
     const unknown = await rpcError(agent.waitForApproval("no-such-request", { timeoutMs: 1_000 }));
-    assert.equal(unknown.code, "NOT_FOUND", "a failed poll throws RpcError");
+    assert.equal(unknown.code, "NOT_FOUND", "a watch the server refuses throws RpcError");
   });
 });

@@ -17,6 +17,10 @@ export const tokens = {
   get agent() {
     return env("TOOLREG_AGENT_TOKEN");
   },
+  /** Another agent (watch tests only): it may not see the first one's requests. */
+  get otherAgent() {
+    return env("TOOLREG_OTHER_AGENT_TOKEN");
+  },
   get admin() {
     return env("TOOLREG_ADMIN_TOKEN");
   },
@@ -36,6 +40,41 @@ export function connect(token: string | undefined, options: ClientOptions = {}):
 
 export function closeAll(): void {
   while (open.length) open.pop()?.close();
+}
+
+/** Awaits a promise that must reject and returns the reason. */
+export async function rejection(promise: Promise<unknown>): Promise<unknown> {
+  try {
+    await promise;
+  } catch (err) {
+    return err;
+  }
+  assert.fail("the promise resolved; a rejection was expected");
+}
+
+/**
+ * A fresh write_file call that needs approval (the policy wants one approver
+ * of group security), made by `agent`; its arguments, their canonical JSON,
+ * and the approval request.
+ */
+export async function askForApproval(agent: ToolregClient) {
+  const file = `ts-client/${uniqueName("note")}.txt`;
+  const args = { path: file, content: "from typescript" };
+  const result = await agent.executeTool("write_file", args);
+  assert.equal(result.status, "APPROVAL_REQUIRED", result.error);
+  assert.equal(result.success, false);
+  assert.equal(result.needsApproval, true);
+  assert.ok(result.approvalRequest, "APPROVAL_REQUIRED carries the approval request");
+  // RFC 8785 for this ASCII-only object: keys sorted, no whitespace.
+  const canonical = JSON.stringify({ content: args.content, path: file });
+  return { args, canonical, request: result.approvalRequest };
+}
+
+/** Signs `request` as the approver (the test's key) and submits the token. */
+export async function approve(approver: ToolregClient, request: ApprovalRequestView): Promise<ApprovalRequestView> {
+  const seen = await approver.getApprovalRequest(request.id);
+  const token = mintApproval(env("TOOLREG_APPROVER_KEY_PEM"), env("TOOLREG_APPROVER_ID"), seen);
+  return approver.submitApproval(request.id, token);
 }
 
 /** Awaits a call that must fail with an RpcError and returns it. */
