@@ -30,6 +30,7 @@ from registry_server.domain.manifests import load_manifests
 from registry_server.domain.models import SafetyLevel, ToolDefinition
 from registry_server.execution.admission import Admission
 from registry_server.execution.executor import Executor
+from registry_server.execution.quotas import RateLimits, Shares
 from registry_server.execution.sandbox_plan import SandboxPolicy
 from registry_server.execution.secrets import SecretStore
 from registry_server.execution.warm_pool import WarmPools
@@ -92,10 +93,17 @@ def build_app(config: ServerConfig) -> App:
     approvals = Approvals(store, policy, registry)
     watches = Watches(approvals, max_watches=config.max_watches)
     sweeper = ExpirySweeper(store, approvals.hub, approvals.hooks)
+    shares = Shares(lambda: policy, config.max_sandboxes, config.max_queued)
+    rates = RateLimits(shares.rate)
     executor = Executor(
         registry,
         backend,
-        admission=Admission(config.max_sandboxes, config.max_queued, config.sandbox_memory_mb),
+        admission=Admission(
+            config.max_sandboxes,
+            config.max_queued,
+            config.sandbox_memory_mb,
+            limits_of=shares.limits,
+        ),
         policy=SandboxPolicy(
             ceilings=_ceilings(config, policy),
             require_gvisor=require_gvisor,
@@ -107,6 +115,7 @@ def build_app(config: ServerConfig) -> App:
         ),
         store=store,
         approvals=approvals,
+        rates=rates,
     )
     app = App(config, store, registry, executor, health.HealthServicer(), backend, approvals)
     app.dev_mode = dev_mode
@@ -128,7 +137,7 @@ def build_app(config: ServerConfig) -> App:
             pools.track(tool)
         app.pools = pools
         app.closers.insert(0, pools.close)  # before the backend's engine connection goes
-    app.metrics.watch(executor.admission, app.pools.stats if app.pools else None)
+    app.metrics.watch(executor.admission, app.pools.stats if app.pools else None, rates)
     # Tools stored by other servers on the same database: served here at once.
     store.watch_tools(registry.reload)
     # Approval events from every server reach this server's watches.

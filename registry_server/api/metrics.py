@@ -9,10 +9,13 @@ from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from registry_server.api.handlers import rewrap
 from registry_server.domain.outcome import Outcome
 from registry_server.execution.admission import Admission
+from registry_server.execution.quotas import RateLimits
 
 # Seconds: from a cached listing (~1 ms) to a slow tool under gVisor (~minutes).
 UNREGISTERED = "(unregistered)"  # the tool label of calls to names no tool has
@@ -63,9 +66,13 @@ class Metrics:
             ["tool", "host", "direction"], registry=r,
         )  # fmt: skip
 
-    def watch(self, admission: Admission, pool_stats: Callable[[], Any] | None) -> None:
+    def watch(
+        self, admission: Admission, pool_stats: Callable[[], Any] | None,
+        rates: RateLimits | None = None,
+    ) -> None:  # fmt: skip
         self.live.set_function(lambda: admission.running)
         self.queued.set_function(lambda: admission.waiting)
+        self.registry.register(_ClientShares(admission, rates))
         if pool_stats is not None:
             self.warm.set_function(lambda: sum(pool_stats().warm.values()))
             self.pool_misses.set_function(lambda: pool_stats().misses)
@@ -95,6 +102,39 @@ class Metrics:
         """Start the HTTP endpoint; returns (server, bound port)."""
         server, _thread = start_http_server(port, addr=host, registry=self.registry)
         return server, int(server.server_address[1])
+
+
+class _ClientShares(Collector):
+    """Each client's running and queued calls and its refusals by limit, read
+    when scraped. Client ids come from the policy (an unknown caller never
+    gets this far), so the label sets stay bounded."""
+
+    def __init__(self, admission: Admission, rates: RateLimits | None) -> None:
+        self._admission = admission
+        self._rates = rates
+
+    def collect(self) -> Iterator[Metric]:
+        running = GaugeMetricFamily(
+            "toolreg_client_running_sandboxes", "Sandboxes running each client's calls",
+            labels=["client"],
+        )  # fmt: skip
+        queued = GaugeMetricFamily(
+            "toolreg_client_queued_calls", "Each client's calls waiting for a slot",
+            labels=["client"],
+        )  # fmt: skip
+        for client, (run, wait) in sorted(self._admission.by_client().items()):
+            running.add_metric([client], run)
+            queued.add_metric([client], wait)
+        refused = CounterMetricFamily(
+            "toolreg_client_refused_calls", "Calls refused by client and the limit hit",
+            labels=["client", "limit"],
+        )  # fmt: skip
+        counts = dict(self._admission.refused_by)
+        if self._rates is not None:
+            counts.update({(c, "rate"): n for c, n in self._rates.refused.items()})
+        for (client, limit), count in sorted(counts.items()):
+            refused.add_metric([client, limit], count)
+        yield from (running, queued, refused)
 
 
 class MetricsInterceptor(grpc.ServerInterceptor):

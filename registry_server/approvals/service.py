@@ -33,11 +33,11 @@ from registry_server.approvals.events import EventHook, EventHub
 from registry_server.catalog.registry import Registry
 from registry_server.domain import strict_json
 from registry_server.domain.errors import (
-    AtCapacity,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
     PermissionDenied,
+    QuotaExceeded,
 )
 from registry_server.domain.models import ToolDefinition, parse_definition
 from registry_server.domain.outcome import ApprovalRequestView
@@ -66,8 +66,9 @@ from registry_server.store.base import (
 MAX_TOKENS_PER_CALL = 16  # approval tokens one call may carry; more is an attack, not a quorum
 MAX_LISTED = 500  # approval requests per ListApprovalRequests answer
 DEFAULT_LISTED = 100
-# Pending requests one client may have open at once: each holds up to 1 MiB of
-# arguments, and a steered agent must not fill the store or the approvers' queue.
+# Pending requests one client may have open at once unless the policy's quota
+# says otherwise: each holds up to 1 MiB of arguments, and a steered agent must
+# not fill the store or the approvers' queue.
 MAX_OPEN_REQUESTS_PER_CALLER = 32
 MAX_REASON_CHARS = 1_000  # characters of a rejection's reason
 
@@ -301,12 +302,14 @@ class Approvals:
         )  # fmt: skip
         with self._store.unit_of_work() as uow:
             open_now = uow.open_requests_of(call.caller, now)
-            if open_now >= MAX_OPEN_REQUESTS_PER_CALLER:
-                raise AtCapacity(
+            limit = self.policy.quota_for(call.caller).max_pending_approvals
+            limit = MAX_OPEN_REQUESTS_PER_CALLER if limit is None else limit
+            if open_now >= limit:
+                raise QuotaExceeded(
                     f"client '{call.caller}' already has {open_now} open approval requests"
-                    f" (at most {MAX_OPEN_REQUESTS_PER_CALLER}); wait until some are approved"
-                    " or expire"
-                )
+                    f" (at most {limit}); wait until some are approved or expire",
+                    subject=f"client:{call.caller}", limit="max_pending_approvals",
+                )  # fmt: skip
             uow.add_request(request)
             events.record(uow, events.OPENED, request.id, {
                 "event": "requested", "request_id": request.id, "tool": call.tool.name,

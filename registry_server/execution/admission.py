@@ -122,6 +122,12 @@ class Admission:
     def waiting(self) -> int:
         return self._lines.count
 
+    def by_client(self) -> dict[str, tuple[int, int]]:
+        """client -> (running, queued), for the metrics."""
+        with self._cond:
+            clients = set(self._running_by) | set(self._lines.by_client)
+            return {c: (self._running_by[c], self._lines.of(c)) for c in clients}
+
     def running_of(self, client: str) -> int:
         return self._running_by[client]
 

@@ -13,10 +13,13 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from registry_server.domain.errors import QuotaExceeded
+from registry_server.execution.admission import ClientLimits
+from registry_server.policy.model import Policy
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,7 @@ class RateLimits:
         self._lock = threading.Lock()
         # One bucket per client id; ids come from the policy, so this stays small.
         self._buckets: dict[str, _Bucket] = {}
+        self.refused: Counter[str] = Counter()  # client -> calls refused for rate
 
     def check(self, client: str) -> None:
         """Spend one token of ``client``'s bucket, or raise QuotaExceeded
@@ -61,6 +65,7 @@ class RateLimits:
                 bucket.tokens -= 1.0
                 return
             wait_s = (1.0 - bucket.tokens) / rate.per_s
+            self.refused[client] += 1
         raise QuotaExceeded(
             f"client '{client}' is over its call rate ({_rate_text(rate)});"
             f" retry in {math.ceil(wait_s * 1000)} ms",
@@ -70,3 +75,38 @@ class RateLimits:
 
 def _rate_text(rate: Rate) -> str:
     return f"{rate.per_s:g}/s, burst {rate.burst}"
+
+
+class Shares:
+    """Each client's share of this server, as the policy says it now: the
+    limits admission enforces and the rate its bucket refills at. Where the
+    policy sets nothing and several clients may execute, a client may take
+    all slots but one and half the queue: one busy client never starves the
+    others, whatever the operator forgot to write."""
+
+    def __init__(self, policy: Callable[[], Policy], max_running: int, max_waiting: int) -> None:
+        self._policy = policy
+        self._max_running = max_running
+        self._max_waiting = max_waiting
+
+    def limits(self, client: str) -> ClientLimits:
+        policy = self._policy()
+        quota = policy.quota_for(client)
+        shared = policy.shared
+        running, queued = quota.max_concurrent, quota.max_queued
+        if running is None and shared and self._max_running > 1:
+            running = self._max_running - 1
+        if queued is None and shared:
+            queued = max(1, self._max_waiting // 2)
+        return ClientLimits(running, queued)
+
+    def rate(self, client: str) -> Rate | None:
+        """The client's rate on this server: its policy rate split across
+        ``quotas.servers`` (burst likewise, at least one call)."""
+        policy = self._policy()
+        quota = policy.quota_for(client)
+        if quota.rate_per_s is None:
+            return None
+        servers = policy.quotas.servers
+        burst = quota.burst if quota.burst is not None else max(1, math.ceil(quota.rate_per_s))
+        return Rate(quota.rate_per_s / servers, max(1, math.ceil(burst / servers)))

@@ -33,6 +33,8 @@ from registry_server.policy.model import (
     EgressPolicy,
     Policy,
     PolicyError,
+    Quota,
+    QuotaPolicy,
     RegisterGrant,
     Role,
     RuleMatch,
@@ -41,6 +43,7 @@ from registry_server.policy.schema import (
     _CeilingIn,
     _ClientIn,
     _PolicyIn,
+    _QuotaIn,
     _RegisterIn,
 )
 from registry_server.signing.keys import public_key_from_text, raw_public_bytes
@@ -243,9 +246,11 @@ def _freeze(policy: _PolicyIn, source: str) -> Policy:
                 mtls_subject=c.mtls_subject,
                 register=_grant(c),
                 approver=c.approver,
+                quota=_quota(c.quotas),
             )
             for c in policy.clients
         ),
+        quotas=QuotaPolicy(_quota(policy.quotas.default), policy.quotas.servers),
         egress=EgressPolicy(
             levels=frozenset(SafetyLevel(v) for v in policy.egress.levels),
             allow_private=tuple(policy.egress.allow_private),
@@ -254,6 +259,10 @@ def _freeze(policy: _PolicyIn, source: str) -> Policy:
         ),
         source=source,
     )
+
+
+def _quota(given: _QuotaIn | None) -> Quota:
+    return Quota() if given is None else Quota(**given.model_dump())
 
 
 def _grant(client: _ClientIn) -> RegisterGrant:

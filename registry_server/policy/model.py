@@ -4,8 +4,10 @@ their roles and register grants, sandbox ceilings. Frozen once loaded
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import fnmatch
+import functools
 import hashlib
 import hmac
 import re
@@ -193,6 +195,39 @@ class RegisterGrant:
 UNRESTRICTED = RegisterGrant(SafetyLevel.DANGEROUS, ("*",), any_egress=True)
 
 
+MAX_QUOTA_COUNT = 4_096  # sandboxes, queued calls or pending requests one quota may allow
+MAX_QUOTA_RATE = 10_000.0  # calls per second
+MAX_QUOTA_BURST = 100_000  # calls
+MAX_QUOTA_SERVERS = 1_024  # servers a rate may be split across
+
+
+@dataclass(frozen=True)
+class Quota:
+    """A client's share of each server (docs/deploying.md, "Sharing a
+    server"); None: not set here (the default, then the built-in share)."""
+
+    max_concurrent: int | None = None  # sandboxes running its calls at once
+    max_queued: int | None = None  # its calls waiting for a slot
+    rate_per_s: float | None = None  # calls per second, as a token bucket...
+    burst: int | None = None  # ...holding this many
+    max_pending_approvals: int | None = None  # its approval requests waiting for approvers
+
+    def over(self, base: Quota) -> Quota:
+        """These settings, with ``base``'s where these say nothing."""
+        mine = dataclasses.asdict(self)
+        return dataclasses.replace(
+            base, **{name: value for name, value in mine.items() if value is not None}
+        )
+
+
+@dataclass(frozen=True)
+class QuotaPolicy:
+    default: Quota = Quota()  # for clients that name none (each field on its own)
+    # Servers sharing the load: each enforces 1/servers of every rate and burst
+    # (the other limits hold per server: docs/deploying.md).
+    servers: int = 1
+
+
 @dataclass(frozen=True)
 class Client:
     id: str
@@ -203,6 +238,7 @@ class Client:
     register: RegisterGrant = field(default_factory=RegisterGrant)
     # The approver this client is (the same person): never approves its calls.
     approver: str | None = None
+    quota: Quota = Quota()
 
     def may(self, role: Role, level: SafetyLevel | None = None) -> bool:
         """Whether this client holds ``role``; for EXECUTE, also at ``level``."""
@@ -223,6 +259,7 @@ class Policy:
     profiles: Mapping[SafetyLevel, Mapping[str, int]] = field(default_factory=dict)
     clients: tuple[Client, ...] = ()
     egress: EgressPolicy = field(default_factory=EgressPolicy)
+    quotas: QuotaPolicy = QuotaPolicy()
     source: str = "policy"  # the file it came from, for messages
     webhooks: tuple[WebhookSpec, ...] = ()  # where approval events are posted (notify/)
     console_url: str = ""  # the approval console's base URL, without a trailing slash
@@ -246,6 +283,18 @@ class Policy:
             return True
         client = self.client(client_id)
         return client is not None and client.approver == approver_id
+
+    def quota_for(self, client_id: str) -> Quota:
+        """The client's own quota over the policy's default."""
+        client = self.client(client_id)
+        own = client.quota if client is not None else Quota()
+        return own.over(self.quotas.default)
+
+    @functools.cached_property
+    def shared(self) -> bool:
+        """Whether several clients may execute: then each gets a share by
+        default, so one of them can never take the whole server."""
+        return sum(1 for c in self.clients if Role.EXECUTE in c.roles) > 1
 
     def approver_identity(self, client: Client) -> str | None:
         """The approver a client is: the one it names (``approver:``), else

@@ -37,6 +37,10 @@ from registry_server.policy.model import (
     MAX_GRANT_ENTRIES,
     MAX_IMAGE_PATTERN_CHARS,
     MAX_IMAGE_PATTERNS,
+    MAX_QUOTA_BURST,
+    MAX_QUOTA_COUNT,
+    MAX_QUOTA_RATE,
+    MAX_QUOTA_SERVERS,
     MAX_SUBJECT_CHARS,
     MAX_TMPFS_MB,
     MAX_TOKEN_TTL_S,
@@ -203,6 +207,21 @@ class _RegisterIn(_Strict):
         return value
 
 
+class _QuotaIn(_Strict):
+    """A client's share of each server; each field on its own."""
+
+    max_concurrent: int | None = Field(None, ge=1, le=MAX_QUOTA_COUNT)
+    max_queued: int | None = Field(None, ge=0, le=MAX_QUOTA_COUNT)
+    rate_per_s: float | None = Field(None, gt=0, le=MAX_QUOTA_RATE)
+    burst: int | None = Field(None, ge=1, le=MAX_QUOTA_BURST)
+    max_pending_approvals: int | None = Field(None, ge=1, le=MAX_QUOTA_COUNT)
+
+
+class _QuotasIn(_Strict):
+    default: _QuotaIn = Field(default_factory=lambda: _QuotaIn())
+    servers: int = Field(1, ge=1, le=MAX_QUOTA_SERVERS)
+
+
 class _ClientIn(_Strict):
     id: str
     token_sha256: str | None = None
@@ -212,6 +231,7 @@ class _ClientIn(_Strict):
     # "register" in the file (the attribute name would shadow BaseModel's own)
     grant: _RegisterIn | None = Field(None, alias="register")
     approver: str | None = None  # the approver id of the same person
+    quotas: _QuotaIn | None = None  # its share of each server, over quotas.default
 
     @field_validator("id")
     @classmethod
@@ -303,6 +323,7 @@ class _PolicyIn(_Strict):
     profiles: _ProfilesIn = Field(default_factory=lambda: _ProfilesIn())
     clients: list[_ClientIn] = Field(default_factory=list)
     egress: _EgressIn = Field(default_factory=lambda: _EgressIn())
+    quotas: _QuotasIn = Field(default_factory=lambda: _QuotasIn())
     webhooks: list[_WebhookIn] = Field(default_factory=list, max_length=MAX_WEBHOOKS)
     console_url: str | None = None  # the approval console's base URL, for links in webhooks
 
