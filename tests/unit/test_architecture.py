@@ -18,6 +18,7 @@ LAYERS = [
     "store",
     "catalog",
     "approvals",
+    "notify",
     "execution",
     "_proto",
     "wire",
