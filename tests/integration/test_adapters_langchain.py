@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -34,7 +36,8 @@ from tests.integration.adapter_server import (
     start_policy_server,
 )
 
-FAST_POLL_S = 0.1  # seconds between GetApprovalRequest polls
+FAST_POLL_S = 0.1  # seconds between GetApprovalRequest polls (only a server that cannot watch)
+SLOW_POLL_S = 60.0  # a poll interval no test waits out: the wait must follow the watch
 
 
 @pytest.fixture(scope="module")
@@ -290,6 +293,44 @@ def test_a_rejected_call_gives_the_model_a_refusal_async(
     assert refusal.content == "Not run: the call to 'write_file' was not approved: not on a Friday"
     assert not (server.workspace / "rejected").exists()
     assert server.request(pause.value["request_id"]).state == "PENDING"  # never spent
+
+
+def test_an_approver_rejection_while_a_resumed_call_waits_reaches_the_model_with_the_reason(
+    server: PolicyServer, agent_client: RegistryClient
+) -> None:
+    # A resumed call waits up to approval_wait_s for toolreg, following the watch
+    # stream (poll_s, for servers that cannot watch, is never waited out here).
+    tools = toolreg_structured_tools(agent_client, approval_wait_s=60.0, poll_s=SLOW_POLL_S)
+    graph = tool_graph(tools)
+    config = thread()
+    arguments = {"path": "refused/file.txt", "content": "never written"}
+    call = {"name": "write_file", "args": arguments, "id": "call_refused", "type": "tool_call"}
+    out = graph.invoke({"messages": [AIMessage(content="", tool_calls=[call])]}, config)
+    (pause,) = out["__interrupt__"]
+    request_id = pause.value["request_id"]
+    reason = "not on a Friday: file a change ticket first"
+
+    def reject_soon() -> float:
+        time.sleep(0.5)  # the resumed call is waiting by now
+        with server.client("alice") as alice:
+            assert alice.reject_approval_request(request_id, reason).state == "REJECTED"
+        return time.monotonic()
+
+    with ThreadPoolExecutor(1) as pool:
+        rejected_at = pool.submit(reject_soon)
+        out = graph.invoke(Command(resume={"approved": True, "request_id": request_id}), config)
+        lag = time.monotonic() - rejected_at.result()
+
+    assert "__interrupt__" not in out
+    assert lag < 2.0, f"the call answered {lag:.2f}s after the rejection"
+    refusal = tool_messages(out)["call_refused"]
+    assert refusal.status == "error"
+    assert refusal.content == (
+        "Not run: the call to 'write_file' was not approved:"
+        f" approval request {request_id} was rejected by alice: {reason}"
+    )
+    assert not (server.workspace / "refused").exists()
+    assert server.request(request_id).state == "REJECTED"
 
 
 def test_an_unreadable_resume_value_is_a_refusal(

@@ -9,6 +9,7 @@ import asyncio
 import json
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,8 @@ from tests.integration.adapter_server import (
 
 NO_TRACING = RunConfig(tracing_disabled=True)  # nothing leaves this machine
 APPROVAL_WAIT_S = 60.0  # seconds resolve() may wait for an approver in these tests
-FAST_POLL_S = 0.1  # seconds between GetApprovalRequest polls
+FAST_POLL_S = 0.1  # seconds between GetApprovalRequest polls (only a server that cannot watch)
+SLOW_POLL_S = 60.0  # a poll interval no test waits out: the wait must follow the watch
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +66,15 @@ def resolve(approvals: ToolregApprovals, result: RunResult, **options: Any) -> A
     state = result.to_state()
     resolutions = asyncio.run(approvals.resolve(state, **options))
     return state, resolutions
+
+
+def approving_agent(
+    client: RegistryClient, name: str, model: ScriptedModel, poll_s: float = FAST_POLL_S
+) -> tuple[Agent[Any], ToolregApprovals]:
+    """An Agent with the registry's tools whose pauses ``approvals`` resolves."""
+    approvals = ToolregApprovals(client, poll_s=poll_s)
+    tools = toolreg_function_tools(client, approvals=approvals)
+    return Agent(name=name, model=model, tools=tools), approvals
 
 
 def outputs_seen(model: ScriptedModel, turn: int) -> dict[str, str]:
@@ -121,12 +132,7 @@ def test_recorded_calls_reach_the_next_model_turn_and_a_dangerous_call_waits_for
         for turn in turns
     ]
     model = ScriptedModel([*steps, [assistant_message("all done")]])
-    approvals = ToolregApprovals(agent_client, poll_s=FAST_POLL_S)
-    agent = Agent(
-        name="recorded",
-        model=model,
-        tools=toolreg_function_tools(agent_client, approvals=approvals),
-    )
+    agent, approvals = approving_agent(agent_client, "recorded", model)
 
     first = run(agent, "do the recorded things")
 
@@ -201,12 +207,7 @@ def test_invalid_arguments_are_answered_without_asking_approvers(
 ) -> None:
     call, arguments = write_call("call_bad_path", "", "no path")  # minLength 1
     model = ScriptedModel([[call], [assistant_message("ok")]])
-    approvals = ToolregApprovals(agent_client, poll_s=FAST_POLL_S)
-    agent = Agent(
-        name="bad-args",
-        model=model,
-        tools=toolreg_function_tools(agent_client, approvals=approvals),
-    )
+    agent, approvals = approving_agent(agent_client, "bad-args", model)
     first = run(agent, "write it")
 
     state, resolutions = resolve(approvals, first, timeout_s=APPROVAL_WAIT_S)
@@ -222,12 +223,7 @@ def test_a_wait_that_times_out_is_left_pending_or_rejected(
 ) -> None:
     call, arguments = write_call("call_slow", "slow/approval.txt", "approved late")
     model = ScriptedModel([[call], [assistant_message("ok")]])
-    approvals = ToolregApprovals(agent_client, poll_s=FAST_POLL_S)
-    agent = Agent(
-        name="slow",
-        model=model,
-        tools=toolreg_function_tools(agent_client, approvals=approvals),
-    )
+    agent, approvals = approving_agent(agent_client, "slow", model)
     first = run(agent, "write it")
 
     # No approver yet: "leave" keeps the pause for a later resolve ...
@@ -249,18 +245,48 @@ def test_a_wait_that_times_out_is_left_pending_or_rejected(
     assert request.state == "PENDING"  # toolreg's request is untouched; it expires unused
 
 
+def test_an_approver_rejection_reaches_the_model_with_the_reason_at_once(
+    server: PolicyServer, agent_client: RegistryClient
+) -> None:
+    call, arguments = write_call("call_refused", "refused/file.txt", "never written")
+    model = ScriptedModel([[call], [assistant_message("ok")]])
+    # The wait follows the watch stream: poll_s (for servers that cannot watch)
+    # is far longer than the test may take.
+    agent, approvals = approving_agent(agent_client, "refused", model, poll_s=SLOW_POLL_S)
+    first = run(agent, "write it")
+    request = asyncio.run(approvals.open(first.interruptions))["call_refused"]
+    reason = "not on a Friday: file a change ticket first"
+
+    def reject_soon() -> float:
+        time.sleep(0.5)  # resolve() is waiting by now
+        with server.client("alice") as alice:
+            assert alice.reject_approval_request(request.id, reason).state == "REJECTED"
+        return time.monotonic()
+
+    with ThreadPoolExecutor(1) as pool:
+        rejected_at = pool.submit(reject_soon)
+        state, resolutions = resolve(approvals, first, timeout_s=APPROVAL_WAIT_S)
+        lag = time.monotonic() - rejected_at.result()
+
+    assert [(r.decision, r.request_id) for r in resolutions] == [("rejected", request.id)]
+    assert lag < 2.0, f"resolve() answered {lag:.2f}s after the rejection"
+    run(agent, state)
+    said = outputs_seen(model, 1)["call_refused"]
+    assert said == (
+        "Not run: the call to 'write_file' was not approved:"
+        f" approval request {request.id} was rejected by alice: {reason}"
+    )
+    assert not (server.workspace / "refused").exists()
+    assert [r.state for r in server.requests_for("write_file", arguments)] == ["REJECTED"]
+
+
 def test_an_expired_request_is_rejected(tmp_path: Path) -> None:
     server = start_policy_server(tmp_path, request_ttl_s=1)
     try:
         with server.client("agent") as client:
             call, _ = write_call("call_expiring", "late/file.txt", "too late")
             model = ScriptedModel([[call], [assistant_message("ok")]])
-            approvals = ToolregApprovals(client, poll_s=FAST_POLL_S)
-            agent = Agent(
-                name="expiring",
-                model=model,
-                tools=toolreg_function_tools(client, approvals=approvals),
-            )
+            agent, approvals = approving_agent(client, "expiring", model)
             first = run(agent, "write it")
             request = asyncio.run(approvals.open(first.interruptions))["call_expiring"]
             time.sleep(1.5)  # past the policy's approval_request_ttl_s

@@ -25,10 +25,12 @@ How toolreg maps onto LangChain and LangGraph:
 - a call that needs approval (ExecuteTool answers APPROVAL_REQUIRED) calls
   ``langgraph.types.interrupt`` with ``approval_payload``: a graph with a
   checkpointer pauses (``__interrupt__``). Resuming with ``{"approved": true}``
-  makes the tool check toolreg's request (waiting up to ``approval_wait_s``):
+  makes the tool check toolreg's request (waiting up to ``approval_wait_s`` on
+  the request's watch stream, so it answers the moment toolreg decides):
   APPROVED runs the call with ``approval_request_id``; still PENDING pauses
-  again; expired or used is an error for the model. ``{"approved": false}`` is
-  a refusal for the model. The resume value never authorises a run by itself;
+  again; rejected by an approver (their reason), expired or used is an error
+  for the model. ``{"approved": false}`` is a refusal for the model. The
+  resume value never authorises a run by itself;
 - LangGraph re-runs the whole node on resume. The tools keep, per graph thread
   and tool call, the call's approval request (so a re-run asks no new one) and
   the outcome of calls that finished (so a re-run does not run a call twice),
@@ -267,8 +269,12 @@ def toolreg_structured_tools(
 ) -> list[StructuredTool]:
     """The registry's tools at or below ``max_level`` with any of ``categories``
     as ``StructuredTool``s. ``approval_wait_s``: how long a call resumed as
-    approved waits for toolreg's request to be APPROVED before pausing again.
-    ``timeout_s`` bounds each ExecuteTool RPC (None: the tool's own limit)."""
+    approved waits for toolreg's request to be APPROVED before pausing again
+    (it follows the request's watch stream; an approver's rejection ends the
+    wait with their reason for the model). ``poll_s``: seconds between polls,
+    used only against a server that cannot watch (WatchApprovalRequests
+    UNIMPLEMENTED); kept for compatibility. ``timeout_s`` bounds each
+    ExecuteTool RPC (None: the tool's own limit)."""
     calls = _Calls(client, approval_wait_s=approval_wait_s, poll_s=poll_s, timeout_s=timeout_s)
     return [_structured_tool(d, calls) for d in list_tools(client, max_level, categories)]
 

@@ -24,7 +24,9 @@ How toolreg maps onto the SDK:
 - dangerous tools have ``needs_approval=True``: the SDK pauses the run with a
   ``ToolApprovalItem``. ``ToolregApprovals.resolve`` opens (or finds) the
   toolreg approval request for exactly that call, waits for toolreg to say
-  APPROVED, and only then approves the SDK item; when the request expires, was
+  APPROVED (following WatchApprovalRequests: it answers the moment the last
+  approver signs, or rejects), and only then approves the SDK item; when an
+  approver rejects the request (the model hears their reason), it expires, was
   used, or the wait times out, it rejects the item with a reason for the
   model. The tool then calls ExecuteTool with ``approval_request_id``, so the
   approvers' signatures are what authorise the run: approving the SDK item by
@@ -126,8 +128,9 @@ class Resolution:
     """What ``ToolregApprovals.resolve`` did with one interruption (``decision``):
 
     - ``approved``: toolreg's request is APPROVED; the SDK item was approved;
-    - ``rejected``: the request expired or was used, or the wait timed out; the
-      SDK item was rejected with ``message`` as the model's answer;
+    - ``rejected``: an approver rejected the request (``message`` gives who and
+      their reason), it expired or was used, or the wait timed out; the SDK
+      item was rejected with ``message`` as the model's answer;
     - ``answered``: toolreg answered the call without asking for approval (it was
       redefined, or the arguments are invalid); the SDK item was approved and the
       tool hands that answer (``message``) to the model without calling again;
@@ -154,7 +157,10 @@ class ToolregApprovals:
     ``remember`` restores it when a run is resumed in another process."""
 
     client: RegistryClient
-    poll_s: float = DEFAULT_POLL_S  # seconds between GetApprovalRequest polls
+    # Seconds between GetApprovalRequest polls, used only against a server that
+    # cannot watch (WatchApprovalRequests UNIMPLEMENTED); otherwise the wait
+    # follows the watch stream and never polls. Kept for compatibility.
+    poll_s: float = DEFAULT_POLL_S
     _tools: set[str] = field(init=False, repr=False, default_factory=set)  # settled here
     _requests: BoundedMap[str, str] = field(init=False, repr=False, default_factory=_tracked)
     # Answers toolreg gave while a request was being opened (the call needed no
@@ -191,8 +197,10 @@ class ToolregApprovals:
     ) -> list[Resolution]:
         """Settle the run's interruptions from toolreg: approve each SDK item whose
         toolreg request is APPROVED, reject it (with the reason for the model)
-        when the request expired or was used, or after ``timeout_s`` seconds of
-        waiting (``on_timeout="leave"`` leaves those pending for a later call).
+        when an approver rejected the request (their reason), it expired or was
+        used, or after ``timeout_s`` seconds of waiting (``on_timeout="leave"``
+        leaves those pending for a later call). Each wait follows the request's
+        watch stream, so it ends the moment toolreg decides.
         Waits run concurrently. Interruptions of other tools are skipped. Raises
         grpc.RpcError, settling nothing, when the server cannot answer."""
         items = state.get_interruptions()
