@@ -35,19 +35,13 @@ Host (421) / Origin (403), then the MCP session and message.
 
 from __future__ import annotations
 
-import contextlib
-import ipaddress
 import logging
-import signal
-import socket
 import sys
-import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import uvicorn
 from mcp.server.auth.middleware.bearer_auth import (
     AuthenticatedUser,
     BearerAuthBackend,
@@ -66,6 +60,16 @@ from starlette.requests import Request
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
+from registry_server.client.http_listener import (
+    ListenerServer,
+    bind,
+    check_exposure,
+    is_loopback,
+    listener_hosts,
+    parse_endpoint,
+    shown_url,
+    uvicorn_config,
+)
 from registry_server.client.mcp_bridge import Bridge, build_server
 from registry_server.client.registry_client import RegistryClient
 from registry_server.domain.arguments import MAX_ARGUMENTS_BYTES
@@ -82,12 +86,6 @@ MCP_PATH = "/mcp"  # the conventional Streamable HTTP endpoint
 DEFAULT_MAX_BODY_BYTES = MAX_ARGUMENTS_BYTES + 64 * 1024
 DEFAULT_MAX_SESSIONS = 64  # MCP sessions open at once; the next gets 503 until one ends
 DEFAULT_SESSION_IDLE_S = 600.0  # seconds without a request before a session is closed
-MAX_CONNECTIONS = 256  # HTTP connections and requests at once (uvicorn answers 503 beyond)
-MAX_HEADER_BYTES = 16 * 1024  # bytes of a request's line and headers (h11 answers 400 beyond)
-KEEP_ALIVE_S = 5  # seconds an idle keep-alive connection stays open
-SHUTDOWN_GRACE_S = 5  # seconds open streams get to finish at shutdown
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")  # Host names of a loopback listener
 
 
 @dataclass(frozen=True)
@@ -113,31 +111,6 @@ class HttpSettings:
         return self.tls_cert is not None
 
 
-def parse_endpoint(text: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[::1]:PORT`` for IPv6) -> (host, port); ConfigError if not."""
-    host, sep, port_text = text.rpartition(":")
-    host = host.removeprefix("[").removesuffix("]")
-    if not sep or not host or not port_text.isdigit() or int(port_text) > 65535:
-        raise ConfigError(f"--http: expected HOST:PORT (e.g. 127.0.0.1:8765), got {text!r}")
-    return host, int(port_text)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _is_unspecified(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_unspecified
-    except ValueError:
-        return False
-
-
 def check_settings(settings: HttpSettings) -> None:
     """Fail closed: refuse what would expose the registry (ConfigError)."""
     loopback = is_loopback(settings.host)
@@ -159,18 +132,10 @@ def check_settings(settings: HttpSettings) -> None:
             f"{settings.policy.source}: no client has a token_sha256, so no MCP client could"
             " authenticate over HTTP"
         )
-    if (settings.tls_cert is None) != (settings.tls_key is None):
-        raise ConfigError("--http-tls-cert and --http-tls-key go together")
-    if not loopback and not settings.tls:
-        raise ConfigError(
-            f"refusing to serve MCP on {settings.host} without TLS: bearer tokens would cross"
-            " the network in clear; give --http-tls-cert and --http-tls-key"
-        )
-    if _is_unspecified(settings.host) and not settings.allowed_hosts:
-        raise ConfigError(
-            f"listening on {settings.host} (every interface) needs --allow-host NAME:PORT,"
-            " the Host header clients send (checked against DNS rebinding)"
-        )
+    check_exposure(
+        settings.host, tls_cert=settings.tls_cert, tls_key=settings.tls_key,
+        allowed_hosts=settings.allowed_hosts, serving="MCP",
+    )  # fmt: skip
     if settings.max_sessions <= 0 or settings.session_idle_s <= 0 or settings.max_body_bytes <= 0:
         raise ConfigError("--max-sessions, --session-idle-s and --max-body-bytes must be positive")
 
@@ -220,15 +185,7 @@ def http_settings(
 
 def transport_security(settings: HttpSettings, port: int) -> TransportSecuritySettings:
     """The Host and Origin values the SDK admits (DNS rebinding protection)."""
-    if is_loopback(settings.host):
-        names: list[str] = list(LOOPBACK_NAMES)
-    elif ":" in settings.host:
-        names = [f"[{settings.host}]"]
-    else:
-        names = [settings.host]
-    hosts = [f"{name}:{port}" for name in names]
-    if port == (443 if settings.tls else 80):  # clients leave a default port out of Host
-        hosts += names
+    hosts = listener_hosts(settings.host, port, tls=settings.tls)
     return TransportSecuritySettings(
         enable_dns_rebinding_protection=True,
         allowed_hosts=[*hosts, *settings.allowed_hosts],
@@ -310,28 +267,6 @@ def build_app(bridge: Bridge, settings: HttpSettings, port: int) -> Starlette:
     )
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """The listening socket, bound here so the real port (for ``:0``) is known
-    before the Host allow-list is made."""
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
-        sock = socket.socket(family, kind, proto)
-    except OSError as exc:
-        raise ConfigError(f"--http {host}:{port}: {exc}") from None
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        # Listening now, not when uvicorn starts: a client that read the
-        # announced URL waits in the backlog instead of being refused.
-        sock.listen(MAX_CONNECTIONS)
-    except OSError as exc:
-        sock.close()
-        raise ConfigError(f"--http {host}:{port}: cannot listen: {exc.strerror or exc}") from None
-    return sock
-
-
 def serve_http(
     connect: Callable[[str | None], RegistryClient],
     settings: HttpSettings,
@@ -351,26 +286,11 @@ def serve_http(
     bridge = Bridge(
         identities.client_for, max_level=settings.max_level, categories=settings.categories
     )
-    config = uvicorn.Config(
-        build_app(bridge, settings, port),
-        log_config=None,  # keep the bridge's logging
-        access_log=False,  # request lines name paths and peers; the bridge logs calls itself
-        proxy_headers=False,  # no X-Forwarded-* trusted: nothing sits in front by default
-        server_header=False,
-        http="h11",  # named, so the header cap below holds whatever else is installed
-        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
-        ws="none",
-        lifespan="on",
-        limit_concurrency=MAX_CONNECTIONS,
-        timeout_keep_alive=KEEP_ALIVE_S,
-        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
-        ssl_certfile=settings.tls_cert,
-        ssl_keyfile=settings.tls_key,
+    app = build_app(bridge, settings, port)
+    server = ListenerServer(
+        uvicorn_config(app, tls_cert=settings.tls_cert, tls_key=settings.tls_key)
     )
-    server = _Uvicorn(config)
-    scheme = "https" if settings.tls else "http"
-    shown = f"[{settings.host}]" if ":" in settings.host else settings.host
-    url = f"{scheme}://{shown}:{port}{MCP_PATH}"
+    url = shown_url(settings.host, port, tls=settings.tls, path=MCP_PATH)
     mode = (
         f"bearer tokens of {settings.policy.source}"
         if settings.policy is not None
@@ -383,23 +303,6 @@ def serve_http(
     finally:
         sock.close()
         identities.close()
-
-
-class _Uvicorn(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        """uvicorn's, without raising the signal again after its graceful
-        shutdown: that would kill the process before the bridge closes its
-        registry connections. SIGTERM and SIGINT stop the bridge with exit 0."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in STOP_SIGNALS}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
 
 
 def _announce(url: str) -> None:
