@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 
 from registry_server.domain.models import SafetyLevel
+from registry_server.execution.admission import ClientLimits
+from registry_server.execution.quotas import Rate, Shares
 from registry_server.policy.loader import load_policy
 from registry_server.policy.model import (
     DEFAULT_MAX_TOKEN_TTL_S,
@@ -15,6 +17,7 @@ from registry_server.policy.model import (
     EffectiveRule,
     Policy,
     PolicyError,
+    Quota,
     Requirement,
     Role,
     development_policy,
@@ -409,3 +412,54 @@ def test_links_and_grants_are_checked(tmp_path: Path) -> None:
     assert "clients[1].approver: unknown approver 'mallory'" in error(tmp_path, unknown)
     no_role = BASE + "    register: {max_safety_level: safe}\n"
     assert "clients[1].register: given without the register role" in error(tmp_path, no_role)
+
+
+# ------------------------------------------------------------------ quotas
+
+
+QUOTAS = """\
+quotas:
+  servers: 2
+  default: {max_concurrent: 3, rate_per_s: 10, burst: 20}
+"""
+
+
+def test_quotas_merge_field_by_field_over_the_default(tmp_path: Path) -> None:
+    text = insert_after(29, "    quotas: {max_queued: 2, rate_per_s: 1}") + QUOTAS
+    policy = load_policy(write(tmp_path, text))
+    assert policy.quota_for("agent") == Quota(
+        max_concurrent=3, max_queued=2, rate_per_s=1.0, burst=20
+    )
+    assert policy.quota_for("alice") == Quota(max_concurrent=3, rate_per_s=10.0, burst=20)
+    assert policy.quota_for("nobody") == policy.quota_for("alice")
+    assert policy.quotas.servers == 2
+    shares = Shares(lambda: policy, max_running=8, max_waiting=32)
+    # one client that executes: no built-in share beyond what the policy says
+    assert shares.limits("agent") == ClientLimits(max_running=3, max_queued=2)
+    assert shares.rate("agent") == Rate(per_s=0.5, burst=10)  # split across 2 servers
+    assert shares.rate("alice") == Rate(per_s=5.0, burst=10)
+
+
+def test_several_executing_clients_each_get_a_share_by_default(tmp_path: Path) -> None:
+    text = BASE.replace("roles: [approve]", "roles: [approve, execute]")
+    policy = load_policy(write(tmp_path, text))
+    assert policy.shared
+    shares = Shares(lambda: policy, max_running=4, max_waiting=32)
+    assert shares.limits("agent") == ClientLimits(max_running=3, max_queued=16)
+    assert shares.rate("agent") is None
+    alone = load_policy(write(tmp_path, BASE))
+    assert not alone.shared
+    assert Shares(lambda: alone, 4, 32).limits("agent") == ClientLimits()
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("quotas: {default: {max_concurrent: 0}}", "quotas.default.max_concurrent"),
+        ("quotas: {default: {rate_per_s: -1}}", "quotas.default.rate_per_s"),
+        ("quotas: {servers: 0}", "quotas.servers"),
+        ("quotas: {default: {max_parallel: 3}}", "quotas.default.max_parallel: unknown key"),
+    ],
+)
+def test_bad_quotas_are_refused_with_the_field(tmp_path: Path, line: str, message: str) -> None:
+    assert message in error(tmp_path, BASE + line + "\n")
