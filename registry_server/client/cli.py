@@ -16,13 +16,13 @@ from typing import Annotated, Any, NoReturn
 import grpc
 import typer
 
+from registry_server.client import approval_view
 from registry_server.client import registry_client as client_mod
 from registry_server.client.registry_client import RegistryClient, describe_rpc_error, open_channel
 from registry_server.client.terminal import escape
-from registry_server.domain.egress import describe_reach
 from registry_server.domain.errors import ToolregError
 from registry_server.domain.files import read_credential
-from registry_server.domain.models import LIMIT_FIELDS, SafetyLevel
+from registry_server.domain.models import SafetyLevel
 from registry_server.domain.schemas import SchemaFormat, tool_belt
 from registry_server.wire import convert
 
@@ -81,7 +81,7 @@ def root(
 
 
 # The service name each kind of process reports when OTEL_SERVICE_NAME is unset.
-SERVICE_NAMES = {"serve": "toolreg", "mcp": "toolreg-mcp"}
+SERVICE_NAMES = {"serve": "toolreg", "mcp": "toolreg-mcp", "console": "toolreg-console"}
 LONG_RUNNING = frozenset(SERVICE_NAMES)  # no span for the whole life of a server
 
 
@@ -444,57 +444,9 @@ def reap(
 
 def _request_lines(req: Any) -> list[str]:
     """What an approver reads before signing: every client-supplied text escaped."""
-    created = req.created_at.ToDatetime().strftime("%Y-%m-%d %H:%M:%S")
-    expires = req.expires_at.ToDatetime().strftime("%Y-%m-%d %H:%M:%S")
-    approved = ", ".join(req.approved_by) or "nobody yet"
-    lines = [
-        f"request   {req.id}",
-        f"state     {req.state}",
-        f"tool      {req.tool_name} (digest {req.tool_digest})",
-        f"asked by  {req.requested_by} at {created} UTC; expires {expires} UTC",
-        f"approvals {len(req.approved_by)} of {req.approvals_required} ({approved});"
-        f" {req.approvals_missing} more needed",
-        *([f"rejected  by {req.rejected_by}: {req.rejection_reason}"] if req.rejected_by else []),
-        *_tool_lines(req),
-        "arguments (digest " + req.arguments_digest + "):",
-        json.dumps(json.loads(req.arguments_json), indent=2, ensure_ascii=False),
-    ]
-    return [escape(line, keep_newlines=True) for line in lines]
-
-
-def _definition_matches(req: Any) -> bool:
-    """Whether the definition shown hashes to the digest a token would sign."""
-    try:
-        return bool(convert.stored_tool_from_pb(req.tool).digest == req.tool_digest)
-    except ToolregError:
-        return False
-
-
-def _tool_lines(req: Any) -> list[str]:
-    """The definition the request is for, checked against the digest signed."""
-    if not req.HasField("tool"):
-        return ["definition not recorded with this request (made by an older server)"]
-    tool = req.tool
-    matches = _definition_matches(req)
-    limits = tool.sandbox.limits
-    asked = ", ".join(f"{name} {getattr(limits, name) or 'level default'}" for name in LIMIT_FIELDS)
-    env = ", ".join(f"{k}={v!r}" for k, v in sorted(tool.sandbox.env.items())) or "none"
-    try:
-        shown = convert.stored_tool_from_pb(tool)
-        reach, secrets = describe_reach(shown.egress, shown.secrets)
-    except ToolregError:
-        reach, secrets = ", ".join(tool.network.egress) or "none", "(unreadable)"
-    return [
-        f"level     {convert.level_name(tool.safety_level)}",
-        f"owner     {tool.owner}",
-        f"image     {tool.sandbox.image}",
-        f"command   {json.dumps(list(tool.sandbox.command), ensure_ascii=False)}",
-        f"env       {env}",
-        f"limits    {asked}",
-        f"egress    {reach}",
-        f"secrets   {secrets}",
-        "definition " + ("matches the digest signed" if matches else "DOES NOT match tool_digest"),
-    ]
+    fields = [f"{label:<9} {value}" for label, value in approval_view.request_fields(req)]
+    heading = escape(f"arguments (digest {req.arguments_digest}):")
+    return [*fields, heading, approval_view.shown_arguments(req)]
 
 
 @approvals_app.command("list")
@@ -565,7 +517,7 @@ def approvals_approve(
             req = client.approval_request(request_id)
             if req.state in ("CONSUMED", "REJECTED", "EXPIRED"):
                 fail(f"request {request_id} is {req.state.lower()}; nothing to approve")
-            if req.HasField("tool") and not _definition_matches(req):
+            if req.HasField("tool") and not approval_view.definition_matches(req):
                 fail(f"request {request_id}: the definition shown does not match tool_digest;"
                      " refusing to sign")  # fmt: skip
             token = mint_for(
@@ -857,6 +809,84 @@ def _serve_mcp_http(
     _client(ctx, address).close()  # the TLS files are read now, not at the first request
     try:
         mcp_http.serve_http(
+            lambda token: _client(ctx, address, token=token),
+            settings,
+            address=address or client_mod.default_address(),
+        )
+    except ToolregError as exc:
+        fail(exc.message)
+
+
+# ----------------------------------------------------------------- console
+
+
+@app.command("console")
+def console_serve(
+    ctx: typer.Context,
+    address: AddressOpt = None,
+    http: Annotated[
+        str, typer.Option("--http", metavar="HOST:PORT", help="Where to serve the page.")
+    ] = "127.0.0.1:8780",
+    policy: Annotated[
+        Path | None,
+        typer.Option(
+            "--policy",
+            help="The server's policy file: its approvers sign in with their client tokens.",
+        ),
+    ] = None,
+    allow_host: Annotated[
+        list[str] | None, typer.Option("--allow-host", help="Another Host to accept, NAME:PORT.")
+    ] = None,
+    http_tls_cert: Annotated[
+        Path | None, typer.Option("--http-tls-cert", help="Serve HTTPS (PEM).")
+    ] = None,
+    http_tls_key: Annotated[Path | None, typer.Option("--http-tls-key", help="The key.")] = None,
+    max_sessions: Annotated[
+        int | None, typer.Option("--max-sessions", help="Signed-in sessions at once (32).")
+    ] = None,
+    session_idle_s: Annotated[
+        float | None, typer.Option("--session-idle-s", help="End idle sessions after (900 s).")
+    ] = None,
+    max_body_bytes: Annotated[
+        int | None, typer.Option("--max-body-bytes", help="Request body cap (64 KiB).")
+    ] = None,
+    log_level: Annotated[str, typer.Option("--log-level", envvar="TOOLREG_LOG_LEVEL")] = "INFO",
+) -> None:
+    """Serve the approval console: a web page where approvers see, live, the
+    requests they may approve, read each in full (checked against its digests)
+    and sign it in their browser with their own key, which never leaves it.
+
+    Approvers sign in with their client token from --policy; each is then its
+    own registry client. Beyond loopback it needs --http-tls-cert/--http-tls-key."""
+    import logging
+
+    from registry_server.client.console.app import serve_console
+    from registry_server.client.console.settings import ConsoleSettings
+
+    conn = ctx.find_root().obj
+    if isinstance(conn, Connection) and conn.token:
+        fail(
+            "--token/TOOLREG_TOKEN does not apply to the console: each approver's own client"
+            " token is its registry identity",
+            2,
+        )
+    try:
+        logging.basicConfig(
+            stream=sys.stderr, level=log_level.upper(), format="%(asctime)s %(name)s %(message)s"
+        )
+    except ValueError as exc:
+        fail(f"--log-level: {exc}", 2)
+    try:
+        settings = ConsoleSettings.from_options(
+            http, policy_file=policy, allowed_hosts=tuple(allow_host or ()),
+            tls_cert=http_tls_cert, tls_key=http_tls_key, max_sessions=max_sessions,
+            session_idle_s=session_idle_s, max_body_bytes=max_body_bytes,
+        )  # fmt: skip
+    except ToolregError as exc:
+        fail(exc.message, 2)
+    _client(ctx, address).close()  # the TLS files are read now, not at the first sign-in
+    try:
+        serve_console(
             lambda token: _client(ctx, address, token=token),
             settings,
             address=address or client_mod.default_address(),

@@ -1,0 +1,437 @@
+"""The approval console's HTTP side (``toolreg console``): the page, its
+assets, and the small JSON API the page calls (docs/approvals.md, "The
+approval console"). It follows the rules of ``toolreg mcp --http``
+(``mcp_http``), for a browser:
+
+* **Who.** An approver signs in by presenting its policy client token once
+  (``Authorization: Bearer``, checked by the policy's own constant-time
+  ``client_by_token``); only clients with the approve role and an approver
+  identity may. The token then becomes that client's registry bearer (one
+  registry connection per policy client, as the MCP bridge makes them), and
+  the browser gets a session: an ``HttpOnly; SameSite=Strict`` cookie
+  (``Secure`` under TLS) plus a CSRF token the page keeps in memory. Every
+  change (approve, reject, sign out) needs the cookie, the CSRF header and
+  the console's own Origin.
+* **What.** The page lists, live, what the approver may approve (an event
+  stream fed by WatchApprovalRequests under its own bearer, ``feed``) and
+  reads each request in full through GetApprovalRequest; both digests are
+  checked here (``views``), a mismatch disables signing, and every text is
+  escaped before it leaves. The page signs in the browser with WebCrypto and
+  posts only the token; this side checks the request once more and calls
+  SubmitApproval. Private keys never reach this process.
+* **Where.** The page loads nothing from elsewhere and runs under a strict
+  Content-Security-Policy (Trusted Types included, so no HTML is ever parsed
+  from strings); Host must name this listener (DNS rebinding), an Origin
+  other than this console's is refused, and so is a change without one.
+* **How much.** Request bodies are capped (413), sessions are capped (503
+  beyond) and end when idle, event streams per session are capped (429).
+
+Order of checks on a request: Host (421), Origin and fetch site (403), then
+the session (401), the CSRF header (403), and the body: its type (415), size
+(413) and shape (400).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from importlib import resources
+from typing import Any
+
+import grpc
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp
+
+from registry_server.client.console import views
+from registry_server.client.console.feed import Feeds, Page
+from registry_server.client.console.guard import Guard, error
+from registry_server.client.console.sessions import Session, Sessions, SessionsFull
+from registry_server.client.console.settings import ConsoleSettings, may_sign_in
+from registry_server.client.http_listener import (
+    ListenerServer,
+    bind,
+    listener_hosts,
+    shown_url,
+    uvicorn_config,
+)
+from registry_server.client.registry_client import RegistryClient, describe_rpc_error
+from registry_server.client.terminal import escape
+from registry_server.signing.tokens import MAX_TOKEN_CHARS, peek_issuer
+from registry_server.wire import convert
+
+log = logging.getLogger("toolreg.console")
+
+COOKIE = "toolreg_console"
+TLS_COOKIE = "__Host-toolreg_console"  # the prefix binds it to this host, path / and HTTPS
+CSRF_HEADER = "x-toolreg-csrf"
+MAX_STREAMS_PER_SESSION = 4  # open event streams (tabs) per session; the next gets 429
+HEARTBEAT_S = 15.0  # seconds between keep-alive comments on an idle event stream
+SWEEP_S = 5.0  # seconds between sweeps for idle sessions (at most a quarter of the idle time)
+RECONNECT_MS = 3000  # milliseconds the browser waits before reopening a dropped stream
+# Request ids are 32 hex characters; anything else never reaches the registry.
+REQUEST_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+STATIC_FILES = {  # path -> (file in static/, content type)
+    "/": ("index.html", "text/html; charset=utf-8"),
+    "/console.js": ("console.js", "text/javascript; charset=utf-8"),
+    "/console.css": ("console.css", "text/css; charset=utf-8"),
+}
+# How the registry's refusals reach the page; anything else is a bad gateway.
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.FAILED_PRECONDITION: 409,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+ENDS_STREAM = frozenset({"signed-out", "resync"})  # page messages after which a stream closes
+
+
+def rpc_refusal(err: grpc.RpcError) -> JSONResponse:
+    """The registry's refusal as the page shows it: its code and reason, escaped."""
+    code = err.code() if isinstance(err, grpc.Call) else None
+    status = HTTP_STATUS.get(code, 502) if code is not None else 502
+    return error(status, escape(describe_rpc_error(err), keep_newlines=True))
+
+
+class Connections:
+    """One registry connection per policy client, made with its own bearer
+    token when it first signs in: never more than the policy has clients."""
+
+    def __init__(self, connect: Callable[[str], RegistryClient]) -> None:
+        self._connect = connect
+        self._by_client: dict[str, RegistryClient] = {}
+
+    def ensure(self, client_id: str, token: str) -> None:
+        if client_id not in self._by_client:
+            self._by_client[client_id] = self._connect(token)
+
+    def __call__(self, client_id: str) -> RegistryClient:
+        return self._by_client[client_id]  # a session exists only after ensure()
+
+    def close(self) -> None:
+        for client in self._by_client.values():
+            client.close()
+        self._by_client.clear()
+
+
+class Console:
+    """The page's API over the registry, for the approvers of one policy."""
+
+    def __init__(
+        self, settings: ConsoleSettings, connect: Callable[[str], RegistryClient], port: int
+    ) -> None:
+        self.settings = settings
+        self.port = port
+        self.policy = settings.policy
+        self.cookie = TLS_COOKIE if settings.tls else COOKIE
+        self.sessions = Sessions(max_sessions=settings.max_sessions, idle_s=settings.session_idle_s)
+        self.connections = Connections(connect)
+        self.feeds = Feeds(self.connections)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        package = resources.files(__package__ or "registry_server.client.console")
+        self._static = {
+            path: ((package / "static" / name).read_bytes(), kind)
+            for path, (name, kind) in STATIC_FILES.items()
+        }
+
+    def app(self) -> ASGIApp:
+        hosts = listener_hosts(self.settings.host, self.port, tls=self.settings.tls)
+        hosts += self.settings.allowed_hosts
+        scheme = "https" if self.settings.tls else "http"
+        routes = [
+            *(Route(path, self.static, methods=["GET"]) for path in STATIC_FILES),
+            Route("/api/session", self.whoami, methods=["GET"]),
+            Route("/api/session", self.sign_in, methods=["POST"]),
+            Route("/api/session/end", self.sign_out, methods=["POST"]),
+            Route("/api/events", self.events, methods=["GET"]),
+            Route("/api/requests/{request_id}", self.detail, methods=["GET"]),
+            Route("/api/requests/{request_id}/approve", self.approve, methods=["POST"]),
+            Route("/api/requests/{request_id}/reject", self.reject, methods=["POST"]),
+        ]
+        app = Starlette(routes=routes, lifespan=self._lifespan)
+        guarded = Guard(
+            app, hosts=frozenset(hosts), origins=frozenset(f"{scheme}://{h}" for h in hosts)
+        )
+        # Starlette's own answers (404, 405) pass through the guard too.
+        return guarded
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        self._loop = asyncio.get_running_loop()
+        sweeper = asyncio.create_task(self._sweep())
+        try:
+            yield
+        finally:
+            sweeper.cancel()
+            self.sessions.end_all("the console stopped")
+            self.feeds.stop_all()
+
+    async def _sweep(self) -> None:
+        interval = min(SWEEP_S, self.settings.session_idle_s / 4)
+        while True:
+            await asyncio.sleep(interval)
+            self.sessions.expire_idle()
+
+    def stopping(self) -> None:
+        """SIGTERM/SIGINT: end every open stream now rather than after the grace period."""
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self.sessions.end_all, "the console is stopping")
+
+    def close(self) -> None:
+        self.feeds.stop_all()
+        self.connections.close()
+
+    # ------------------------------------------------------------ the page
+
+    async def static(self, request: Request) -> Response:
+        content, kind = self._static[request.url.path]
+        return Response(content, media_type=kind)
+
+    # ------------------------------------------------------------ sessions
+
+    def _session(self, request: Request) -> Session | None:
+        return self.sessions.use(request.cookies.get(self.cookie))
+
+    def _changing(self, request: Request) -> Session | Response:
+        """The session of a change: signed in, and the page's CSRF token sent."""
+        session = self._session(request)
+        if session is None:
+            return error(401, "not signed in (or the session ended); sign in again")
+        if not session.csrf_matches(request.headers.get(CSRF_HEADER)):
+            return error(403, "missing or wrong CSRF token; reload the page")
+        return session
+
+    def _cookie(self, value: str, *, clear: bool = False) -> str:
+        parts = [f"{self.cookie}={value}", "Path=/", "HttpOnly", "SameSite=Strict"]
+        if clear:
+            parts.append("Max-Age=0")
+        if self.settings.tls:
+            parts.append("Secure")
+        return "; ".join(parts)
+
+    @staticmethod
+    def _whoami(session: Session) -> dict[str, Any]:
+        return {"client": escape(session.client_id), "approver": escape(session.approver),
+                "csrf": session.csrf}  # fmt: skip
+
+    async def whoami(self, request: Request) -> Response:
+        session = self._session(request)
+        if session is None:
+            return error(401, "not signed in")
+        return JSONResponse(self._whoami(session))
+
+    async def sign_in(self, request: Request) -> Response:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        token = token.strip()  # as the server reads "Bearer  T"
+        client = self.policy.client_by_token(token) if scheme.lower() == "bearer" else None
+        if client is None:
+            return error(401, "unknown token: sign in with your client token from the policy",
+                          {"www-authenticate": "Bearer"})  # fmt: skip
+        approver = self.policy.approver_identity(client)
+        if approver is None or not may_sign_in(self.policy, client):
+            return error(403, f"client {client.id} is no approver: the console is for clients"
+                          " with the approve role and an approver key in the policy")  # fmt: skip
+        self.connections.ensure(client.id, token)
+        self.sessions.end(request.cookies.get(self.cookie), "signed in again")
+        try:
+            session_id, session = self.sessions.open(client.id, approver)
+        except SessionsFull as exc:
+            return error(503, f"{exc}; try again when one ends")
+        log.info("%s signed in to the console", client.id)
+        response = JSONResponse(self._whoami(session))
+        response.headers.append("set-cookie", self._cookie(session_id))
+        return response
+
+    async def sign_out(self, request: Request) -> Response:
+        session = self._changing(request)
+        if isinstance(session, Response):
+            return session
+        self.sessions.end(request.cookies.get(self.cookie))
+        log.info("%s signed out of the console", session.client_id)
+        response = JSONResponse({"signed_out": True})
+        response.headers.append("set-cookie", self._cookie("", clear=True))
+        return response
+
+    # ------------------------------------------------------- live requests
+
+    async def events(self, request: Request) -> Response:
+        session = self._session(request)
+        if session is None:
+            return error(401, "not signed in")
+        if len(session.streams) >= MAX_STREAMS_PER_SESSION:
+            return error(429, f"{MAX_STREAMS_PER_SESSION} pages of this session are open;"
+                          " close one")  # fmt: skip
+        feed = self.feeds.of(session.client_id)
+        page = Page()
+        key = id(page)
+        session.streams[key] = lambda reason: page.last_word(
+            {"kind": "signed-out", "reason": escape(reason)}
+        )
+        feed.join(page)
+
+        async def stream() -> AsyncIterator[str]:
+            try:
+                yield f"retry: {RECONNECT_MS}\n\n"
+                while True:
+                    try:
+                        item = await asyncio.wait_for(page.queue.get(), HEARTBEAT_S)
+                    except TimeoutError:
+                        yield ": keep-alive\n\n"
+                        continue
+                    yield f"data: {json.dumps(item)}\n\n"  # ASCII, one line: valid SSE data
+                    if item["kind"] in ENDS_STREAM:
+                        return
+            finally:
+                feed.leave(page)
+                session.streams.pop(key, None)
+
+        return StreamingResponse(
+            stream(), media_type="text/event-stream", headers={"x-accel-buffering": "no"}
+        )
+
+    # ------------------------------------------------------------- actions
+
+    async def detail(self, request: Request) -> Response:
+        session = self._session(request)
+        if session is None:
+            return error(401, "not signed in")
+        request_id = request.path_params["request_id"]
+        if not REQUEST_ID.match(request_id):
+            return error(404, "no such approval request")
+        client = self.connections(session.client_id)
+        try:
+            req = await run_in_threadpool(client.approval_request, request_id)
+        except grpc.RpcError as err:
+            return rpc_refusal(err)
+        return JSONResponse(views.detail(req, session.approver))
+
+    async def approve(self, request: Request) -> Response:
+        return await self._act(request, "token", self._submit)
+
+    async def reject(self, request: Request) -> Response:
+        return await self._act(request, "reason", self._reject)
+
+    async def _act(
+        self,
+        request: Request,
+        field: str,
+        action: Callable[[Session, RegistryClient, str, str], Awaitable[Response]],
+    ) -> Response:
+        """A change: session and CSRF, the request id, a capped JSON body whose
+        ``field`` is a string, then ``action``; the registry's refusals as 4xx."""
+        session = self._changing(request)
+        if isinstance(session, Response):
+            return session
+        request_id = request.path_params["request_id"]
+        if not REQUEST_ID.match(request_id):
+            return error(404, "no such approval request")
+        body = await self._json_body(request)
+        if isinstance(body, Response):
+            return body
+        value = body.get(field)
+        if not isinstance(value, str) or not value:
+            return error(400, f"the body needs {field!r}: a non-empty string")
+        try:
+            return await action(session, self.connections(session.client_id), request_id, value)
+        except grpc.RpcError as err:
+            return rpc_refusal(err)
+
+    async def _submit(
+        self, session: Session, client: RegistryClient, request_id: str, token: str
+    ) -> Response:
+        if len(token) > MAX_TOKEN_CHARS:
+            return error(400, f"the token is longer than {MAX_TOKEN_CHARS} characters")
+        if peek_issuer(token) != session.approver:
+            # A console user signs as itself; a token of someone else is not theirs to hand in.
+            return error(403, f"the token is not signed as {escape(session.approver)},"
+                          " the approver you are signed in as")  # fmt: skip
+        # Checked again at submission, not only when shown: the request may have changed.
+        req = await run_in_threadpool(client.approval_request, request_id)
+        refusal = views.why_not_signable(req, session.approver, views.checks_of(req))
+        if refusal is not None:
+            return error(409, refusal)
+        updated = await run_in_threadpool(client.submit_approval, request_id, token)
+        log.info("%s approved request %s in the console", session.client_id, request_id)
+        return JSONResponse({"request": views.summary(convert.approval_request_from_pb(updated))})
+
+    async def _reject(
+        self, session: Session, client: RegistryClient, request_id: str, reason: str
+    ) -> Response:
+        updated = await run_in_threadpool(client.reject_approval_request, request_id, reason)
+        log.info("%s rejected request %s in the console", session.client_id, request_id)
+        return JSONResponse({"request": views.summary(updated)})
+
+    async def _json_body(self, request: Request) -> dict[str, Any] | Response:
+        """The body as a JSON object, read only up to the cap."""
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if kind != "application/json":
+            return error(415, "the body must be application/json")
+        cap = self.settings.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > cap):
+            return error(413, f"the body is larger than {cap} bytes")
+        received = bytearray()
+        async for chunk in request.stream():
+            received += chunk
+            if len(received) > cap:
+                return error(413, f"the body is larger than {cap} bytes")
+        try:
+            value = json.loads(received)
+        except ValueError:
+            return error(400, "the body is not JSON")
+        if not isinstance(value, dict):
+            return error(400, "the body must be a JSON object")
+        return value
+
+
+class _ConsoleServer(ListenerServer):
+    def __init__(self, config: Any, on_exit: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_exit = on_exit
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        super().handle_exit(sig, frame)
+        self._on_exit()
+
+
+def serve_console(
+    connect: Callable[[str], RegistryClient],
+    settings: ConsoleSettings,
+    *,
+    address: str,
+    announce: Callable[[str], None] | None = None,
+) -> None:
+    """Serve the console until SIGINT/SIGTERM (blocking). ``connect(token)``
+    opens a registry client whose bearer is ``token``; ``announce`` gets the
+    URL once the socket listens (default: a line on stderr)."""
+    settings.check()
+    sock = bind(settings.host, settings.port)
+    port = int(sock.getsockname()[1])
+    console = Console(settings, connect, port)
+    config = uvicorn_config(console.app(), tls_cert=settings.tls_cert, tls_key=settings.tls_key)
+    server = _ConsoleServer(config, console.stopping)
+    log.info(
+        "approval console for toolreg at %s (approvers of %s)", address, settings.policy.source
+    )
+    (announce or _announce)(shown_url(settings.host, port, tls=settings.tls, path="/"))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+        console.close()
+
+
+def _announce(url: str) -> None:
+    print(f"toolreg console: serving the approval console on {url}", file=sys.stderr, flush=True)

@@ -1,0 +1,389 @@
+// The approval console's page. It shows what the console sends (already
+// escaped there) as text only, and signs approvals here, in the browser,
+// with WebCrypto's Ed25519: the private key file is read only when the
+// approver signs, imported as a non-extractable key, used once and dropped.
+// Only the signed token leaves the page. Nothing is kept in any browser
+// storage; the CSRF token lives in this script's memory.
+'use strict';
+
+(() => {
+  const TOKEN_TYPE = 'toolreg-approval+jwt'; // the header typ the server requires
+  const JTI_BYTES = 16; // 128 random bits, as the CLI mints them
+  const MAX_KEY_FILE_BYTES = 16 * 1024; // a PEM Ed25519 key is ~120 bytes
+  const OPEN_STATES = new Set(['PENDING', 'APPROVED']);
+  const KNOWN_STATES = ['PENDING', 'APPROVED', 'CONSUMED', 'REJECTED', 'EXPIRED'];
+
+  const $ = (id) => document.getElementById(id);
+  const session = { csrf: null, client: '', approver: '', events: null };
+  const cards = new Map(); // request id -> card
+
+  // ------------------------------------------------------------ requests
+
+  async function api(method, path, { body, bearer } = {}) {
+    const headers = {};
+    if (bearer !== undefined) headers.Authorization = `Bearer ${bearer}`;
+    if (method !== 'GET' && session.csrf) headers['X-Toolreg-Csrf'] = session.csrf;
+    const init = { method, headers, credentials: 'same-origin', cache: 'no-store', redirect: 'error' };
+    if (body !== undefined) {
+      headers['Content-Type'] = 'application/json';
+      init.body = JSON.stringify(body);
+    }
+    let response;
+    try {
+      response = await fetch(path, init);
+    } catch (err) {
+      return { ok: false, status: 0, data: { error: 'the console did not answer' } };
+    }
+    let data = {};
+    try {
+      data = await response.json();
+    } catch (err) {
+      data = {};
+    }
+    if (!data.error && !response.ok) data.error = `refused (HTTP ${response.status})`;
+    return { ok: response.ok, status: response.status, data };
+  }
+
+  // ------------------------------------------------------------- signing
+
+  function base64url(bytes) {
+    let binary = '';
+    for (const byte of bytes) binary += String.fromCharCode(byte);
+    return btoa(binary).replace(/\+/g, '-').replace(/\//g, '_').replace(/=+$/, '');
+  }
+
+  const utf8 = new TextEncoder();
+  const segment = (value) => base64url(utf8.encode(JSON.stringify(value)));
+
+  // The PEM `toolreg keys generate` writes: unencrypted PKCS#8. Errors never quote the file.
+  async function importKey(file) {
+    if (file.size > MAX_KEY_FILE_BYTES) throw new Error('That file is too large to be an Ed25519 private key.');
+    const text = await file.text();
+    if (text.includes('ENCRYPTED PRIVATE KEY')) throw new Error('Encrypted keys are not supported (expected an unencrypted PKCS#8 PEM).');
+    const found = /-----BEGIN PRIVATE KEY-----([A-Za-z0-9+/=\s]+)-----END PRIVATE KEY-----/.exec(text);
+    if (!found) throw new Error('Not a private key file (expected a PKCS#8 PEM as written by `toolreg keys generate`).');
+    let der;
+    try {
+      der = Uint8Array.from(atob(found[1].replace(/\s+/g, '')), (c) => c.charCodeAt(0));
+    } catch (err) {
+      throw new Error('Not a readable PEM file.');
+    }
+    try {
+      return await crypto.subtle.importKey('pkcs8', der, { name: 'Ed25519' }, false, ['sign']);
+    } catch (err) {
+      throw new Error('Not an Ed25519 private key (expected an unencrypted PKCS#8 PEM).');
+    } finally {
+      der.fill(0);
+    }
+  }
+
+  // The token `toolreg approvals approve` mints (signing/tokens.py mint_for, bound to the
+  // request): the claims the console checked, with iat/exp by the console's clock.
+  async function mint(key, claims, skewSeconds) {
+    const now = Math.floor(Date.now() / 1000 + skewSeconds);
+    const payload = {
+      iss: claims.iss,
+      aud: claims.aud,
+      sub: claims.sub,
+      tool_digest: claims.tool_digest,
+      args_digest: claims.args_digest,
+      requester: claims.requester,
+      iat: now,
+      exp: now + claims.ttl_s,
+      jti: base64url(crypto.getRandomValues(new Uint8Array(JTI_BYTES))),
+      req: claims.req,
+    };
+    const input = `${segment({ alg: 'EdDSA', typ: TOKEN_TYPE })}.${segment(payload)}`;
+    const signature = await crypto.subtle.sign({ name: 'Ed25519' }, key, utf8.encode(input));
+    return `${input}.${base64url(new Uint8Array(signature))}`;
+  }
+
+  // --------------------------------------------------------------- cards
+
+  function text(element, value) {
+    element.textContent = value == null ? '' : String(value);
+  }
+
+  function newCard(id) {
+    const root = $('card-template').content.firstElementChild.cloneNode(true);
+    const card = {
+      id,
+      root,
+      title: root.querySelector('.card-title'),
+      badge: root.querySelector('.badge'),
+      event: root.querySelector('.card-event'),
+      fields: root.querySelector('.fields tbody'),
+      check: root.querySelector('.check'),
+      argumentsHeading: root.querySelector('.arguments-heading'),
+      argumentsText: root.querySelector('.arguments'),
+      approve: root.querySelector('.approve'),
+      reason: root.querySelector('.reason'),
+      reject: root.querySelector('.reject'),
+      notSignable: root.querySelector('.not-signable'),
+      outcome: root.querySelector('.outcome'),
+      state: '',
+      detail: null,
+      skew: 0,
+      seq: 0,
+      busy: false,
+      confirmed: true,
+    };
+    root.dataset.requestId = id;
+    card.approve.addEventListener('click', () => approve(card));
+    card.reject.addEventListener('click', () => reject(card));
+    cards.set(id, card);
+    $('requests').prepend(root);
+    showEmpty();
+    return card;
+  }
+
+  function showEmpty() {
+    $('empty').hidden = cards.size > 0;
+  }
+
+  function setState(card, stateName) {
+    card.state = stateName;
+    text(card.badge, stateName);
+    card.badge.classList.remove(...KNOWN_STATES);
+    if (KNOWN_STATES.includes(stateName)) card.badge.classList.add(stateName);
+    card.root.classList.toggle('done', !OPEN_STATES.has(stateName));
+    updateButtons(card);
+  }
+
+  function updateButtons(card) {
+    const open = OPEN_STATES.has(card.state);
+    card.approve.disabled = card.busy || !open || !card.detail || !card.detail.signable;
+    card.reject.disabled = card.busy || !open;
+    card.reason.disabled = !open;
+    text(card.notSignable, open && card.detail && !card.detail.signable ? card.detail.not_signable : '');
+  }
+
+  function setOutcome(card, message, kind) {
+    text(card.outcome, message);
+    card.outcome.classList.toggle('ok', kind === 'ok');
+    card.outcome.classList.toggle('bad', kind === 'bad');
+  }
+
+  function onRequestEvent(message) {
+    const summary = message.request;
+    const card = cards.get(summary.id) || newCard(summary.id);
+    card.confirmed = true;
+    text(card.title, `${summary.tool_name} asked by ${summary.requested_by}`);
+    const at = message.at ? new Date(message.at).toLocaleTimeString() : '';
+    const actor = message.actor ? ` by ${message.actor}` : '';
+    const reason = message.reason ? `: ${message.reason}` : '';
+    text(card.event, `${message.event}${actor}${reason}${at ? ` (${at})` : ''}`);
+    setState(card, summary.state);
+    refreshDetail(card);
+  }
+
+  async function refreshDetail(card) {
+    const seq = ++card.seq;
+    const answer = await api('GET', `/api/requests/${encodeURIComponent(card.id)}`);
+    if (seq !== card.seq) return; // a newer look is on its way
+    if (!answer.ok) {
+      card.detail = null;
+      setOutcome(card, answer.data.error, 'bad');
+      updateButtons(card);
+      return;
+    }
+    const detail = answer.data;
+    card.detail = detail;
+    card.skew = detail.server_time - Date.now() / 1000;
+    const rows = detail.fields.map(([label, value]) => {
+      const row = document.createElement('tr');
+      const head = document.createElement('th');
+      const cell = document.createElement('td');
+      text(head, label);
+      text(cell, value);
+      row.append(head, cell);
+      return row;
+    });
+    card.fields.replaceChildren(...rows);
+    const problems = [];
+    if (!detail.checks.definition) problems.push('the definition shown DOES NOT match tool_digest');
+    if (!detail.checks.arguments) problems.push('the arguments shown DO NOT match arguments_digest');
+    text(card.check, problems.length
+      ? `\u2717 ${problems.join('; ')}: signing is disabled`
+      : '\u2713 The definition and the arguments shown match the digests you sign');
+    card.check.classList.toggle('ok', problems.length === 0);
+    card.check.classList.toggle('bad', problems.length > 0);
+    text(card.argumentsHeading, detail.arguments_heading);
+    text(card.argumentsText, detail.arguments);
+    setState(card, detail.state);
+  }
+
+  async function withBusy(card, work) {
+    card.busy = true;
+    updateButtons(card);
+    try {
+      await work();
+    } finally {
+      card.busy = false;
+      updateButtons(card);
+      refreshDetail(card);
+    }
+  }
+
+  function approve(card) {
+    const detail = card.detail;
+    if (!detail || !detail.signable) return;
+    const file = $('key-file').files[0];
+    if (!file) {
+      setOutcome(card, 'Choose your private key file first (above).', 'bad');
+      return;
+    }
+    withBusy(card, async () => {
+      setOutcome(card, 'Signing in this browser\u2026', '');
+      let token;
+      try {
+        const key = await importKey(file);
+        token = await mint(key, detail.claims, card.skew);
+      } catch (err) {
+        setOutcome(card, err.message, 'bad');
+        return;
+      }
+      const answer = await api('POST', `/api/requests/${encodeURIComponent(card.id)}/approve`, { body: { token } });
+      if (!answer.ok) {
+        setOutcome(card, answer.data.error, 'bad');
+        return;
+      }
+      const after = answer.data.request;
+      setOutcome(card, `Approved as ${session.approver}: ${after.approved_by.length} of `
+        + `${after.approvals_required} approvals, state ${after.state}.`, 'ok');
+    });
+  }
+
+  function reject(card) {
+    const reason = card.reason.value.trim();
+    if (!reason) {
+      setOutcome(card, 'Say why you reject it (the agent is told).', 'bad');
+      return;
+    }
+    withBusy(card, async () => {
+      const answer = await api('POST', `/api/requests/${encodeURIComponent(card.id)}/reject`, { body: { reason } });
+      if (!answer.ok) {
+        setOutcome(card, answer.data.error, 'bad');
+        return;
+      }
+      setOutcome(card, `Rejected as ${answer.data.request.rejected_by}.`, 'ok');
+    });
+  }
+
+  // ---------------------------------------------------------- live feed
+
+  function setStatus(message, kind) {
+    const status = $('status');
+    text(status, message);
+    status.classList.toggle('live', kind === 'live');
+    status.classList.toggle('trouble', kind === 'trouble');
+  }
+
+  function openRequests() {
+    let count = 0;
+    for (const card of cards.values()) if (OPEN_STATES.has(card.state)) count += 1;
+    return count;
+  }
+
+  function onMessage(event) {
+    const message = JSON.parse(event.data);
+    switch (message.kind) {
+      case 'start': // a fresh stream: what it does not confirm by `synced` is gone
+      case 'reset':
+        for (const card of cards.values()) card.confirmed = false;
+        if (message.kind === 'reset') setStatus(`The registry watch ended (${message.error}); reconnecting\u2026`, 'trouble');
+        break;
+      case 'synced':
+        for (const [id, card] of cards) {
+          if (!card.confirmed) {
+            card.root.remove();
+            cards.delete(id);
+          }
+        }
+        showEmpty();
+        setStatus(`Live: ${openRequests()} open request(s)`, 'live');
+        break;
+      case 'request':
+        onRequestEvent(message);
+        setStatus(`Live: ${openRequests()} open request(s)`, 'live');
+        break;
+      case 'signed-out':
+        signedOut(message.reason);
+        break;
+      default: // 'resync': the stream ends and the browser opens a fresh one
+        break;
+    }
+  }
+
+  function watch() {
+    const events = new EventSource('/api/events');
+    session.events = events;
+    events.onmessage = onMessage;
+    events.onerror = async () => {
+      if (events.readyState !== EventSource.CLOSED) {
+        setStatus('Connection lost; reconnecting\u2026', 'trouble');
+        return;
+      }
+      const answer = await api('GET', '/api/session');
+      if (answer.ok) {
+        setStatus('Connection lost; reload the page to reconnect.', 'trouble');
+      } else {
+        signedOut('Your session ended; sign in again.');
+      }
+    };
+  }
+
+  // ------------------------------------------------------------ sessions
+
+  function signedIn(who) {
+    session.csrf = who.csrf;
+    session.client = who.client;
+    session.approver = who.approver;
+    text($('who-client'), who.client);
+    text($('who-approver'), who.approver);
+    $('who').hidden = false;
+    $('sign-in').hidden = true;
+    $('console').hidden = false;
+    text($('sign-in-error'), '');
+    setStatus('Connecting\u2026', '');
+    watch();
+  }
+
+  function signedOut(reason) {
+    if (session.events) session.events.close();
+    session.events = null;
+    session.csrf = null;
+    for (const card of cards.values()) card.root.remove();
+    cards.clear();
+    showEmpty();
+    $('who').hidden = true;
+    $('console').hidden = true;
+    $('sign-in').hidden = false;
+    $('key-file').value = '';
+    text($('sign-in-error'), reason || '');
+    setStatus('Not signed in', '');
+  }
+
+  $('sign-in-form').addEventListener('submit', async (event) => {
+    event.preventDefault();
+    const input = $('token');
+    const bearer = input.value.trim();
+    input.value = '';
+    const answer = await api('POST', '/api/session', { bearer });
+    if (!answer.ok) {
+      text($('sign-in-error'), answer.data.error);
+      return;
+    }
+    signedIn(answer.data);
+  });
+
+  $('sign-out').addEventListener('click', async () => {
+    await api('POST', '/api/session/end');
+    signedOut('Signed out.');
+  });
+
+  // A reload keeps the session (its cookie) but not the CSRF token: ask for it.
+  api('GET', '/api/session').then((answer) => {
+    if (answer.ok) signedIn(answer.data);
+  });
+})();
