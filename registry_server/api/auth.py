@@ -42,6 +42,12 @@ METHOD_ROLES: dict[str, frozenset[Role]] = {
     SERVICE + "RejectApprovalRequest": frozenset({Role.APPROVE}),
     # approvers watch what they may approve; agents wait for their own requests
     SERVICE + "WatchApprovalRequests": frozenset({Role.APPROVE, Role.EXECUTE}),
+    # a tool's owner (register) or an admin; the domain checks which
+    SERVICE + "DeleteTool": frozenset({Role.REGISTER, Role.ADMIN}),
+    # the kill switch and the policy are the operator's
+    SERVICE + "SetToolEnabled": frozenset({Role.ADMIN}),
+    SERVICE + "ReloadPolicy": frozenset({Role.ADMIN}),
+    SERVICE + "GetServerInfo": ANY_CLIENT,
 }
 # Open to anyone who can connect: they reveal nothing a port scan would not.
 OPEN_METHODS = frozenset(

@@ -108,9 +108,7 @@ def _viewer(principal: Principal) -> Viewer:
     as no approver (a relay its operator set up)."""
     relay = Role.APPROVE in principal.roles and principal.approver is None
     admin = principal.admin or principal is DEVELOPER
-    return Viewer(
-        principal.id, sees_all=admin or relay, approver=principal.approver, admin=admin
-    )
+    return Viewer(principal.id, sees_all=admin or relay, approver=principal.approver, admin=admin)
 
 
 def _tool_name(value: str) -> str:
@@ -266,3 +264,29 @@ class ToolRegistryServicer(pb_grpc.ToolRegistryServicer):
             watch.close()
         for item in watch:
             yield convert.approval_event_to_pb(item)
+
+    # Issue 22: the kill switch and the live policy are implemented step by step;
+    # until then these answer UNIMPLEMENTED (never a silent success).
+    @maps_errors
+    def DeleteTool(
+        self, request: pb.DeleteToolRequest, context: grpc.ServicerContext
+    ) -> pb.DeleteToolResponse:
+        raise Unimplemented("DeleteTool is not implemented by this server yet")
+
+    @maps_errors
+    def SetToolEnabled(
+        self, request: pb.SetToolEnabledRequest, context: grpc.ServicerContext
+    ) -> pb.Tool:
+        raise Unimplemented("SetToolEnabled is not implemented by this server yet")
+
+    @maps_errors
+    def ReloadPolicy(
+        self, request: pb.ReloadPolicyRequest, context: grpc.ServicerContext
+    ) -> pb.ServerInfo:
+        raise Unimplemented("ReloadPolicy is not implemented by this server yet")
+
+    @maps_errors
+    def GetServerInfo(
+        self, request: pb.GetServerInfoRequest, context: grpc.ServicerContext
+    ) -> pb.ServerInfo:
+        raise Unimplemented("GetServerInfo is not implemented by this server yet")

@@ -96,7 +96,13 @@ EXPECTED_TABLE: dict[str, frozenset[Role]] = {
     "SubmitApproval": frozenset({APPROVE}),
     "RejectApprovalRequest": frozenset({APPROVE}),
     "WatchApprovalRequests": frozenset({APPROVE, EXECUTE}),
+    "DeleteTool": frozenset({REGISTER, ADMIN}),
+    "SetToolEnabled": frozenset({ADMIN}),
+    "ReloadPolicy": frozenset({ADMIN}),
+    "GetServerInfo": frozenset(),
 }
+# What the admin role alone opens: the operator's own switches.
+ADMIN_METHODS = {"DeleteTool", "SetToolEnabled", "ReloadPolicy"}
 ROLE_SETS: list[frozenset[Role]] = [
     frozenset(),
     frozenset({REGISTER}),
@@ -150,10 +156,13 @@ def test_the_denial_names_every_role_that_would_open_the_method() -> None:
     )
 
 
-def test_admin_alone_opens_no_role_gated_method() -> None:
-    """admin widens what register may do; it is not a role that opens methods."""
+def test_admin_alone_opens_only_the_operators_switches() -> None:
+    """admin widens what register may do, and opens the kill switch, deletion
+    and the policy reload; no other role-gated method."""
     for method, needed in EXPECTED_TABLE.items():
-        if needed:
+        if needed and method in ADMIN_METHODS:
+            authorize(principal(ADMIN), SERVICE + method)
+        elif needed:
             with pytest.raises(AuthError):
                 authorize(principal(ADMIN), SERVICE + method)
 
@@ -161,7 +170,7 @@ def test_admin_alone_opens_no_role_gated_method() -> None:
 @pytest.mark.parametrize(
     "method",
     [
-        "/toolregistry.v1.ToolRegistry/DeleteTool",
+        "/toolregistry.v1.ToolRegistry/DropTool",
         "/toolregistry.v1.ToolRegistry/registertool",  # case matters
         "/toolregistry.v2.ToolRegistry/RegisterTool",
         "RegisterTool",
@@ -405,7 +414,7 @@ def test_open_methods_pass_untouched_even_with_a_policy(auth: Authenticator, met
 
 
 def test_a_method_outside_the_table_is_refused_to_every_client(auth: Authenticator) -> None:
-    wrapped = _intercept(auth, SERVICE + "DeleteTool", _served())
+    wrapped = _intercept(auth, SERVICE + "DropTool", _served())
     context = _Context(bearer("Bearer agent-secret"))
     with pytest.raises(_Abort):
         _serve(wrapped, context)

@@ -113,6 +113,8 @@ class _ExecutionStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Execu
     """memory or process limit hit"""
     EXECUTION_STATUS_SANDBOX_ERROR: _ExecutionStatus.ValueType  # 9
     """the container engine failed"""
+    EXECUTION_STATUS_TOOL_DISABLED: _ExecutionStatus.ValueType  # 10
+    """an admin disabled the tool; error gives the reason"""
 
 class ExecutionStatus(_ExecutionStatus, metaclass=_ExecutionStatusEnumTypeWrapper): ...
 
@@ -135,6 +137,8 @@ EXECUTION_STATUS_RESOURCE_EXHAUSTED: ExecutionStatus.ValueType  # 8
 """memory or process limit hit"""
 EXECUTION_STATUS_SANDBOX_ERROR: ExecutionStatus.ValueType  # 9
 """the container engine failed"""
+EXECUTION_STATUS_TOOL_DISABLED: ExecutionStatus.ValueType  # 10
+"""an admin disabled the tool; error gives the reason"""
 Global___ExecutionStatus: _TypeAlias = ExecutionStatus  # noqa: Y015
 
 class _ApprovalEventType:
@@ -160,6 +164,8 @@ class _ApprovalEventTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_App
     """the approved call ran"""
     APPROVAL_EVENT_TYPE_EXPIRED: _ApprovalEventType.ValueType  # 8
     """its time ran out before it was used"""
+    APPROVAL_EVENT_TYPE_VOIDED: _ApprovalEventType.ValueType  # 9
+    """its tool was deleted or disabled (`reason`)"""
 
 class ApprovalEventType(_ApprovalEventType, metaclass=_ApprovalEventTypeEnumTypeWrapper): ...
 
@@ -180,6 +186,8 @@ APPROVAL_EVENT_TYPE_CONSUMED: ApprovalEventType.ValueType  # 7
 """the approved call ran"""
 APPROVAL_EVENT_TYPE_EXPIRED: ApprovalEventType.ValueType  # 8
 """its time ran out before it was used"""
+APPROVAL_EVENT_TYPE_VOIDED: ApprovalEventType.ValueType  # 9
+"""its tool was deleted or disabled (`reason`)"""
 Global___ApprovalEventType: _TypeAlias = ApprovalEventType  # noqa: Y015
 
 @_typing.final
@@ -197,6 +205,8 @@ class Tool(_message.Message):
     OWNER_FIELD_NUMBER: _builtins.int
     NETWORK_FIELD_NUMBER: _builtins.int
     SECRETS_FIELD_NUMBER: _builtins.int
+    DISABLED_FIELD_NUMBER: _builtins.int
+    DISABLED_REASON_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """^[a-z][a-z0-9_]{0,63}$ (snake_case)"""
     description: _builtins.str
@@ -218,6 +228,12 @@ class Tool(_message.Message):
     tools the operator registered (--tools at start). Only the owner, or a
     client with the admin role, may replace it.
     """
+    disabled: _builtins.bool
+    """Output only: an admin disabled the tool (SetToolEnabled); calls are
+    refused with TOOL_DISABLED. Not part of the digest.
+    """
+    disabled_reason: _builtins.str
+    """Output only: why it was disabled."""
     @_builtins.property
     def categories(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Lowercase words ([a-z][a-z0-9_-]*), unique."""
@@ -250,10 +266,12 @@ class Tool(_message.Message):
         owner: _builtins.str = ...,
         network: Global___NetworkSpec | None = ...,
         secrets: _abc.Iterable[Global___SecretRef] | None = ...,
+        disabled: _builtins.bool = ...,
+        disabled_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["network", b"network", "sandbox", b"sandbox"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["categories", b"categories", "description", b"description", "digest", b"digest", "name", b"name", "network", b"network", "owner", b"owner", "parameters_json", b"parameters_json", "safety_level", b"safety_level", "sandbox", b"sandbox", "secrets", b"secrets", "warm_pool", b"warm_pool"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["categories", b"categories", "description", b"description", "digest", b"digest", "disabled", b"disabled", "disabled_reason", b"disabled_reason", "name", b"name", "network", b"network", "owner", b"owner", "parameters_json", b"parameters_json", "safety_level", b"safety_level", "sandbox", b"sandbox", "secrets", b"secrets", "warm_pool", b"warm_pool"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -491,7 +509,13 @@ class ListToolsRequest(_message.Message):
 
     MAX_SAFETY_LEVEL_FIELD_NUMBER: _builtins.int
     CATEGORIES_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     max_safety_level: Global___SafetyLevel.ValueType
+    page_size: _builtins.int
+    """At most this many tools (0 = the server's default); see ListTools."""
+    page_token: _builtins.str
+    """From a previous answer's `next_page_token`, with the same filters."""
     @_builtins.property
     def categories(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -499,10 +523,12 @@ class ListToolsRequest(_message.Message):
         *,
         max_safety_level: Global___SafetyLevel.ValueType = ...,
         categories: _abc.Iterable[_builtins.str] | None = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["categories", b"categories", "max_safety_level", b"max_safety_level"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["categories", b"categories", "max_safety_level", b"max_safety_level", "page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -513,16 +539,20 @@ class ListToolsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     TOOLS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Pass as `page_token` for the next page; empty on the last page."""
     @_builtins.property
     def tools(self) -> _containers.RepeatedCompositeFieldContainer[Global___Tool]: ...
     def __init__(
         self,
         *,
         tools: _abc.Iterable[Global___Tool] | None = ...,
+        next_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["tools", b"tools"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -535,8 +565,14 @@ class GetToolSchemasRequest(_message.Message):
     FORMAT_FIELD_NUMBER: _builtins.int
     MAX_SAFETY_LEVEL_FIELD_NUMBER: _builtins.int
     CATEGORIES_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     format: Global___SchemaFormat.ValueType
     max_safety_level: Global___SafetyLevel.ValueType
+    page_size: _builtins.int
+    """At most this many tools (0 = the server's default); see ListTools."""
+    page_token: _builtins.str
+    """From a previous answer's `next_page_token`, with the same query."""
     @_builtins.property
     def categories(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -545,10 +581,12 @@ class GetToolSchemasRequest(_message.Message):
         format: Global___SchemaFormat.ValueType = ...,
         max_safety_level: Global___SafetyLevel.ValueType = ...,
         categories: _abc.Iterable[_builtins.str] | None = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["categories", b"categories", "format", b"format", "max_safety_level", b"max_safety_level"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["categories", b"categories", "format", b"format", "max_safety_level", b"max_safety_level", "page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -559,16 +597,20 @@ class GetToolSchemasResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SCHEMAS_JSON_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     schemas_json: _builtins.str
     """A JSON array of tool schemas in the requested format."""
+    next_page_token: _builtins.str
+    """Pass as `page_token` for the next page; empty on the last page."""
     def __init__(
         self,
         *,
         schemas_json: _builtins.str = ...,
+        next_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["schemas_json", b"schemas_json"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "schemas_json", b"schemas_json"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -717,6 +759,7 @@ class ApprovalRequest(_message.Message):
     TOOL_FIELD_NUMBER: _builtins.int
     REJECTED_BY_FIELD_NUMBER: _builtins.int
     REJECTION_REASON_FIELD_NUMBER: _builtins.int
+    VOIDED_REASON_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     tool_name: _builtins.str
     tool_digest: _builtins.str
@@ -725,7 +768,7 @@ class ApprovalRequest(_message.Message):
     requested_by: _builtins.str
     approvals_required: _builtins.int
     state: _builtins.str
-    """PENDING, APPROVED, CONSUMED, REJECTED or EXPIRED."""
+    """PENDING, APPROVED, CONSUMED, REJECTED, VOIDED or EXPIRED."""
     audience: _builtins.str
     """What an approver's token must carry: its `aud`, and the longest lifetime
     (exp - iat) the policy accepts for this tool.
@@ -736,6 +779,8 @@ class ApprovalRequest(_message.Message):
     rejected_by: _builtins.str
     """Set when `state` is REJECTED: the approver who rejected it, and why."""
     rejection_reason: _builtins.str
+    voided_reason: _builtins.str
+    """Set when `state` is VOIDED: why (its tool was deleted or disabled)."""
     @_builtins.property
     def approved_by(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -769,14 +814,143 @@ class ApprovalRequest(_message.Message):
         tool: Global___Tool | None = ...,
         rejected_by: _builtins.str = ...,
         rejection_reason: _builtins.str = ...,
+        voided_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "expires_at", b"expires_at", "tool", b"tool"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["approvals_missing", b"approvals_missing", "approvals_required", b"approvals_required", "approved_by", b"approved_by", "arguments_digest", b"arguments_digest", "arguments_json", b"arguments_json", "audience", b"audience", "created_at", b"created_at", "expires_at", b"expires_at", "id", b"id", "max_token_ttl_s", b"max_token_ttl_s", "rejected_by", b"rejected_by", "rejection_reason", b"rejection_reason", "requested_by", b"requested_by", "state", b"state", "tool", b"tool", "tool_digest", b"tool_digest", "tool_name", b"tool_name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["approvals_missing", b"approvals_missing", "approvals_required", b"approvals_required", "approved_by", b"approved_by", "arguments_digest", b"arguments_digest", "arguments_json", b"arguments_json", "audience", b"audience", "created_at", b"created_at", "expires_at", b"expires_at", "id", b"id", "max_token_ttl_s", b"max_token_ttl_s", "rejected_by", b"rejected_by", "rejection_reason", b"rejection_reason", "requested_by", b"requested_by", "state", b"state", "tool", b"tool", "tool_digest", b"tool_digest", "tool_name", b"tool_name", "voided_reason", b"voided_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ApprovalRequest: _TypeAlias = ApprovalRequest  # noqa: Y015
+
+@_typing.final
+class DeleteToolRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    reason: _builtins.str
+    """Why (for the audit log and the voided requests): at most 1,000
+    characters, no control characters.
+    """
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteToolRequest: _TypeAlias = DeleteToolRequest  # noqa: Y015
+
+@_typing.final
+class DeleteToolResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteToolResponse: _TypeAlias = DeleteToolResponse  # noqa: Y015
+
+@_typing.final
+class SetToolEnabledRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    ENABLED_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    enabled: _builtins.bool
+    reason: _builtins.str
+    """Why (for the audit log, the refused calls and the voided requests)."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        enabled: _builtins.bool = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["enabled", b"enabled", "name", b"name", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetToolEnabledRequest: _TypeAlias = SetToolEnabledRequest  # noqa: Y015
+
+@_typing.final
+class ReloadPolicyRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReloadPolicyRequest: _TypeAlias = ReloadPolicyRequest  # noqa: Y015
+
+@_typing.final
+class GetServerInfoRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetServerInfoRequest: _TypeAlias = GetServerInfoRequest  # noqa: Y015
+
+@_typing.final
+class ServerInfo(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POLICY_DIGEST_FIELD_NUMBER: _builtins.int
+    POLICY_SOURCE_FIELD_NUMBER: _builtins.int
+    POLICY_LOADED_AT_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    policy_digest: _builtins.str
+    """sha256 hex of the policy file's bytes as loaded ("" in development mode)."""
+    policy_source: _builtins.str
+    """The policy file's path on the server ("" in development mode)."""
+    version: _builtins.str
+    """The toolreg version serving."""
+    @_builtins.property
+    def policy_loaded_at(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        policy_digest: _builtins.str = ...,
+        policy_source: _builtins.str = ...,
+        policy_loaded_at: _timestamp_pb2.Timestamp | None = ...,
+        version: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["policy_loaded_at", b"policy_loaded_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["policy_digest", b"policy_digest", "policy_loaded_at", b"policy_loaded_at", "policy_source", b"policy_source", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ServerInfo: _TypeAlias = ServerInfo  # noqa: Y015
 
 @_typing.final
 class RejectApprovalRequestRequest(_message.Message):
@@ -872,22 +1046,30 @@ class ListApprovalRequestsRequest(_message.Message):
 
     STATE_FIELD_NUMBER: _builtins.int
     LIMIT_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     state: _builtins.str
     """Only requests in this state (PENDING, APPROVED, CONSUMED, REJECTED,
     EXPIRED);
     empty = all.
     """
     limit: _builtins.int
-    """At most this many (0 = server default of 100)."""
+    """Deprecated: use page_size. At most this many (0 = server default)."""
+    page_size: _builtins.int
+    """At most this many requests, newest first (0 = the server's default)."""
+    page_token: _builtins.str
+    """From a previous answer's `next_page_token`, with the same `state`."""
     def __init__(
         self,
         *,
         state: _builtins.str = ...,
         limit: _builtins.int = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["limit", b"limit", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["limit", b"limit", "page_size", b"page_size", "page_token", b"page_token", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -898,16 +1080,20 @@ class ListApprovalRequestsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     REQUESTS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Pass as `page_token` for the next page; empty on the last page."""
     @_builtins.property
     def requests(self) -> _containers.RepeatedCompositeFieldContainer[Global___ApprovalRequest]: ...
     def __init__(
         self,
         *,
         requests: _abc.Iterable[Global___ApprovalRequest] | None = ...,
+        next_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["requests", b"requests"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "requests", b"requests"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

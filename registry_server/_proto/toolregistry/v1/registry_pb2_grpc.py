@@ -55,6 +55,26 @@ class ToolRegistryStub:
                 request_serializer=toolregistry_dot_v1_dot_registry__pb2.GetToolSchemasRequest.SerializeToString,
                 response_deserializer=toolregistry_dot_v1_dot_registry__pb2.GetToolSchemasResponse.FromString,
                 _registered_method=True)
+        self.DeleteTool = channel.unary_unary(
+                '/toolregistry.v1.ToolRegistry/DeleteTool',
+                request_serializer=toolregistry_dot_v1_dot_registry__pb2.DeleteToolRequest.SerializeToString,
+                response_deserializer=toolregistry_dot_v1_dot_registry__pb2.DeleteToolResponse.FromString,
+                _registered_method=True)
+        self.SetToolEnabled = channel.unary_unary(
+                '/toolregistry.v1.ToolRegistry/SetToolEnabled',
+                request_serializer=toolregistry_dot_v1_dot_registry__pb2.SetToolEnabledRequest.SerializeToString,
+                response_deserializer=toolregistry_dot_v1_dot_registry__pb2.Tool.FromString,
+                _registered_method=True)
+        self.ReloadPolicy = channel.unary_unary(
+                '/toolregistry.v1.ToolRegistry/ReloadPolicy',
+                request_serializer=toolregistry_dot_v1_dot_registry__pb2.ReloadPolicyRequest.SerializeToString,
+                response_deserializer=toolregistry_dot_v1_dot_registry__pb2.ServerInfo.FromString,
+                _registered_method=True)
+        self.GetServerInfo = channel.unary_unary(
+                '/toolregistry.v1.ToolRegistry/GetServerInfo',
+                request_serializer=toolregistry_dot_v1_dot_registry__pb2.GetServerInfoRequest.SerializeToString,
+                response_deserializer=toolregistry_dot_v1_dot_registry__pb2.ServerInfo.FromString,
+                _registered_method=True)
         self.ExecuteTool = channel.unary_unary(
                 '/toolregistry.v1.ToolRegistry/ExecuteTool',
                 request_serializer=toolregistry_dot_v1_dot_registry__pb2.ExecuteToolRequest.SerializeToString,
@@ -125,11 +145,19 @@ class ToolRegistryServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListTools(self, request, context):
-        """ListTools returns the registered tools sorted by name. Filters are ANDed:
-        `max_safety_level` keeps tools at or below it (UNSPECIFIED = no limit);
-        `categories` keeps tools having at least one of them (empty = all).
+        """ListTools returns the registered tools sorted by name, a page at a time
+        (AIP-158). Filters are ANDed: `max_safety_level` keeps tools at or below
+        it (UNSPECIFIED = no limit); `categories` keeps tools having at least one
+        of them (empty = all). Disabled tools are listed, marked `disabled`.
+        Without `page_size` the server's default page size applies; more than
+        its maximum is cut to the maximum. `next_page_token` is empty on the
+        last page. A page is consistent while tools change between pages: the
+        next page starts after the last name of this one, so no tool is skipped
+        or listed twice.
         Errors:
-        - INVALID_ARGUMENT: an unknown safety level value.
+        - INVALID_ARGUMENT: an unknown safety level value, a negative
+        `page_size`, or a `page_token` this server did not issue for these
+        filters (tampered, or from another query).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -137,9 +165,65 @@ class ToolRegistryServicer:
 
     def GetToolSchemas(self, request, context):
         """GetToolSchemas exports the filtered set (same filters as ListTools) as a
-        JSON array in the requested LLM tool format. An empty set is `[]`.
+        JSON array in the requested LLM tool format, a page at a time (as
+        ListTools). Disabled tools are left out. An empty set is `[]`.
         Errors:
-        - INVALID_ARGUMENT: an unknown format or safety level value.
+        - INVALID_ARGUMENT: an unknown format or safety level value, a negative
+        `page_size`, or a bad `page_token`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteTool(self, request, context):
+        """DeleteTool removes a tool: it is no longer listed or run, its warm
+        containers are removed, its open approval requests are VOIDED with the
+        reason, and the deletion is written to the audit log; every server on
+        the store follows within a second. A call already running finishes. The
+        name may be registered again, as a new tool.
+        Errors:
+        - INVALID_ARGUMENT: `name` is not a valid tool name, or `reason` is
+        longer than 1,000 characters or holds control characters.
+        - NOT_FOUND: no tool has that name.
+        - PERMISSION_DENIED: the caller is neither the tool's owner nor an admin.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetToolEnabled(self, request, context):
+        """SetToolEnabled disables or enables a tool (the kill switch). A disabled
+        tool stays listed with `disabled` set, every call of it is refused with
+        TOOL_DISABLED, its warm containers are removed and its open approval
+        requests are VOIDED; enabling it again makes it callable (approvals must
+        be asked for again). Audited; every server follows within a second.
+        Errors:
+        - INVALID_ARGUMENT: `name` is not a valid tool name, or a bad `reason`.
+        - NOT_FOUND: no tool has that name.
+        - PERMISSION_DENIED: the caller lacks the admin role.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReloadPolicy(self, request, context):
+        """ReloadPolicy re-reads this server's policy file (as SIGHUP does) and
+        asks every server on the store to re-read its own. A file that does not
+        load is refused: the policy in force stays, and the error names the
+        file, line and rule. Admins only. Audited with the policy's digest.
+        Errors:
+        - FAILED_PRECONDITION: the file does not load (the message lists every
+        problem), or the server runs without a policy file.
+        - PERMISSION_DENIED: the caller lacks the admin role.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetServerInfo(self, request, context):
+        """GetServerInfo says which policy this server enforces (its digest, file
+        and load time), so an operator can see that every server runs the same
+        one. Open to every authenticated client.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -272,6 +356,26 @@ def add_ToolRegistryServicer_to_server(servicer, server):
                     servicer.GetToolSchemas,
                     request_deserializer=toolregistry_dot_v1_dot_registry__pb2.GetToolSchemasRequest.FromString,
                     response_serializer=toolregistry_dot_v1_dot_registry__pb2.GetToolSchemasResponse.SerializeToString,
+            ),
+            'DeleteTool': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteTool,
+                    request_deserializer=toolregistry_dot_v1_dot_registry__pb2.DeleteToolRequest.FromString,
+                    response_serializer=toolregistry_dot_v1_dot_registry__pb2.DeleteToolResponse.SerializeToString,
+            ),
+            'SetToolEnabled': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetToolEnabled,
+                    request_deserializer=toolregistry_dot_v1_dot_registry__pb2.SetToolEnabledRequest.FromString,
+                    response_serializer=toolregistry_dot_v1_dot_registry__pb2.Tool.SerializeToString,
+            ),
+            'ReloadPolicy': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReloadPolicy,
+                    request_deserializer=toolregistry_dot_v1_dot_registry__pb2.ReloadPolicyRequest.FromString,
+                    response_serializer=toolregistry_dot_v1_dot_registry__pb2.ServerInfo.SerializeToString,
+            ),
+            'GetServerInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetServerInfo,
+                    request_deserializer=toolregistry_dot_v1_dot_registry__pb2.GetServerInfoRequest.FromString,
+                    response_serializer=toolregistry_dot_v1_dot_registry__pb2.ServerInfo.SerializeToString,
             ),
             'ExecuteTool': grpc.unary_unary_rpc_method_handler(
                     servicer.ExecuteTool,
@@ -418,6 +522,114 @@ class ToolRegistry:
             '/toolregistry.v1.ToolRegistry/GetToolSchemas',
             toolregistry_dot_v1_dot_registry__pb2.GetToolSchemasRequest.SerializeToString,
             toolregistry_dot_v1_dot_registry__pb2.GetToolSchemasResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteTool(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/toolregistry.v1.ToolRegistry/DeleteTool',
+            toolregistry_dot_v1_dot_registry__pb2.DeleteToolRequest.SerializeToString,
+            toolregistry_dot_v1_dot_registry__pb2.DeleteToolResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetToolEnabled(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/toolregistry.v1.ToolRegistry/SetToolEnabled',
+            toolregistry_dot_v1_dot_registry__pb2.SetToolEnabledRequest.SerializeToString,
+            toolregistry_dot_v1_dot_registry__pb2.Tool.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReloadPolicy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/toolregistry.v1.ToolRegistry/ReloadPolicy',
+            toolregistry_dot_v1_dot_registry__pb2.ReloadPolicyRequest.SerializeToString,
+            toolregistry_dot_v1_dot_registry__pb2.ServerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetServerInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/toolregistry.v1.ToolRegistry/GetServerInfo',
+            toolregistry_dot_v1_dot_registry__pb2.GetServerInfoRequest.SerializeToString,
+            toolregistry_dot_v1_dot_registry__pb2.ServerInfo.FromString,
             options,
             channel_credentials,
             insecure,

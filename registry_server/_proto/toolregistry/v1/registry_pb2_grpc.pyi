@@ -68,17 +68,65 @@ class ToolRegistryStub:
     - NOT_FOUND: no tool has that name.
     """
     ListTools: _grpc.UnaryUnaryMultiCallable[_registry_pb2.ListToolsRequest, _registry_pb2.ListToolsResponse]
-    """ListTools returns the registered tools sorted by name. Filters are ANDed:
-    `max_safety_level` keeps tools at or below it (UNSPECIFIED = no limit);
-    `categories` keeps tools having at least one of them (empty = all).
+    """ListTools returns the registered tools sorted by name, a page at a time
+    (AIP-158). Filters are ANDed: `max_safety_level` keeps tools at or below
+    it (UNSPECIFIED = no limit); `categories` keeps tools having at least one
+    of them (empty = all). Disabled tools are listed, marked `disabled`.
+    Without `page_size` the server's default page size applies; more than
+    its maximum is cut to the maximum. `next_page_token` is empty on the
+    last page. A page is consistent while tools change between pages: the
+    next page starts after the last name of this one, so no tool is skipped
+    or listed twice.
     Errors:
-    - INVALID_ARGUMENT: an unknown safety level value.
+    - INVALID_ARGUMENT: an unknown safety level value, a negative
+      `page_size`, or a `page_token` this server did not issue for these
+      filters (tampered, or from another query).
     """
     GetToolSchemas: _grpc.UnaryUnaryMultiCallable[_registry_pb2.GetToolSchemasRequest, _registry_pb2.GetToolSchemasResponse]
     """GetToolSchemas exports the filtered set (same filters as ListTools) as a
-    JSON array in the requested LLM tool format. An empty set is `[]`.
+    JSON array in the requested LLM tool format, a page at a time (as
+    ListTools). Disabled tools are left out. An empty set is `[]`.
     Errors:
-    - INVALID_ARGUMENT: an unknown format or safety level value.
+    - INVALID_ARGUMENT: an unknown format or safety level value, a negative
+      `page_size`, or a bad `page_token`.
+    """
+    DeleteTool: _grpc.UnaryUnaryMultiCallable[_registry_pb2.DeleteToolRequest, _registry_pb2.DeleteToolResponse]
+    """DeleteTool removes a tool: it is no longer listed or run, its warm
+    containers are removed, its open approval requests are VOIDED with the
+    reason, and the deletion is written to the audit log; every server on
+    the store follows within a second. A call already running finishes. The
+    name may be registered again, as a new tool.
+    Errors:
+    - INVALID_ARGUMENT: `name` is not a valid tool name, or `reason` is
+      longer than 1,000 characters or holds control characters.
+    - NOT_FOUND: no tool has that name.
+    - PERMISSION_DENIED: the caller is neither the tool's owner nor an admin.
+    """
+    SetToolEnabled: _grpc.UnaryUnaryMultiCallable[_registry_pb2.SetToolEnabledRequest, _registry_pb2.Tool]
+    """SetToolEnabled disables or enables a tool (the kill switch). A disabled
+    tool stays listed with `disabled` set, every call of it is refused with
+    TOOL_DISABLED, its warm containers are removed and its open approval
+    requests are VOIDED; enabling it again makes it callable (approvals must
+    be asked for again). Audited; every server follows within a second.
+    Errors:
+    - INVALID_ARGUMENT: `name` is not a valid tool name, or a bad `reason`.
+    - NOT_FOUND: no tool has that name.
+    - PERMISSION_DENIED: the caller lacks the admin role.
+    """
+    ReloadPolicy: _grpc.UnaryUnaryMultiCallable[_registry_pb2.ReloadPolicyRequest, _registry_pb2.ServerInfo]
+    """ReloadPolicy re-reads this server's policy file (as SIGHUP does) and
+    asks every server on the store to re-read its own. A file that does not
+    load is refused: the policy in force stays, and the error names the
+    file, line and rule. Admins only. Audited with the policy's digest.
+    Errors:
+    - FAILED_PRECONDITION: the file does not load (the message lists every
+      problem), or the server runs without a policy file.
+    - PERMISSION_DENIED: the caller lacks the admin role.
+    """
+    GetServerInfo: _grpc.UnaryUnaryMultiCallable[_registry_pb2.GetServerInfoRequest, _registry_pb2.ServerInfo]
+    """GetServerInfo says which policy this server enforces (its digest, file
+    and load time), so an operator can see that every server runs the same
+    one. Open to every authenticated client.
     """
     ExecuteTool: _grpc.UnaryUnaryMultiCallable[_registry_pb2.ExecuteToolRequest, _registry_pb2.ToolResult]
     """ExecuteTool runs one call in a fresh sandbox chosen by the tool's safety
@@ -184,17 +232,65 @@ class ToolRegistryAsyncStub(ToolRegistryStub):
     - NOT_FOUND: no tool has that name.
     """
     ListTools: _aio.UnaryUnaryMultiCallable[_registry_pb2.ListToolsRequest, _registry_pb2.ListToolsResponse]  # type: ignore[assignment]
-    """ListTools returns the registered tools sorted by name. Filters are ANDed:
-    `max_safety_level` keeps tools at or below it (UNSPECIFIED = no limit);
-    `categories` keeps tools having at least one of them (empty = all).
+    """ListTools returns the registered tools sorted by name, a page at a time
+    (AIP-158). Filters are ANDed: `max_safety_level` keeps tools at or below
+    it (UNSPECIFIED = no limit); `categories` keeps tools having at least one
+    of them (empty = all). Disabled tools are listed, marked `disabled`.
+    Without `page_size` the server's default page size applies; more than
+    its maximum is cut to the maximum. `next_page_token` is empty on the
+    last page. A page is consistent while tools change between pages: the
+    next page starts after the last name of this one, so no tool is skipped
+    or listed twice.
     Errors:
-    - INVALID_ARGUMENT: an unknown safety level value.
+    - INVALID_ARGUMENT: an unknown safety level value, a negative
+      `page_size`, or a `page_token` this server did not issue for these
+      filters (tampered, or from another query).
     """
     GetToolSchemas: _aio.UnaryUnaryMultiCallable[_registry_pb2.GetToolSchemasRequest, _registry_pb2.GetToolSchemasResponse]  # type: ignore[assignment]
     """GetToolSchemas exports the filtered set (same filters as ListTools) as a
-    JSON array in the requested LLM tool format. An empty set is `[]`.
+    JSON array in the requested LLM tool format, a page at a time (as
+    ListTools). Disabled tools are left out. An empty set is `[]`.
     Errors:
-    - INVALID_ARGUMENT: an unknown format or safety level value.
+    - INVALID_ARGUMENT: an unknown format or safety level value, a negative
+      `page_size`, or a bad `page_token`.
+    """
+    DeleteTool: _aio.UnaryUnaryMultiCallable[_registry_pb2.DeleteToolRequest, _registry_pb2.DeleteToolResponse]  # type: ignore[assignment]
+    """DeleteTool removes a tool: it is no longer listed or run, its warm
+    containers are removed, its open approval requests are VOIDED with the
+    reason, and the deletion is written to the audit log; every server on
+    the store follows within a second. A call already running finishes. The
+    name may be registered again, as a new tool.
+    Errors:
+    - INVALID_ARGUMENT: `name` is not a valid tool name, or `reason` is
+      longer than 1,000 characters or holds control characters.
+    - NOT_FOUND: no tool has that name.
+    - PERMISSION_DENIED: the caller is neither the tool's owner nor an admin.
+    """
+    SetToolEnabled: _aio.UnaryUnaryMultiCallable[_registry_pb2.SetToolEnabledRequest, _registry_pb2.Tool]  # type: ignore[assignment]
+    """SetToolEnabled disables or enables a tool (the kill switch). A disabled
+    tool stays listed with `disabled` set, every call of it is refused with
+    TOOL_DISABLED, its warm containers are removed and its open approval
+    requests are VOIDED; enabling it again makes it callable (approvals must
+    be asked for again). Audited; every server follows within a second.
+    Errors:
+    - INVALID_ARGUMENT: `name` is not a valid tool name, or a bad `reason`.
+    - NOT_FOUND: no tool has that name.
+    - PERMISSION_DENIED: the caller lacks the admin role.
+    """
+    ReloadPolicy: _aio.UnaryUnaryMultiCallable[_registry_pb2.ReloadPolicyRequest, _registry_pb2.ServerInfo]  # type: ignore[assignment]
+    """ReloadPolicy re-reads this server's policy file (as SIGHUP does) and
+    asks every server on the store to re-read its own. A file that does not
+    load is refused: the policy in force stays, and the error names the
+    file, line and rule. Admins only. Audited with the policy's digest.
+    Errors:
+    - FAILED_PRECONDITION: the file does not load (the message lists every
+      problem), or the server runs without a policy file.
+    - PERMISSION_DENIED: the caller lacks the admin role.
+    """
+    GetServerInfo: _aio.UnaryUnaryMultiCallable[_registry_pb2.GetServerInfoRequest, _registry_pb2.ServerInfo]  # type: ignore[assignment]
+    """GetServerInfo says which policy this server enforces (its digest, file
+    and load time), so an operator can see that every server runs the same
+    one. Open to every authenticated client.
     """
     ExecuteTool: _aio.UnaryUnaryMultiCallable[_registry_pb2.ExecuteToolRequest, _registry_pb2.ToolResult]  # type: ignore[assignment]
     """ExecuteTool runs one call in a fresh sandbox chosen by the tool's safety
@@ -315,11 +411,19 @@ class ToolRegistryServicer(metaclass=_abc_1.ABCMeta):
         request: _registry_pb2.ListToolsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_registry_pb2.ListToolsResponse, _abc.Awaitable[_registry_pb2.ListToolsResponse]]:
-        """ListTools returns the registered tools sorted by name. Filters are ANDed:
-        `max_safety_level` keeps tools at or below it (UNSPECIFIED = no limit);
-        `categories` keeps tools having at least one of them (empty = all).
+        """ListTools returns the registered tools sorted by name, a page at a time
+        (AIP-158). Filters are ANDed: `max_safety_level` keeps tools at or below
+        it (UNSPECIFIED = no limit); `categories` keeps tools having at least one
+        of them (empty = all). Disabled tools are listed, marked `disabled`.
+        Without `page_size` the server's default page size applies; more than
+        its maximum is cut to the maximum. `next_page_token` is empty on the
+        last page. A page is consistent while tools change between pages: the
+        next page starts after the last name of this one, so no tool is skipped
+        or listed twice.
         Errors:
-        - INVALID_ARGUMENT: an unknown safety level value.
+        - INVALID_ARGUMENT: an unknown safety level value, a negative
+          `page_size`, or a `page_token` this server did not issue for these
+          filters (tampered, or from another query).
         """
 
     @_abc_1.abstractmethod
@@ -329,9 +433,73 @@ class ToolRegistryServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_registry_pb2.GetToolSchemasResponse, _abc.Awaitable[_registry_pb2.GetToolSchemasResponse]]:
         """GetToolSchemas exports the filtered set (same filters as ListTools) as a
-        JSON array in the requested LLM tool format. An empty set is `[]`.
+        JSON array in the requested LLM tool format, a page at a time (as
+        ListTools). Disabled tools are left out. An empty set is `[]`.
         Errors:
-        - INVALID_ARGUMENT: an unknown format or safety level value.
+        - INVALID_ARGUMENT: an unknown format or safety level value, a negative
+          `page_size`, or a bad `page_token`.
+        """
+
+    @_abc_1.abstractmethod
+    def DeleteTool(
+        self,
+        request: _registry_pb2.DeleteToolRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_registry_pb2.DeleteToolResponse, _abc.Awaitable[_registry_pb2.DeleteToolResponse]]:
+        """DeleteTool removes a tool: it is no longer listed or run, its warm
+        containers are removed, its open approval requests are VOIDED with the
+        reason, and the deletion is written to the audit log; every server on
+        the store follows within a second. A call already running finishes. The
+        name may be registered again, as a new tool.
+        Errors:
+        - INVALID_ARGUMENT: `name` is not a valid tool name, or `reason` is
+          longer than 1,000 characters or holds control characters.
+        - NOT_FOUND: no tool has that name.
+        - PERMISSION_DENIED: the caller is neither the tool's owner nor an admin.
+        """
+
+    @_abc_1.abstractmethod
+    def SetToolEnabled(
+        self,
+        request: _registry_pb2.SetToolEnabledRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_registry_pb2.Tool, _abc.Awaitable[_registry_pb2.Tool]]:
+        """SetToolEnabled disables or enables a tool (the kill switch). A disabled
+        tool stays listed with `disabled` set, every call of it is refused with
+        TOOL_DISABLED, its warm containers are removed and its open approval
+        requests are VOIDED; enabling it again makes it callable (approvals must
+        be asked for again). Audited; every server follows within a second.
+        Errors:
+        - INVALID_ARGUMENT: `name` is not a valid tool name, or a bad `reason`.
+        - NOT_FOUND: no tool has that name.
+        - PERMISSION_DENIED: the caller lacks the admin role.
+        """
+
+    @_abc_1.abstractmethod
+    def ReloadPolicy(
+        self,
+        request: _registry_pb2.ReloadPolicyRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_registry_pb2.ServerInfo, _abc.Awaitable[_registry_pb2.ServerInfo]]:
+        """ReloadPolicy re-reads this server's policy file (as SIGHUP does) and
+        asks every server on the store to re-read its own. A file that does not
+        load is refused: the policy in force stays, and the error names the
+        file, line and rule. Admins only. Audited with the policy's digest.
+        Errors:
+        - FAILED_PRECONDITION: the file does not load (the message lists every
+          problem), or the server runs without a policy file.
+        - PERMISSION_DENIED: the caller lacks the admin role.
+        """
+
+    @_abc_1.abstractmethod
+    def GetServerInfo(
+        self,
+        request: _registry_pb2.GetServerInfoRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_registry_pb2.ServerInfo, _abc.Awaitable[_registry_pb2.ServerInfo]]:
+        """GetServerInfo says which policy this server enforces (its digest, file
+        and load time), so an operator can see that every server runs the same
+        one. Open to every authenticated client.
         """
 
     @_abc_1.abstractmethod

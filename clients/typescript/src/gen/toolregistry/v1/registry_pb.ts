@@ -27,7 +27,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file toolregistry/v1/registry.proto.
  */
 export const file_toolregistry_v1_registry: GenFile = /*@__PURE__*/
-  fileDesc("Ch50b29scmVnaXN0cnkvdjEvcmVnaXN0cnkucHJvdG8SD3Rvb2xyZWdpc3RyeS52MSLHAgoEVG9vbBIMCgRuYW1lGAEgASgJEhMKC2Rlc2NyaXB0aW9uGAIgASgJEhcKD3BhcmFtZXRlcnNfanNvbhgDIAEoCRIyCgxzYWZldHlfbGV2ZWwYBCABKA4yHC50b29scmVnaXN0cnkudjEuU2FmZXR5TGV2ZWwSEgoKY2F0ZWdvcmllcxgFIAMoCRItCgdzYW5kYm94GAYgASgLMhwudG9vbHJlZ2lzdHJ5LnYxLlNhbmRib3hTcGVjEg4KBmRpZ2VzdBgHIAEoCRIRCgl3YXJtX3Bvb2wYCCABKAUSDQoFb3duZXIYCSABKAkSLQoHbmV0d29yaxgKIAEoCzIcLnRvb2xyZWdpc3RyeS52MS5OZXR3b3JrU3BlYxIrCgdzZWNyZXRzGAsgAygLMhoudG9vbHJlZ2lzdHJ5LnYxLlNlY3JldFJlZiIdCgtOZXR3b3JrU3BlYxIOCgZlZ3Jlc3MYASADKAkiXAoJU2VjcmV0UmVmEgwKBG5hbWUYASABKAkSDwoHZGVsaXZlchgCIAEoCRIwCgZpbmplY3QYAyABKAsyIC50b29scmVnaXN0cnkudjEuU2VjcmV0SW5qZWN0aW9uIk0KD1NlY3JldEluamVjdGlvbhIMCgRob3N0GAEgASgJEgwKBHBvcnQYAiABKAUSDgoGaGVhZGVyGAMgASgJEg4KBmZvcm1hdBgEIAEoCSK+AQoLU2FuZGJveFNwZWMSDQoFaW1hZ2UYASABKAkSDwoHY29tbWFuZBgCIAMoCRIyCgNlbnYYAyADKAsyJS50b29scmVnaXN0cnkudjEuU2FuZGJveFNwZWMuRW52RW50cnkSLwoGbGltaXRzGAQgASgLMh8udG9vbHJlZ2lzdHJ5LnYxLlJlc291cmNlTGltaXRzGioKCEVudkVudHJ5EgsKA2tleRgBIAEoCRINCgV2YWx1ZRgCIAEoCToCOAEibwoOUmVzb3VyY2VMaW1pdHMSEQoJbWVtb3J5X21iGAEgASgDEhIKCmNwdV9taWxsaXMYAiABKAMSDAoEcGlkcxgDIAEoAxISCgp0aW1lb3V0X21zGAQgASgDEhQKDG91dHB1dF9ieXRlcxgFIAEoAyJLChNSZWdpc3RlclRvb2xSZXF1ZXN0EiMKBHRvb2wYASABKAsyFS50b29scmVnaXN0cnkudjEuVG9vbBIPCgdyZXBsYWNlGAIgASgIIh4KDkdldFRvb2xSZXF1ZXN0EgwKBG5hbWUYASABKAkiXgoQTGlzdFRvb2xzUmVxdWVzdBI2ChBtYXhfc2FmZXR5X2xldmVsGAEgASgOMhwudG9vbHJlZ2lzdHJ5LnYxLlNhZmV0eUxldmVsEhIKCmNhdGVnb3JpZXMYAiADKAkiOQoRTGlzdFRvb2xzUmVzcG9uc2USJAoFdG9vbHMYASADKAsyFS50b29scmVnaXN0cnkudjEuVG9vbCKSAQoVR2V0VG9vbFNjaGVtYXNSZXF1ZXN0Ei0KBmZvcm1hdBgBIAEoDjIdLnRvb2xyZWdpc3RyeS52MS5TY2hlbWFGb3JtYXQSNgoQbWF4X3NhZmV0eV9sZXZlbBgCIAEoDjIcLnRvb2xyZWdpc3RyeS52MS5TYWZldHlMZXZlbBISCgpjYXRlZ29yaWVzGAMgAygJIi4KFkdldFRvb2xTY2hlbWFzUmVzcG9uc2USFAoMc2NoZW1hc19qc29uGAEgASgJInAKEkV4ZWN1dGVUb29sUmVxdWVzdBIMCgRuYW1lGAEgASgJEhYKDmFyZ3VtZW50c19qc29uGAIgASgJEhcKD2FwcHJvdmFsX3Rva2VucxgDIAMoCRIbChNhcHByb3ZhbF9yZXF1ZXN0X2lkGAQgASgJIqYCCgpUb29sUmVzdWx0Eg8KB3N1Y2Nlc3MYASABKAgSMAoGc3RhdHVzGAIgASgOMiAudG9vbHJlZ2lzdHJ5LnYxLkV4ZWN1dGlvblN0YXR1cxIPCgdjb250ZW50GAMgASgJEhEKCWRhdGFfanNvbhgEIAEoCRINCgVlcnJvchgFIAEoCRIRCglleGl0X2NvZGUYBiABKAUSDgoGc3RkZXJyGAcgASgJEhMKC2R1cmF0aW9uX21zGAggASgDEhgKEG91dHB1dF90cnVuY2F0ZWQYCSABKAgSFAoMZXhlY3V0aW9uX2lkGAogASgJEjoKEGFwcHJvdmFsX3JlcXVlc3QYCyABKAsyIC50b29scmVnaXN0cnkudjEuQXBwcm92YWxSZXF1ZXN0ImwKDkV4ZWN1dGlvbkV2ZW50EhAKBnN0ZG91dBgBIAEoDEgAEhAKBnN0ZGVychgCIAEoDEgAEi0KBnJlc3VsdBgDIAEoCzIbLnRvb2xyZWdpc3RyeS52MS5Ub29sUmVzdWx0SABCBwoFZXZlbnQixwMKD0FwcHJvdmFsUmVxdWVzdBIKCgJpZBgBIAEoCRIRCgl0b29sX25hbWUYAiABKAkSEwoLdG9vbF9kaWdlc3QYAyABKAkSFgoOYXJndW1lbnRzX2pzb24YBCABKAkSGAoQYXJndW1lbnRzX2RpZ2VzdBgFIAEoCRIUCgxyZXF1ZXN0ZWRfYnkYBiABKAkSGgoSYXBwcm92YWxzX3JlcXVpcmVkGAcgASgFEhMKC2FwcHJvdmVkX2J5GAggAygJEg0KBXN0YXRlGAkgASgJEi4KCmNyZWF0ZWRfYXQYCiABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEi4KCmV4cGlyZXNfYXQYCyABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEhAKCGF1ZGllbmNlGAwgASgJEhcKD21heF90b2tlbl90dGxfcxgNIAEoBRIZChFhcHByb3ZhbHNfbWlzc2luZxgOIAEoBRIjCgR0b29sGA8gASgLMhUudG9vbHJlZ2lzdHJ5LnYxLlRvb2wSEwoLcmVqZWN0ZWRfYnkYECABKAkSGAoQcmVqZWN0aW9uX3JlYXNvbhgRIAEoCSJCChxSZWplY3RBcHByb3ZhbFJlcXVlc3RSZXF1ZXN0EhIKCnJlcXVlc3RfaWQYASABKAkSDgoGcmVhc29uGAIgASgJIjIKHFdhdGNoQXBwcm92YWxSZXF1ZXN0c1JlcXVlc3QSEgoKcmVxdWVzdF9pZBgBIAEoCSLIAQoNQXBwcm92YWxFdmVudBIwCgR0eXBlGAEgASgOMiIudG9vbHJlZ2lzdHJ5LnYxLkFwcHJvdmFsRXZlbnRUeXBlEjEKB3JlcXVlc3QYAiABKAsyIC50b29scmVnaXN0cnkudjEuQXBwcm92YWxSZXF1ZXN0Eg0KBWFjdG9yGAMgASgJEg4KBnJlYXNvbhgEIAEoCRImCgJhdBgFIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASCwoDc2VxGAYgASgDIjsKG0xpc3RBcHByb3ZhbFJlcXVlc3RzUmVxdWVzdBINCgVzdGF0ZRgBIAEoCRINCgVsaW1pdBgCIAEoBSJSChxMaXN0QXBwcm92YWxSZXF1ZXN0c1Jlc3BvbnNlEjIKCHJlcXVlc3RzGAEgAygLMiAudG9vbHJlZ2lzdHJ5LnYxLkFwcHJvdmFsUmVxdWVzdCInChlHZXRBcHByb3ZhbFJlcXVlc3RSZXF1ZXN0EgoKAmlkGAEgASgJIjoKFVN1Ym1pdEFwcHJvdmFsUmVxdWVzdBISCgpyZXF1ZXN0X2lkGAEgASgJEg0KBXRva2VuGAIgASgJKnkKC1NhZmV0eUxldmVsEhwKGFNBRkVUWV9MRVZFTF9VTlNQRUNJRklFRBAAEhUKEVNBRkVUWV9MRVZFTF9TQUZFEAESGQoVU0FGRVRZX0xFVkVMX0NBVVRJT1VTEAISGgoWU0FGRVRZX0xFVkVMX0RBTkdFUk9VUxADKnsKDFNjaGVtYUZvcm1hdBIdChlTQ0hFTUFfRk9STUFUX1VOU1BFQ0lGSUVEEAASGAoUU0NIRU1BX0ZPUk1BVF9PUEVOQUkQARIbChdTQ0hFTUFfRk9STUFUX0FOVEhST1BJQxACEhUKEVNDSEVNQV9GT1JNQVRfTUNQEAMq8wIKD0V4ZWN1dGlvblN0YXR1cxIgChxFWEVDVVRJT05fU1RBVFVTX1VOU1BFQ0lGSUVEEAASFwoTRVhFQ1VUSU9OX1NUQVRVU19PSxABEiMKH0VYRUNVVElPTl9TVEFUVVNfVE9PTF9OT1RfRk9VTkQQAhImCiJFWEVDVVRJT05fU1RBVFVTX0lOVkFMSURfQVJHVU1FTlRTEAMSJgoiRVhFQ1VUSU9OX1NUQVRVU19BUFBST1ZBTF9SRVFVSVJFRBAEEiQKIEVYRUNVVElPTl9TVEFUVVNfQVBQUk9WQUxfREVOSUVEEAUSHwobRVhFQ1VUSU9OX1NUQVRVU19UT09MX0VSUk9SEAYSHAoYRVhFQ1VUSU9OX1NUQVRVU19USU1FT1VUEAcSJwojRVhFQ1VUSU9OX1NUQVRVU19SRVNPVVJDRV9FWEhBVVNURUQQCBIiCh5FWEVDVVRJT05fU1RBVFVTX1NBTkRCT1hfRVJST1IQCSrIAgoRQXBwcm92YWxFdmVudFR5cGUSIwofQVBQUk9WQUxfRVZFTlRfVFlQRV9VTlNQRUNJRklFRBAAEh8KG0FQUFJPVkFMX0VWRU5UX1RZUEVfQ1VSUkVOVBABEh4KGkFQUFJPVkFMX0VWRU5UX1RZUEVfU1lOQ0VEEAISHgoaQVBQUk9WQUxfRVZFTlRfVFlQRV9PUEVORUQQAxImCiJBUFBST1ZBTF9FVkVOVF9UWVBFX0FQUFJPVkFMX0FEREVEEAQSIAocQVBQUk9WQUxfRVZFTlRfVFlQRV9BUFBST1ZFRBAFEiAKHEFQUFJPVkFMX0VWRU5UX1RZUEVfUkVKRUNURUQQBhIgChxBUFBST1ZBTF9FVkVOVF9UWVBFX0NPTlNVTUVEEAcSHwobQVBQUk9WQUxfRVZFTlRfVFlQRV9FWFBJUkVEEAgyjAgKDFRvb2xSZWdpc3RyeRJLCgxSZWdpc3RlclRvb2wSJC50b29scmVnaXN0cnkudjEuUmVnaXN0ZXJUb29sUmVxdWVzdBoVLnRvb2xyZWdpc3RyeS52MS5Ub29sEkEKB0dldFRvb2wSHy50b29scmVnaXN0cnkudjEuR2V0VG9vbFJlcXVlc3QaFS50b29scmVnaXN0cnkudjEuVG9vbBJSCglMaXN0VG9vbHMSIS50b29scmVnaXN0cnkudjEuTGlzdFRvb2xzUmVxdWVzdBoiLnRvb2xyZWdpc3RyeS52MS5MaXN0VG9vbHNSZXNwb25zZRJhCg5HZXRUb29sU2NoZW1hcxImLnRvb2xyZWdpc3RyeS52MS5HZXRUb29sU2NoZW1hc1JlcXVlc3QaJy50b29scmVnaXN0cnkudjEuR2V0VG9vbFNjaGVtYXNSZXNwb25zZRJPCgtFeGVjdXRlVG9vbBIjLnRvb2xyZWdpc3RyeS52MS5FeGVjdXRlVG9vbFJlcXVlc3QaGy50b29scmVnaXN0cnkudjEuVG9vbFJlc3VsdBJbChFTdHJlYW1FeGVjdXRlVG9vbBIjLnRvb2xyZWdpc3RyeS52MS5FeGVjdXRlVG9vbFJlcXVlc3QaHy50b29scmVnaXN0cnkudjEuRXhlY3V0aW9uRXZlbnQwARJzChRMaXN0QXBwcm92YWxSZXF1ZXN0cxIsLnRvb2xyZWdpc3RyeS52MS5MaXN0QXBwcm92YWxSZXF1ZXN0c1JlcXVlc3QaLS50b29scmVnaXN0cnkudjEuTGlzdEFwcHJvdmFsUmVxdWVzdHNSZXNwb25zZRJiChJHZXRBcHByb3ZhbFJlcXVlc3QSKi50b29scmVnaXN0cnkudjEuR2V0QXBwcm92YWxSZXF1ZXN0UmVxdWVzdBogLnRvb2xyZWdpc3RyeS52MS5BcHByb3ZhbFJlcXVlc3QSWgoOU3VibWl0QXBwcm92YWwSJi50b29scmVnaXN0cnkudjEuU3VibWl0QXBwcm92YWxSZXF1ZXN0GiAudG9vbHJlZ2lzdHJ5LnYxLkFwcHJvdmFsUmVxdWVzdBJoChVSZWplY3RBcHByb3ZhbFJlcXVlc3QSLS50b29scmVnaXN0cnkudjEuUmVqZWN0QXBwcm92YWxSZXF1ZXN0UmVxdWVzdBogLnRvb2xyZWdpc3RyeS52MS5BcHByb3ZhbFJlcXVlc3QSaAoVV2F0Y2hBcHByb3ZhbFJlcXVlc3RzEi0udG9vbHJlZ2lzdHJ5LnYxLldhdGNoQXBwcm92YWxSZXF1ZXN0c1JlcXVlc3QaHi50b29scmVnaXN0cnkudjEuQXBwcm92YWxFdmVudDABQmEKG2Rldi50b29scmVnLnRvb2xyZWdpc3RyeS52MVABWkBnaXRodWIuY29tL3Rvb2xyZWcvdG9vbHJlZy9nZW4vZ28vdG9vbHJlZ2lzdHJ5L3YxO3Rvb2xyZWdpc3RyeXYxYgZwcm90bzM", [file_google_protobuf_timestamp]);
+  fileDesc("Ch50b29scmVnaXN0cnkvdjEvcmVnaXN0cnkucHJvdG8SD3Rvb2xyZWdpc3RyeS52MSLyAgoEVG9vbBIMCgRuYW1lGAEgASgJEhMKC2Rlc2NyaXB0aW9uGAIgASgJEhcKD3BhcmFtZXRlcnNfanNvbhgDIAEoCRIyCgxzYWZldHlfbGV2ZWwYBCABKA4yHC50b29scmVnaXN0cnkudjEuU2FmZXR5TGV2ZWwSEgoKY2F0ZWdvcmllcxgFIAMoCRItCgdzYW5kYm94GAYgASgLMhwudG9vbHJlZ2lzdHJ5LnYxLlNhbmRib3hTcGVjEg4KBmRpZ2VzdBgHIAEoCRIRCgl3YXJtX3Bvb2wYCCABKAUSDQoFb3duZXIYCSABKAkSLQoHbmV0d29yaxgKIAEoCzIcLnRvb2xyZWdpc3RyeS52MS5OZXR3b3JrU3BlYxIrCgdzZWNyZXRzGAsgAygLMhoudG9vbHJlZ2lzdHJ5LnYxLlNlY3JldFJlZhIQCghkaXNhYmxlZBgMIAEoCBIXCg9kaXNhYmxlZF9yZWFzb24YDSABKAkiHQoLTmV0d29ya1NwZWMSDgoGZWdyZXNzGAEgAygJIlwKCVNlY3JldFJlZhIMCgRuYW1lGAEgASgJEg8KB2RlbGl2ZXIYAiABKAkSMAoGaW5qZWN0GAMgASgLMiAudG9vbHJlZ2lzdHJ5LnYxLlNlY3JldEluamVjdGlvbiJNCg9TZWNyZXRJbmplY3Rpb24SDAoEaG9zdBgBIAEoCRIMCgRwb3J0GAIgASgFEg4KBmhlYWRlchgDIAEoCRIOCgZmb3JtYXQYBCABKAkivgEKC1NhbmRib3hTcGVjEg0KBWltYWdlGAEgASgJEg8KB2NvbW1hbmQYAiADKAkSMgoDZW52GAMgAygLMiUudG9vbHJlZ2lzdHJ5LnYxLlNhbmRib3hTcGVjLkVudkVudHJ5Ei8KBmxpbWl0cxgEIAEoCzIfLnRvb2xyZWdpc3RyeS52MS5SZXNvdXJjZUxpbWl0cxoqCghFbnZFbnRyeRILCgNrZXkYASABKAkSDQoFdmFsdWUYAiABKAk6AjgBIm8KDlJlc291cmNlTGltaXRzEhEKCW1lbW9yeV9tYhgBIAEoAxISCgpjcHVfbWlsbGlzGAIgASgDEgwKBHBpZHMYAyABKAMSEgoKdGltZW91dF9tcxgEIAEoAxIUCgxvdXRwdXRfYnl0ZXMYBSABKAMiSwoTUmVnaXN0ZXJUb29sUmVxdWVzdBIjCgR0b29sGAEgASgLMhUudG9vbHJlZ2lzdHJ5LnYxLlRvb2wSDwoHcmVwbGFjZRgCIAEoCCIeCg5HZXRUb29sUmVxdWVzdBIMCgRuYW1lGAEgASgJIoUBChBMaXN0VG9vbHNSZXF1ZXN0EjYKEG1heF9zYWZldHlfbGV2ZWwYASABKA4yHC50b29scmVnaXN0cnkudjEuU2FmZXR5TGV2ZWwSEgoKY2F0ZWdvcmllcxgCIAMoCRIRCglwYWdlX3NpemUYAyABKAUSEgoKcGFnZV90b2tlbhgEIAEoCSJSChFMaXN0VG9vbHNSZXNwb25zZRIkCgV0b29scxgBIAMoCzIVLnRvb2xyZWdpc3RyeS52MS5Ub29sEhcKD25leHRfcGFnZV90b2tlbhgCIAEoCSK5AQoVR2V0VG9vbFNjaGVtYXNSZXF1ZXN0Ei0KBmZvcm1hdBgBIAEoDjIdLnRvb2xyZWdpc3RyeS52MS5TY2hlbWFGb3JtYXQSNgoQbWF4X3NhZmV0eV9sZXZlbBgCIAEoDjIcLnRvb2xyZWdpc3RyeS52MS5TYWZldHlMZXZlbBISCgpjYXRlZ29yaWVzGAMgAygJEhEKCXBhZ2Vfc2l6ZRgEIAEoBRISCgpwYWdlX3Rva2VuGAUgASgJIkcKFkdldFRvb2xTY2hlbWFzUmVzcG9uc2USFAoMc2NoZW1hc19qc29uGAEgASgJEhcKD25leHRfcGFnZV90b2tlbhgCIAEoCSJwChJFeGVjdXRlVG9vbFJlcXVlc3QSDAoEbmFtZRgBIAEoCRIWCg5hcmd1bWVudHNfanNvbhgCIAEoCRIXCg9hcHByb3ZhbF90b2tlbnMYAyADKAkSGwoTYXBwcm92YWxfcmVxdWVzdF9pZBgEIAEoCSKmAgoKVG9vbFJlc3VsdBIPCgdzdWNjZXNzGAEgASgIEjAKBnN0YXR1cxgCIAEoDjIgLnRvb2xyZWdpc3RyeS52MS5FeGVjdXRpb25TdGF0dXMSDwoHY29udGVudBgDIAEoCRIRCglkYXRhX2pzb24YBCABKAkSDQoFZXJyb3IYBSABKAkSEQoJZXhpdF9jb2RlGAYgASgFEg4KBnN0ZGVychgHIAEoCRITCgtkdXJhdGlvbl9tcxgIIAEoAxIYChBvdXRwdXRfdHJ1bmNhdGVkGAkgASgIEhQKDGV4ZWN1dGlvbl9pZBgKIAEoCRI6ChBhcHByb3ZhbF9yZXF1ZXN0GAsgASgLMiAudG9vbHJlZ2lzdHJ5LnYxLkFwcHJvdmFsUmVxdWVzdCJsCg5FeGVjdXRpb25FdmVudBIQCgZzdGRvdXQYASABKAxIABIQCgZzdGRlcnIYAiABKAxIABItCgZyZXN1bHQYAyABKAsyGy50b29scmVnaXN0cnkudjEuVG9vbFJlc3VsdEgAQgcKBWV2ZW50It4DCg9BcHByb3ZhbFJlcXVlc3QSCgoCaWQYASABKAkSEQoJdG9vbF9uYW1lGAIgASgJEhMKC3Rvb2xfZGlnZXN0GAMgASgJEhYKDmFyZ3VtZW50c19qc29uGAQgASgJEhgKEGFyZ3VtZW50c19kaWdlc3QYBSABKAkSFAoMcmVxdWVzdGVkX2J5GAYgASgJEhoKEmFwcHJvdmFsc19yZXF1aXJlZBgHIAEoBRITCgthcHByb3ZlZF9ieRgIIAMoCRINCgVzdGF0ZRgJIAEoCRIuCgpjcmVhdGVkX2F0GAogASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIuCgpleHBpcmVzX2F0GAsgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIQCghhdWRpZW5jZRgMIAEoCRIXCg9tYXhfdG9rZW5fdHRsX3MYDSABKAUSGQoRYXBwcm92YWxzX21pc3NpbmcYDiABKAUSIwoEdG9vbBgPIAEoCzIVLnRvb2xyZWdpc3RyeS52MS5Ub29sEhMKC3JlamVjdGVkX2J5GBAgASgJEhgKEHJlamVjdGlvbl9yZWFzb24YESABKAkSFQoNdm9pZGVkX3JlYXNvbhgSIAEoCSIxChFEZWxldGVUb29sUmVxdWVzdBIMCgRuYW1lGAEgASgJEg4KBnJlYXNvbhgCIAEoCSIUChJEZWxldGVUb29sUmVzcG9uc2UiRgoVU2V0VG9vbEVuYWJsZWRSZXF1ZXN0EgwKBG5hbWUYASABKAkSDwoHZW5hYmxlZBgCIAEoCBIOCgZyZWFzb24YAyABKAkiFQoTUmVsb2FkUG9saWN5UmVxdWVzdCIWChRHZXRTZXJ2ZXJJbmZvUmVxdWVzdCKBAQoKU2VydmVySW5mbxIVCg1wb2xpY3lfZGlnZXN0GAEgASgJEhUKDXBvbGljeV9zb3VyY2UYAiABKAkSNAoQcG9saWN5X2xvYWRlZF9hdBgDIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASDwoHdmVyc2lvbhgEIAEoCSJCChxSZWplY3RBcHByb3ZhbFJlcXVlc3RSZXF1ZXN0EhIKCnJlcXVlc3RfaWQYASABKAkSDgoGcmVhc29uGAIgASgJIjIKHFdhdGNoQXBwcm92YWxSZXF1ZXN0c1JlcXVlc3QSEgoKcmVxdWVzdF9pZBgBIAEoCSLIAQoNQXBwcm92YWxFdmVudBIwCgR0eXBlGAEgASgOMiIudG9vbHJlZ2lzdHJ5LnYxLkFwcHJvdmFsRXZlbnRUeXBlEjEKB3JlcXVlc3QYAiABKAsyIC50b29scmVnaXN0cnkudjEuQXBwcm92YWxSZXF1ZXN0Eg0KBWFjdG9yGAMgASgJEg4KBnJlYXNvbhgEIAEoCRImCgJhdBgFIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASCwoDc2VxGAYgASgDImIKG0xpc3RBcHByb3ZhbFJlcXVlc3RzUmVxdWVzdBINCgVzdGF0ZRgBIAEoCRINCgVsaW1pdBgCIAEoBRIRCglwYWdlX3NpemUYAyABKAUSEgoKcGFnZV90b2tlbhgEIAEoCSJrChxMaXN0QXBwcm92YWxSZXF1ZXN0c1Jlc3BvbnNlEjIKCHJlcXVlc3RzGAEgAygLMiAudG9vbHJlZ2lzdHJ5LnYxLkFwcHJvdmFsUmVxdWVzdBIXCg9uZXh0X3BhZ2VfdG9rZW4YAiABKAkiJwoZR2V0QXBwcm92YWxSZXF1ZXN0UmVxdWVzdBIKCgJpZBgBIAEoCSI6ChVTdWJtaXRBcHByb3ZhbFJlcXVlc3QSEgoKcmVxdWVzdF9pZBgBIAEoCRINCgV0b2tlbhgCIAEoCSp5CgtTYWZldHlMZXZlbBIcChhTQUZFVFlfTEVWRUxfVU5TUEVDSUZJRUQQABIVChFTQUZFVFlfTEVWRUxfU0FGRRABEhkKFVNBRkVUWV9MRVZFTF9DQVVUSU9VUxACEhoKFlNBRkVUWV9MRVZFTF9EQU5HRVJPVVMQAyp7CgxTY2hlbWFGb3JtYXQSHQoZU0NIRU1BX0ZPUk1BVF9VTlNQRUNJRklFRBAAEhgKFFNDSEVNQV9GT1JNQVRfT1BFTkFJEAESGwoXU0NIRU1BX0ZPUk1BVF9BTlRIUk9QSUMQAhIVChFTQ0hFTUFfRk9STUFUX01DUBADKpcDCg9FeGVjdXRpb25TdGF0dXMSIAocRVhFQ1VUSU9OX1NUQVRVU19VTlNQRUNJRklFRBAAEhcKE0VYRUNVVElPTl9TVEFUVVNfT0sQARIjCh9FWEVDVVRJT05fU1RBVFVTX1RPT0xfTk9UX0ZPVU5EEAISJgoiRVhFQ1VUSU9OX1NUQVRVU19JTlZBTElEX0FSR1VNRU5UUxADEiYKIkVYRUNVVElPTl9TVEFUVVNfQVBQUk9WQUxfUkVRVUlSRUQQBBIkCiBFWEVDVVRJT05fU1RBVFVTX0FQUFJPVkFMX0RFTklFRBAFEh8KG0VYRUNVVElPTl9TVEFUVVNfVE9PTF9FUlJPUhAGEhwKGEVYRUNVVElPTl9TVEFUVVNfVElNRU9VVBAHEicKI0VYRUNVVElPTl9TVEFUVVNfUkVTT1VSQ0VfRVhIQVVTVEVEEAgSIgoeRVhFQ1VUSU9OX1NUQVRVU19TQU5EQk9YX0VSUk9SEAkSIgoeRVhFQ1VUSU9OX1NUQVRVU19UT09MX0RJU0FCTEVEEAoq6AIKEUFwcHJvdmFsRXZlbnRUeXBlEiMKH0FQUFJPVkFMX0VWRU5UX1RZUEVfVU5TUEVDSUZJRUQQABIfChtBUFBST1ZBTF9FVkVOVF9UWVBFX0NVUlJFTlQQARIeChpBUFBST1ZBTF9FVkVOVF9UWVBFX1NZTkNFRBACEh4KGkFQUFJPVkFMX0VWRU5UX1RZUEVfT1BFTkVEEAMSJgoiQVBQUk9WQUxfRVZFTlRfVFlQRV9BUFBST1ZBTF9BRERFRBAEEiAKHEFQUFJPVkFMX0VWRU5UX1RZUEVfQVBQUk9WRUQQBRIgChxBUFBST1ZBTF9FVkVOVF9UWVBFX1JFSkVDVEVEEAYSIAocQVBQUk9WQUxfRVZFTlRfVFlQRV9DT05TVU1FRBAHEh8KG0FQUFJPVkFMX0VWRU5UX1RZUEVfRVhQSVJFRBAIEh4KGkFQUFJPVkFMX0VWRU5UX1RZUEVfVk9JREVEEAky3AoKDFRvb2xSZWdpc3RyeRJLCgxSZWdpc3RlclRvb2wSJC50b29scmVnaXN0cnkudjEuUmVnaXN0ZXJUb29sUmVxdWVzdBoVLnRvb2xyZWdpc3RyeS52MS5Ub29sEkEKB0dldFRvb2wSHy50b29scmVnaXN0cnkudjEuR2V0VG9vbFJlcXVlc3QaFS50b29scmVnaXN0cnkudjEuVG9vbBJSCglMaXN0VG9vbHMSIS50b29scmVnaXN0cnkudjEuTGlzdFRvb2xzUmVxdWVzdBoiLnRvb2xyZWdpc3RyeS52MS5MaXN0VG9vbHNSZXNwb25zZRJhCg5HZXRUb29sU2NoZW1hcxImLnRvb2xyZWdpc3RyeS52MS5HZXRUb29sU2NoZW1hc1JlcXVlc3QaJy50b29scmVnaXN0cnkudjEuR2V0VG9vbFNjaGVtYXNSZXNwb25zZRJVCgpEZWxldGVUb29sEiIudG9vbHJlZ2lzdHJ5LnYxLkRlbGV0ZVRvb2xSZXF1ZXN0GiMudG9vbHJlZ2lzdHJ5LnYxLkRlbGV0ZVRvb2xSZXNwb25zZRJPCg5TZXRUb29sRW5hYmxlZBImLnRvb2xyZWdpc3RyeS52MS5TZXRUb29sRW5hYmxlZFJlcXVlc3QaFS50b29scmVnaXN0cnkudjEuVG9vbBJRCgxSZWxvYWRQb2xpY3kSJC50b29scmVnaXN0cnkudjEuUmVsb2FkUG9saWN5UmVxdWVzdBobLnRvb2xyZWdpc3RyeS52MS5TZXJ2ZXJJbmZvElMKDUdldFNlcnZlckluZm8SJS50b29scmVnaXN0cnkudjEuR2V0U2VydmVySW5mb1JlcXVlc3QaGy50b29scmVnaXN0cnkudjEuU2VydmVySW5mbxJPCgtFeGVjdXRlVG9vbBIjLnRvb2xyZWdpc3RyeS52MS5FeGVjdXRlVG9vbFJlcXVlc3QaGy50b29scmVnaXN0cnkudjEuVG9vbFJlc3VsdBJbChFTdHJlYW1FeGVjdXRlVG9vbBIjLnRvb2xyZWdpc3RyeS52MS5FeGVjdXRlVG9vbFJlcXVlc3QaHy50b29scmVnaXN0cnkudjEuRXhlY3V0aW9uRXZlbnQwARJzChRMaXN0QXBwcm92YWxSZXF1ZXN0cxIsLnRvb2xyZWdpc3RyeS52MS5MaXN0QXBwcm92YWxSZXF1ZXN0c1JlcXVlc3QaLS50b29scmVnaXN0cnkudjEuTGlzdEFwcHJvdmFsUmVxdWVzdHNSZXNwb25zZRJiChJHZXRBcHByb3ZhbFJlcXVlc3QSKi50b29scmVnaXN0cnkudjEuR2V0QXBwcm92YWxSZXF1ZXN0UmVxdWVzdBogLnRvb2xyZWdpc3RyeS52MS5BcHByb3ZhbFJlcXVlc3QSWgoOU3VibWl0QXBwcm92YWwSJi50b29scmVnaXN0cnkudjEuU3VibWl0QXBwcm92YWxSZXF1ZXN0GiAudG9vbHJlZ2lzdHJ5LnYxLkFwcHJvdmFsUmVxdWVzdBJoChVSZWplY3RBcHByb3ZhbFJlcXVlc3QSLS50b29scmVnaXN0cnkudjEuUmVqZWN0QXBwcm92YWxSZXF1ZXN0UmVxdWVzdBogLnRvb2xyZWdpc3RyeS52MS5BcHByb3ZhbFJlcXVlc3QSaAoVV2F0Y2hBcHByb3ZhbFJlcXVlc3RzEi0udG9vbHJlZ2lzdHJ5LnYxLldhdGNoQXBwcm92YWxSZXF1ZXN0c1JlcXVlc3QaHi50b29scmVnaXN0cnkudjEuQXBwcm92YWxFdmVudDABQmEKG2Rldi50b29scmVnLnRvb2xyZWdpc3RyeS52MVABWkBnaXRodWIuY29tL3Rvb2xyZWcvdG9vbHJlZy9nZW4vZ28vdG9vbHJlZ2lzdHJ5L3YxO3Rvb2xyZWdpc3RyeXYxYgZwcm90bzM", [file_google_protobuf_timestamp]);
 
 /**
  * @generated from message toolregistry.v1.Tool
@@ -113,6 +113,21 @@ export type Tool = Message<"toolregistry.v1.Tool"> & {
    * @generated from field: repeated toolregistry.v1.SecretRef secrets = 11;
    */
   secrets: SecretRef[];
+
+  /**
+   * Output only: an admin disabled the tool (SetToolEnabled); calls are
+   * refused with TOOL_DISABLED. Not part of the digest.
+   *
+   * @generated from field: bool disabled = 12;
+   */
+  disabled: boolean;
+
+  /**
+   * Output only: why it was disabled.
+   *
+   * @generated from field: string disabled_reason = 13;
+   */
+  disabledReason: string;
 };
 
 /**
@@ -351,6 +366,20 @@ export type ListToolsRequest = Message<"toolregistry.v1.ListToolsRequest"> & {
    * @generated from field: repeated string categories = 2;
    */
   categories: string[];
+
+  /**
+   * At most this many tools (0 = the server's default); see ListTools.
+   *
+   * @generated from field: int32 page_size = 3;
+   */
+  pageSize: number;
+
+  /**
+   * From a previous answer's `next_page_token`, with the same filters.
+   *
+   * @generated from field: string page_token = 4;
+   */
+  pageToken: string;
 };
 
 /**
@@ -368,6 +397,13 @@ export type ListToolsResponse = Message<"toolregistry.v1.ListToolsResponse"> & {
    * @generated from field: repeated toolregistry.v1.Tool tools = 1;
    */
   tools: Tool[];
+
+  /**
+   * Pass as `page_token` for the next page; empty on the last page.
+   *
+   * @generated from field: string next_page_token = 2;
+   */
+  nextPageToken: string;
 };
 
 /**
@@ -395,6 +431,20 @@ export type GetToolSchemasRequest = Message<"toolregistry.v1.GetToolSchemasReque
    * @generated from field: repeated string categories = 3;
    */
   categories: string[];
+
+  /**
+   * At most this many tools (0 = the server's default); see ListTools.
+   *
+   * @generated from field: int32 page_size = 4;
+   */
+  pageSize: number;
+
+  /**
+   * From a previous answer's `next_page_token`, with the same query.
+   *
+   * @generated from field: string page_token = 5;
+   */
+  pageToken: string;
 };
 
 /**
@@ -414,6 +464,13 @@ export type GetToolSchemasResponse = Message<"toolregistry.v1.GetToolSchemasResp
    * @generated from field: string schemas_json = 1;
    */
   schemasJson: string;
+
+  /**
+   * Pass as `page_token` for the next page; empty on the last page.
+   *
+   * @generated from field: string next_page_token = 2;
+   */
+  nextPageToken: string;
 };
 
 /**
@@ -621,7 +678,7 @@ export type ApprovalRequest = Message<"toolregistry.v1.ApprovalRequest"> & {
   approvedBy: string[];
 
   /**
-   * PENDING, APPROVED, CONSUMED, REJECTED or EXPIRED.
+   * PENDING, APPROVED, CONSUMED, REJECTED, VOIDED or EXPIRED.
    *
    * @generated from field: string state = 9;
    */
@@ -677,6 +734,13 @@ export type ApprovalRequest = Message<"toolregistry.v1.ApprovalRequest"> & {
    * @generated from field: string rejection_reason = 17;
    */
   rejectionReason: string;
+
+  /**
+   * Set when `state` is VOIDED: why (its tool was deleted or disabled).
+   *
+   * @generated from field: string voided_reason = 18;
+   */
+  voidedReason: string;
 };
 
 /**
@@ -685,6 +749,137 @@ export type ApprovalRequest = Message<"toolregistry.v1.ApprovalRequest"> & {
  */
 export const ApprovalRequestSchema: GenMessage<ApprovalRequest> = /*@__PURE__*/
   messageDesc(file_toolregistry_v1_registry, 15);
+
+/**
+ * @generated from message toolregistry.v1.DeleteToolRequest
+ */
+export type DeleteToolRequest = Message<"toolregistry.v1.DeleteToolRequest"> & {
+  /**
+   * @generated from field: string name = 1;
+   */
+  name: string;
+
+  /**
+   * Why (for the audit log and the voided requests): at most 1,000
+   * characters, no control characters.
+   *
+   * @generated from field: string reason = 2;
+   */
+  reason: string;
+};
+
+/**
+ * Describes the message toolregistry.v1.DeleteToolRequest.
+ * Use `create(DeleteToolRequestSchema)` to create a new message.
+ */
+export const DeleteToolRequestSchema: GenMessage<DeleteToolRequest> = /*@__PURE__*/
+  messageDesc(file_toolregistry_v1_registry, 16);
+
+/**
+ * @generated from message toolregistry.v1.DeleteToolResponse
+ */
+export type DeleteToolResponse = Message<"toolregistry.v1.DeleteToolResponse"> & {
+};
+
+/**
+ * Describes the message toolregistry.v1.DeleteToolResponse.
+ * Use `create(DeleteToolResponseSchema)` to create a new message.
+ */
+export const DeleteToolResponseSchema: GenMessage<DeleteToolResponse> = /*@__PURE__*/
+  messageDesc(file_toolregistry_v1_registry, 17);
+
+/**
+ * @generated from message toolregistry.v1.SetToolEnabledRequest
+ */
+export type SetToolEnabledRequest = Message<"toolregistry.v1.SetToolEnabledRequest"> & {
+  /**
+   * @generated from field: string name = 1;
+   */
+  name: string;
+
+  /**
+   * @generated from field: bool enabled = 2;
+   */
+  enabled: boolean;
+
+  /**
+   * Why (for the audit log, the refused calls and the voided requests).
+   *
+   * @generated from field: string reason = 3;
+   */
+  reason: string;
+};
+
+/**
+ * Describes the message toolregistry.v1.SetToolEnabledRequest.
+ * Use `create(SetToolEnabledRequestSchema)` to create a new message.
+ */
+export const SetToolEnabledRequestSchema: GenMessage<SetToolEnabledRequest> = /*@__PURE__*/
+  messageDesc(file_toolregistry_v1_registry, 18);
+
+/**
+ * @generated from message toolregistry.v1.ReloadPolicyRequest
+ */
+export type ReloadPolicyRequest = Message<"toolregistry.v1.ReloadPolicyRequest"> & {
+};
+
+/**
+ * Describes the message toolregistry.v1.ReloadPolicyRequest.
+ * Use `create(ReloadPolicyRequestSchema)` to create a new message.
+ */
+export const ReloadPolicyRequestSchema: GenMessage<ReloadPolicyRequest> = /*@__PURE__*/
+  messageDesc(file_toolregistry_v1_registry, 19);
+
+/**
+ * @generated from message toolregistry.v1.GetServerInfoRequest
+ */
+export type GetServerInfoRequest = Message<"toolregistry.v1.GetServerInfoRequest"> & {
+};
+
+/**
+ * Describes the message toolregistry.v1.GetServerInfoRequest.
+ * Use `create(GetServerInfoRequestSchema)` to create a new message.
+ */
+export const GetServerInfoRequestSchema: GenMessage<GetServerInfoRequest> = /*@__PURE__*/
+  messageDesc(file_toolregistry_v1_registry, 20);
+
+/**
+ * @generated from message toolregistry.v1.ServerInfo
+ */
+export type ServerInfo = Message<"toolregistry.v1.ServerInfo"> & {
+  /**
+   * sha256 hex of the policy file's bytes as loaded ("" in development mode).
+   *
+   * @generated from field: string policy_digest = 1;
+   */
+  policyDigest: string;
+
+  /**
+   * The policy file's path on the server ("" in development mode).
+   *
+   * @generated from field: string policy_source = 2;
+   */
+  policySource: string;
+
+  /**
+   * @generated from field: google.protobuf.Timestamp policy_loaded_at = 3;
+   */
+  policyLoadedAt?: Timestamp | undefined;
+
+  /**
+   * The toolreg version serving.
+   *
+   * @generated from field: string version = 4;
+   */
+  version: string;
+};
+
+/**
+ * Describes the message toolregistry.v1.ServerInfo.
+ * Use `create(ServerInfoSchema)` to create a new message.
+ */
+export const ServerInfoSchema: GenMessage<ServerInfo> = /*@__PURE__*/
+  messageDesc(file_toolregistry_v1_registry, 21);
 
 /**
  * @generated from message toolregistry.v1.RejectApprovalRequestRequest
@@ -709,7 +904,7 @@ export type RejectApprovalRequestRequest = Message<"toolregistry.v1.RejectApprov
  * Use `create(RejectApprovalRequestRequestSchema)` to create a new message.
  */
 export const RejectApprovalRequestRequestSchema: GenMessage<RejectApprovalRequestRequest> = /*@__PURE__*/
-  messageDesc(file_toolregistry_v1_registry, 16);
+  messageDesc(file_toolregistry_v1_registry, 22);
 
 /**
  * @generated from message toolregistry.v1.WatchApprovalRequestsRequest
@@ -729,7 +924,7 @@ export type WatchApprovalRequestsRequest = Message<"toolregistry.v1.WatchApprova
  * Use `create(WatchApprovalRequestsRequestSchema)` to create a new message.
  */
 export const WatchApprovalRequestsRequestSchema: GenMessage<WatchApprovalRequestsRequest> = /*@__PURE__*/
-  messageDesc(file_toolregistry_v1_registry, 17);
+  messageDesc(file_toolregistry_v1_registry, 23);
 
 /**
  * @generated from message toolregistry.v1.ApprovalEvent
@@ -779,7 +974,7 @@ export type ApprovalEvent = Message<"toolregistry.v1.ApprovalEvent"> & {
  * Use `create(ApprovalEventSchema)` to create a new message.
  */
 export const ApprovalEventSchema: GenMessage<ApprovalEvent> = /*@__PURE__*/
-  messageDesc(file_toolregistry_v1_registry, 18);
+  messageDesc(file_toolregistry_v1_registry, 24);
 
 /**
  * @generated from message toolregistry.v1.ListApprovalRequestsRequest
@@ -795,11 +990,25 @@ export type ListApprovalRequestsRequest = Message<"toolregistry.v1.ListApprovalR
   state: string;
 
   /**
-   * At most this many (0 = server default of 100).
+   * Deprecated: use page_size. At most this many (0 = server default).
    *
    * @generated from field: int32 limit = 2;
    */
   limit: number;
+
+  /**
+   * At most this many requests, newest first (0 = the server's default).
+   *
+   * @generated from field: int32 page_size = 3;
+   */
+  pageSize: number;
+
+  /**
+   * From a previous answer's `next_page_token`, with the same `state`.
+   *
+   * @generated from field: string page_token = 4;
+   */
+  pageToken: string;
 };
 
 /**
@@ -807,7 +1016,7 @@ export type ListApprovalRequestsRequest = Message<"toolregistry.v1.ListApprovalR
  * Use `create(ListApprovalRequestsRequestSchema)` to create a new message.
  */
 export const ListApprovalRequestsRequestSchema: GenMessage<ListApprovalRequestsRequest> = /*@__PURE__*/
-  messageDesc(file_toolregistry_v1_registry, 19);
+  messageDesc(file_toolregistry_v1_registry, 25);
 
 /**
  * @generated from message toolregistry.v1.ListApprovalRequestsResponse
@@ -817,6 +1026,13 @@ export type ListApprovalRequestsResponse = Message<"toolregistry.v1.ListApproval
    * @generated from field: repeated toolregistry.v1.ApprovalRequest requests = 1;
    */
   requests: ApprovalRequest[];
+
+  /**
+   * Pass as `page_token` for the next page; empty on the last page.
+   *
+   * @generated from field: string next_page_token = 2;
+   */
+  nextPageToken: string;
 };
 
 /**
@@ -824,7 +1040,7 @@ export type ListApprovalRequestsResponse = Message<"toolregistry.v1.ListApproval
  * Use `create(ListApprovalRequestsResponseSchema)` to create a new message.
  */
 export const ListApprovalRequestsResponseSchema: GenMessage<ListApprovalRequestsResponse> = /*@__PURE__*/
-  messageDesc(file_toolregistry_v1_registry, 20);
+  messageDesc(file_toolregistry_v1_registry, 26);
 
 /**
  * @generated from message toolregistry.v1.GetApprovalRequestRequest
@@ -841,7 +1057,7 @@ export type GetApprovalRequestRequest = Message<"toolregistry.v1.GetApprovalRequ
  * Use `create(GetApprovalRequestRequestSchema)` to create a new message.
  */
 export const GetApprovalRequestRequestSchema: GenMessage<GetApprovalRequestRequest> = /*@__PURE__*/
-  messageDesc(file_toolregistry_v1_registry, 21);
+  messageDesc(file_toolregistry_v1_registry, 27);
 
 /**
  * @generated from message toolregistry.v1.SubmitApprovalRequest
@@ -863,7 +1079,7 @@ export type SubmitApprovalRequest = Message<"toolregistry.v1.SubmitApprovalReque
  * Use `create(SubmitApprovalRequestSchema)` to create a new message.
  */
 export const SubmitApprovalRequestSchema: GenMessage<SubmitApprovalRequest> = /*@__PURE__*/
-  messageDesc(file_toolregistry_v1_registry, 22);
+  messageDesc(file_toolregistry_v1_registry, 28);
 
 /**
  * @generated from enum toolregistry.v1.SafetyLevel
@@ -1014,6 +1230,13 @@ export enum ExecutionStatus {
    * @generated from enum value: EXECUTION_STATUS_SANDBOX_ERROR = 9;
    */
   SANDBOX_ERROR = 9,
+
+  /**
+   * an admin disabled the tool; error gives the reason
+   *
+   * @generated from enum value: EXECUTION_STATUS_TOOL_DISABLED = 10;
+   */
+  TOOL_DISABLED = 10,
 }
 
 /**
@@ -1086,6 +1309,13 @@ export enum ApprovalEventType {
    * @generated from enum value: APPROVAL_EVENT_TYPE_EXPIRED = 8;
    */
   EXPIRED = 8,
+
+  /**
+   * its tool was deleted or disabled (`reason`)
+   *
+   * @generated from enum value: APPROVAL_EVENT_TYPE_VOIDED = 9;
+   */
+  VOIDED = 9,
 }
 
 /**
@@ -1135,11 +1365,19 @@ export const ToolRegistry: GenService<{
     output: typeof ToolSchema;
   },
   /**
-   * ListTools returns the registered tools sorted by name. Filters are ANDed:
-   * `max_safety_level` keeps tools at or below it (UNSPECIFIED = no limit);
-   * `categories` keeps tools having at least one of them (empty = all).
+   * ListTools returns the registered tools sorted by name, a page at a time
+   * (AIP-158). Filters are ANDed: `max_safety_level` keeps tools at or below
+   * it (UNSPECIFIED = no limit); `categories` keeps tools having at least one
+   * of them (empty = all). Disabled tools are listed, marked `disabled`.
+   * Without `page_size` the server's default page size applies; more than
+   * its maximum is cut to the maximum. `next_page_token` is empty on the
+   * last page. A page is consistent while tools change between pages: the
+   * next page starts after the last name of this one, so no tool is skipped
+   * or listed twice.
    * Errors:
-   * - INVALID_ARGUMENT: an unknown safety level value.
+   * - INVALID_ARGUMENT: an unknown safety level value, a negative
+   *   `page_size`, or a `page_token` this server did not issue for these
+   *   filters (tampered, or from another query).
    *
    * @generated from rpc toolregistry.v1.ToolRegistry.ListTools
    */
@@ -1150,9 +1388,11 @@ export const ToolRegistry: GenService<{
   },
   /**
    * GetToolSchemas exports the filtered set (same filters as ListTools) as a
-   * JSON array in the requested LLM tool format. An empty set is `[]`.
+   * JSON array in the requested LLM tool format, a page at a time (as
+   * ListTools). Disabled tools are left out. An empty set is `[]`.
    * Errors:
-   * - INVALID_ARGUMENT: an unknown format or safety level value.
+   * - INVALID_ARGUMENT: an unknown format or safety level value, a negative
+   *   `page_size`, or a bad `page_token`.
    *
    * @generated from rpc toolregistry.v1.ToolRegistry.GetToolSchemas
    */
@@ -1160,6 +1400,72 @@ export const ToolRegistry: GenService<{
     methodKind: "unary";
     input: typeof GetToolSchemasRequestSchema;
     output: typeof GetToolSchemasResponseSchema;
+  },
+  /**
+   * DeleteTool removes a tool: it is no longer listed or run, its warm
+   * containers are removed, its open approval requests are VOIDED with the
+   * reason, and the deletion is written to the audit log; every server on
+   * the store follows within a second. A call already running finishes. The
+   * name may be registered again, as a new tool.
+   * Errors:
+   * - INVALID_ARGUMENT: `name` is not a valid tool name, or `reason` is
+   *   longer than 1,000 characters or holds control characters.
+   * - NOT_FOUND: no tool has that name.
+   * - PERMISSION_DENIED: the caller is neither the tool's owner nor an admin.
+   *
+   * @generated from rpc toolregistry.v1.ToolRegistry.DeleteTool
+   */
+  deleteTool: {
+    methodKind: "unary";
+    input: typeof DeleteToolRequestSchema;
+    output: typeof DeleteToolResponseSchema;
+  },
+  /**
+   * SetToolEnabled disables or enables a tool (the kill switch). A disabled
+   * tool stays listed with `disabled` set, every call of it is refused with
+   * TOOL_DISABLED, its warm containers are removed and its open approval
+   * requests are VOIDED; enabling it again makes it callable (approvals must
+   * be asked for again). Audited; every server follows within a second.
+   * Errors:
+   * - INVALID_ARGUMENT: `name` is not a valid tool name, or a bad `reason`.
+   * - NOT_FOUND: no tool has that name.
+   * - PERMISSION_DENIED: the caller lacks the admin role.
+   *
+   * @generated from rpc toolregistry.v1.ToolRegistry.SetToolEnabled
+   */
+  setToolEnabled: {
+    methodKind: "unary";
+    input: typeof SetToolEnabledRequestSchema;
+    output: typeof ToolSchema;
+  },
+  /**
+   * ReloadPolicy re-reads this server's policy file (as SIGHUP does) and
+   * asks every server on the store to re-read its own. A file that does not
+   * load is refused: the policy in force stays, and the error names the
+   * file, line and rule. Admins only. Audited with the policy's digest.
+   * Errors:
+   * - FAILED_PRECONDITION: the file does not load (the message lists every
+   *   problem), or the server runs without a policy file.
+   * - PERMISSION_DENIED: the caller lacks the admin role.
+   *
+   * @generated from rpc toolregistry.v1.ToolRegistry.ReloadPolicy
+   */
+  reloadPolicy: {
+    methodKind: "unary";
+    input: typeof ReloadPolicyRequestSchema;
+    output: typeof ServerInfoSchema;
+  },
+  /**
+   * GetServerInfo says which policy this server enforces (its digest, file
+   * and load time), so an operator can see that every server runs the same
+   * one. Open to every authenticated client.
+   *
+   * @generated from rpc toolregistry.v1.ToolRegistry.GetServerInfo
+   */
+  getServerInfo: {
+    methodKind: "unary";
+    input: typeof GetServerInfoRequestSchema;
+    output: typeof ServerInfoSchema;
   },
   /**
    * ExecuteTool runs one call in a fresh sandbox chosen by the tool's safety
