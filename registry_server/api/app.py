@@ -34,6 +34,9 @@ from registry_server.execution.quotas import RateLimits, Shares
 from registry_server.execution.sandbox_plan import SandboxPolicy
 from registry_server.execution.secrets import SecretStore
 from registry_server.execution.warm_pool import WarmPools
+from registry_server.notify.dispatcher import Dispatcher
+from registry_server.notify.endpoints import Endpoint, load_endpoints
+from registry_server.notify.outbox import Outbox
 from registry_server.policy.loader import load_policy
 from registry_server.policy.model import UNRESTRICTED, Policy, PolicyError, development_policy
 from registry_server.store import audit_chain as audit
@@ -77,6 +80,7 @@ class App:
 def build_app(config: ServerConfig) -> App:
     _check_exposure(config)
     policy, dev_mode = _load_policy(config)
+    webhooks = _webhook_endpoints(policy)  # their secrets first: no secret, no server
     require_gvisor = config.require_gvisor if config.require_gvisor is not None else not dev_mode
     backend = open_backend(config)
     store = open_store(config.store)
@@ -137,6 +141,8 @@ def build_app(config: ServerConfig) -> App:
             pools.track(tool)
         app.pools = pools
         app.closers.insert(0, pools.close)  # before the backend's engine connection goes
+    if webhooks:
+        _start_webhooks(app, config, webhooks)
     app.metrics.watch(executor.admission, app.pools.stats if app.pools else None, rates)
     # Tools stored by other servers on the same database: served here at once.
     store.watch_tools(registry.reload)
@@ -145,6 +151,31 @@ def build_app(config: ServerConfig) -> App:
     sweeper.start()
     app.closers[:0] = [approvals.hub.close, sweeper.close]
     return app
+
+
+def _webhook_endpoints(policy: Policy) -> dict[str, Endpoint]:
+    try:
+        return load_endpoints(policy.webhooks)
+    except PolicyError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _start_webhooks(app: App, config: ServerConfig, endpoints: dict[str, Endpoint]) -> None:
+    """Approval events reach the policy's webhooks (notify/): queued in each
+    event's own transaction, sent by this server's dispatcher (on PostgreSQL,
+    by whichever server claims them first)."""
+    policy = app.approvals.policy
+    app.approvals.hooks.append(Outbox(policy.webhooks, policy).hook)
+    dispatcher = Dispatcher(
+        app.store, endpoints, concurrency=config.webhook_concurrency,
+        retry_base_s=config.webhook_retry_base_s, max_attempts=config.webhook_max_attempts,
+        observe=app.metrics.observe_webhook,
+    )  # fmt: skip
+    app.approvals.hub.on_event(dispatcher.wake)
+    app.metrics.webhook_backlog.set_function(lambda: dispatcher.backlog)
+    dispatcher.start()
+    app.closers.insert(0, dispatcher.close)
+    log.info("webhooks: %d endpoint(s): %s", len(endpoints), ", ".join(sorted(endpoints)))
 
 
 def _image_check(backend: SandboxBackend) -> ImageCheck:

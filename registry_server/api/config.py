@@ -18,6 +18,8 @@ from registry_server.execution.warm_pool import (
     DEFAULT_MAX_WARM,
     MAX_AGE_LIMIT_S,
 )
+from registry_server.notify.dispatcher import DEFAULT_CONCURRENCY
+from registry_server.notify.outbox import DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_BASE_S
 from registry_server.wire.endpoint import DEFAULT_HOST, DEFAULT_PORT
 from sandbox_runner.spec import INIT_BINARY
 
@@ -91,6 +93,12 @@ class ServerConfig(BaseSettings):
     egress_upstream_ca: Path = Path("/etc/ssl/certs/ca-certificates.crt")
     egress_image: str = "toolreg/python"
     secrets_dir: Path | None = None  # default: <data_dir>/secrets
+    # Webhooks (the policy's `webhooks`): seconds before a failed delivery's 2nd
+    # attempt (each later wait doubles), attempts before it is failed, and
+    # deliveries this server sends at once.
+    webhook_retry_base_s: float = Field(DEFAULT_RETRY_BASE_S, gt=0, le=3_600)
+    webhook_max_attempts: int = Field(DEFAULT_MAX_ATTEMPTS, ge=1, le=20)
+    webhook_concurrency: int = Field(DEFAULT_CONCURRENCY, ge=1, le=64)
 
     @property
     def grpc_threads(self) -> int:

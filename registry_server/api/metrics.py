@@ -65,6 +65,16 @@ class Metrics:
             "toolreg_egress_bytes", "Bytes through the egress proxy by tool, entry and direction",
             ["tool", "host", "direction"], registry=r,
         )  # fmt: skip
+        # Labelled by the policy's endpoint ids (a bounded set), never by URL.
+        self.webhook_deliveries = Counter(
+            "toolreg_webhook_deliveries",
+            "Webhook delivery attempts by endpoint and outcome (delivered, retried, failed)",
+            ["endpoint", "outcome"], registry=r,
+        )  # fmt: skip
+        self.webhook_backlog = Gauge(
+            "toolreg_webhook_backlog", "Webhook deliveries not yet delivered nor given up",
+            registry=r,
+        )  # fmt: skip
 
     def watch(
         self, admission: Admission, pool_stats: Callable[[], Any] | None,
@@ -97,6 +107,10 @@ class Metrics:
             self.egress_connections.labels(tool, host, outcome_label).inc()
             self.egress_bytes.labels(tool, host, "up").inc(int(conn.get("bytes_up") or 0))
             self.egress_bytes.labels(tool, host, "down").inc(int(conn.get("bytes_down") or 0))
+
+    def observe_webhook(self, endpoint: str, outcome: str) -> None:
+        """A webhook Dispatcher observer: one finished delivery attempt."""
+        self.webhook_deliveries.labels(endpoint, outcome).inc()
 
     def serve(self, host: str, port: int) -> tuple[Any, int]:
         """Start the HTTP endpoint; returns (server, bound port)."""

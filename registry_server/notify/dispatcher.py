@@ -217,8 +217,13 @@ class Dispatcher:
     def _send_and_release(self, delivery: WebhookDeliveryRecord) -> None:
         try:
             self.attempt(delivery)
-        except Exception:  # logged; the claim lapses and the delivery is tried again
-            log.exception("webhook %s: attempt failed unexpectedly", delivery.webhook_id)
+        except Exception as exc:  # the claim lapses and the delivery is tried again
+            if self._stop.is_set():  # cut short by close(): expected, not a fault
+                log.info("webhook %s: attempt cut short by shutdown (%s); it is sent again"
+                         " once its claim lapses", delivery.webhook_id,
+                         type(exc).__name__)  # fmt: skip
+            else:
+                log.exception("webhook %s: attempt failed unexpectedly", delivery.webhook_id)
         finally:
             with self._lock:
                 self._in_flight -= 1
