@@ -48,11 +48,13 @@ ADDRESS_ENV = "TOOLREG_ADDRESS"
 DEFAULT_ADDRESS = f"{DEFAULT_HOST}:{DEFAULT_PORT}"
 DEFAULT_TIMEOUT_S = 30.0  # seconds for registry calls; executions get their own
 DEFAULT_POLL_S = 1.0  # seconds between polls, against a server that cannot watch
+REWATCH_PAUSE_AFTER_S = 1.0  # seconds: a watch that ended sooner is retried after a pause
+REWATCH_PAUSE_S = 0.25  # seconds of that pause
 
 
 def _settled(request: ApprovalRequestView) -> bool:
     """Whether waiting is over: approved, or in a state that never changes."""
-    return request.state in ("APPROVED", "REJECTED", "EXPIRED", "CONSUMED")
+    return request.state in ("APPROVED", "REJECTED", "VOIDED", "EXPIRED", "CONSUMED")
 
 
 def _still_waiting(request_id: str, last: ApprovalRequestView, timeout_s: float) -> Exception:
@@ -383,6 +385,7 @@ class RegistryClient:
         deadline = time.monotonic() + timeout_s
         last: ApprovalRequestView | None = None
         while (remaining := deadline - time.monotonic()) > 0:
+            opened = time.monotonic()
             try:
                 for event in self.watch_approval_requests(request_id, timeout_s=remaining):
                     if event.request is None:
@@ -396,7 +399,10 @@ class RegistryClient:
                     return self._poll_for_approval(request_id, deadline, timeout_s, poll_s)
                 if code not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED):
                     raise
-            # The stream ended (server stopping, fell behind, deadline): look again.
+            # The stream ended (server stopping, fell behind, deadline): look again,
+            # after a pause when it ended at once (a server that keeps ending it).
+            if time.monotonic() - opened < REWATCH_PAUSE_AFTER_S:
+                time.sleep(min(REWATCH_PAUSE_S, max(0.0, deadline - time.monotonic())))
         last = self.get_approval_request(request_id)
         if _settled(last):
             return self._approved_or_raise(request_id, last)
@@ -410,6 +416,10 @@ class RegistryClient:
                 f"approval request {request_id} was rejected by {seen.rejected_by}:"
                 f" {seen.rejection_reason}",
                 seen,
+            )
+        if seen.state == "VOIDED" and seen.voided_reason:
+            raise ApprovalWaitError(
+                f"approval request {request_id} is voided: {seen.voided_reason}", seen
             )
         raise ApprovalWaitError(f"approval request {request_id} is {seen.state.lower()}", seen)
 

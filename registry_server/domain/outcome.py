@@ -42,6 +42,7 @@ class ApprovalRequestView:
     approvals_missing: int = 0  # distinct approvers still needed, at least
     rejected_by: str = ""  # REJECTED: who refused it
     rejection_reason: str = ""  # REJECTED: why
+    voided_reason: str = ""  # VOIDED: why (its tool was deleted or disabled)
 
 
 @dataclass(frozen=True)

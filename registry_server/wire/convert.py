@@ -265,6 +265,7 @@ def approval_request_to_pb(req: ApprovalRequestView) -> pb.ApprovalRequest:
         tool=tool_to_pb(req.tool) if req.tool is not None else None,
         rejected_by=req.rejected_by,
         rejection_reason=req.rejection_reason,
+        voided_reason=req.voided_reason,
     )
 
 
@@ -287,6 +288,7 @@ def approval_request_from_pb(msg: pb.ApprovalRequest) -> ApprovalRequestView:
         approvals_missing=msg.approvals_missing,
         rejected_by=msg.rejected_by,
         rejection_reason=msg.rejection_reason,
+        voided_reason=msg.voided_reason,
     )
 
 
@@ -305,8 +307,14 @@ def approval_event_to_pb(item: ApprovalEventView) -> pb.ApprovalEvent:
 
 
 def approval_event_from_pb(msg: pb.ApprovalEvent) -> ApprovalEventView:
+    """An event type this client does not know (a newer server) reads as
+    UNSPECIFIED: the request it carries still tells its state."""
+    try:
+        name = pb.ApprovalEventType.Name(msg.type)
+    except ValueError:
+        name = "APPROVAL_EVENT_TYPE_UNSPECIFIED"
     return ApprovalEventView(
-        type=pb.ApprovalEventType.Name(msg.type).removeprefix("APPROVAL_EVENT_TYPE_"),
+        type=name.removeprefix("APPROVAL_EVENT_TYPE_"),
         request=approval_request_from_pb(msg.request) if msg.HasField("request") else None,
         actor=msg.actor,
         reason=msg.reason,
