@@ -26,7 +26,10 @@ import yaml
 
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
+from registry_server.api.app import build_app
+from registry_server.api.config import ServerConfig
 from registry_server.client.registry_client import open_channel
+from registry_server.domain.errors import ConfigError
 from registry_server.notify.endpoints import new_secret
 from registry_server.signing.keys import generate_keypair, load_private_key
 from registry_server.signing.tokens import mint_for
@@ -340,3 +343,18 @@ def test_https_receivers_are_verified_against_the_policys_ca(deploy: Any, tmp_pa
     assert "CERTIFICATE_VERIFY_FAILED" in refused.last_error
     assert receiver.url not in refused.last_error
     receiver.down()
+
+
+def test_a_server_without_its_webhook_secret_refuses_to_start(
+    deploy: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    receiver = Receiver("whsec_c2hvcnQ=").reserve_port()  # 5 bytes: too short to sign with
+    with pytest.raises(ConfigError) as info:
+        deploy([Hook("weak", receiver, ["opened"], {})])
+    message = str(info.value)
+    assert "policy.yaml line 26: webhooks[0]: secret_env: $TOOLREG_TEST_WEBHOOK_WEAK" in message
+    assert "the key is 5 bytes" in message and receiver.secret not in message
+    monkeypatch.delenv("TOOLREG_TEST_WEBHOOK_WEAK")
+    config = ServerConfig(data_dir=tmp_path / "unused", policy_file=tmp_path / "policy.yaml")
+    with pytest.raises(ConfigError, match=r"\$TOOLREG_TEST_WEBHOOK_WEAK is not set"):
+        build_app(config)
