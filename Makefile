@@ -13,7 +13,7 @@ INIT_BIN := sandbox_runner/init/toolreg-init
 INIT_CC ?= gcc
 INIT_CFLAGS := -std=c11 -Os -static -s -Wall -Wextra -Werror
 
-.PHONY: help install init proto check check-proto lint typecheck check-k8s check-ts ts-client engine images interop-deps postgres haproxy unit test run bench reap clean
+.PHONY: help install init proto check check-proto lint typecheck check-k8s check-ts ts-client engine images interop-deps postgres haproxy chromium unit test run bench reap clean
 
 help: ## Show the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -80,6 +80,9 @@ postgres: ## Start the tests' PostgreSQL (installs Debian's postgresql; not need
 haproxy: ## Install HAProxy for the multi-server tests (each test starts its own)
 	@bash scripts/ensure_haproxy.sh >/dev/null
 
+chromium: ## Install Debian's headless Chromium and chromedriver for the browser tests (tests/browser)
+	@bash scripts/ensure_chromium.sh >/dev/null
+
 ts-client: ## Install and build the TypeScript client (clients/typescript)
 	cd clients/typescript && npm ci --no-audit --no-fund --silent && npm run --silent build
 
@@ -89,7 +92,7 @@ interop-deps: ts-client ## Install the Node.js interop test dependencies (tests/
 unit: install ## The unit tier alone: decision logic, no engine, in seconds
 	$(BIN)/pytest tests/unit -q $(PYTEST_ARGS)
 
-test: install init check-proto images ts-client interop-deps postgres haproxy ## Set up everything, then run the whole test suite
+test: install init check-proto images ts-client interop-deps postgres haproxy chromium ## Set up everything, then run the whole test suite
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 run: install init images ## Set up everything, then serve the example tools on 127.0.0.1:50051

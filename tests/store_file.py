@@ -23,3 +23,28 @@ def audit_rows(data_dir: Path, kind: str | None = None) -> list[tuple[int, str, 
     finally:
         db.close()
     return [(int(s), str(k), str(r)) for s, k, r in rows if kind is None or k == kind]
+
+
+def set_request_manifest(data_dir: Path, request_id: str, manifest: str) -> None:
+    """Replace the definition an approval request keeps (its ``tool_digest``
+    stays): what an attacker with the file would do to show approvers a
+    harmless tool while the digest they sign stands for another."""
+    db = connect(data_dir)
+    try:
+        changed = db.execute(
+            "UPDATE approval_requests SET tool_manifest = ? WHERE id = ?", (manifest, request_id)
+        ).rowcount
+    finally:
+        db.close()
+    assert changed == 1, f"no approval request {request_id}"
+
+
+def request_manifest(data_dir: Path, request_id: str) -> str:
+    db = connect(data_dir)
+    try:
+        row = db.execute(
+            "SELECT tool_manifest FROM approval_requests WHERE id = ?", (request_id,)
+        ).fetchone()
+    finally:
+        db.close()
+    return str(row[0])

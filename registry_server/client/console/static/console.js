@@ -12,6 +12,15 @@
   const MAX_KEY_FILE_BYTES = 16 * 1024; // a PEM Ed25519 key is ~120 bytes
   const OPEN_STATES = new Set(['PENDING', 'APPROVED']);
   const KNOWN_STATES = ['PENDING', 'APPROVED', 'CONSUMED', 'REJECTED', 'EXPIRED'];
+  const EVENT_WORDS = { // WatchApprovalRequests' event types, as a card's last line says them
+    CURRENT: 'Open when you signed in',
+    OPENED: 'Asked',
+    APPROVAL_ADDED: 'Approval added',
+    APPROVED: 'Approved: the agent may run it',
+    REJECTED: 'Rejected',
+    CONSUMED: 'Used: the call ran',
+    EXPIRED: 'Expired',
+  };
 
   const $ = (id) => document.getElementById(id);
   const session = { csrf: null, client: '', approver: '', events: null };
@@ -126,6 +135,7 @@
       skew: 0,
       seq: 0,
       busy: false,
+      stale: true,
       confirmed: true,
     };
     root.dataset.requestId = id;
@@ -152,7 +162,7 @@
 
   function updateButtons(card) {
     const open = OPEN_STATES.has(card.state);
-    card.approve.disabled = card.busy || !open || !card.detail || !card.detail.signable;
+    card.approve.disabled = card.busy || card.stale || !open || !card.detail || !card.detail.signable;
     card.reject.disabled = card.busy || !open;
     card.reason.disabled = !open;
     text(card.notSignable, open && card.detail && !card.detail.signable ? card.detail.not_signable : '');
@@ -169,16 +179,20 @@
     const card = cards.get(summary.id) || newCard(summary.id);
     card.confirmed = true;
     text(card.title, `${summary.tool_name} asked by ${summary.requested_by}`);
-    const at = message.at ? new Date(message.at).toLocaleTimeString() : '';
+    const at = message.at ? ` at ${new Date(message.at).toLocaleTimeString()}` : '';
     const actor = message.actor ? ` by ${message.actor}` : '';
     const reason = message.reason ? `: ${message.reason}` : '';
-    text(card.event, `${message.event}${actor}${reason}${at ? ` (${at})` : ''}`);
+    const what = Object.hasOwn(EVENT_WORDS, message.event) ? EVENT_WORDS[message.event] : message.event;
+    text(card.event, `${what}${actor}${at}${reason}`);
     setState(card, summary.state);
     refreshDetail(card);
   }
 
+  // Signing waits for the detail as it is now: what is shown may be a change behind.
   async function refreshDetail(card) {
     const seq = ++card.seq;
+    card.stale = true;
+    updateButtons(card);
     const answer = await api('GET', `/api/requests/${encodeURIComponent(card.id)}`);
     if (seq !== card.seq) return; // a newer look is on its way
     if (!answer.ok) {
@@ -189,6 +203,7 @@
     }
     const detail = answer.data;
     card.detail = detail;
+    card.stale = false;
     card.skew = detail.server_time - Date.now() / 1000;
     const rows = detail.fields.map(([label, value]) => {
       const row = document.createElement('tr');
