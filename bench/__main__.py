@@ -17,7 +17,16 @@ import uuid
 from datetime import UTC, datetime
 from typing import Any
 
-from bench import cluster, latency, memory, registry_ops, report, throughput, tracing_cost
+from bench import (
+    cluster,
+    latency,
+    memory,
+    registry_ops,
+    report,
+    throughput,
+    tracing_cost,
+    webhooks,
+)
 from bench.common import (
     COMMAND,
     IMAGE,
@@ -34,7 +43,7 @@ from bench.common import (
     source_version,
 )
 
-SECTIONS = ("latency", "throughput", "registry", "memory", "cluster", "tracing")
+SECTIONS = ("latency", "throughput", "registry", "memory", "cluster", "tracing", "webhooks")
 PACKAGES = ("epicbox", "llm-sandbox", "docker", "grpcio", "matplotlib")
 FULL = {"runs": 50, "warmup": 3, "cell_seconds": 10.0, "read_runs": 200}
 QUICK = {"runs": 5, "warmup": 1, "cell_seconds": 2.0, "read_runs": 20}
@@ -115,6 +124,8 @@ def main() -> None:
             section("cluster", lambda: cluster.run(args.cell_seconds, args.read_runs))
         if "tracing" in args.sections:
             section("tracing", lambda: tracing_cost.run(args.runs, args.read_runs, engine))
+        if "webhooks" in args.sections:
+            section("webhooks", webhooks.run)
     finally:
         watch.stop()
         res["interference"] = watch.summary()

@@ -262,6 +262,30 @@ def tracing_md(sec: dict[str, Any]) -> list[str]:
     return lines
 
 
+def webhooks_md(sec: dict[str, Any]) -> list[str]:
+    lines = [
+        "",
+        f"## How soon approvers are told: webhooks ({sec['requests']} requests, one at a time)",
+        "",
+        "| from -> to | p50 ms | p95 ms | min ms | max ms |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in sec["rows"]:
+        lines.append(
+            f"| {r['what']} | {_f(r['p50_ms'])} | {_f(r['p95_ms'])} | {_f(r['min_ms'])}"
+            f" | {_f(r['max_ms'])} |"
+        )
+    lines += [
+        "",
+        "One server (SQLite) with a policy naming one webhook endpoint: a receiver on"
+        " loopback in the bench process that verifies every signature"
+        f" ({sec['deliveries']} deliveries, {sec['forged']} failed verification). Each"
+        " delivery is queued in the event's transaction and sent by the server's dispatcher,"
+        " woken by the commit.",
+    ]
+    return lines
+
+
 # --------------------------------------------------------------------- targets
 
 
@@ -343,6 +367,8 @@ def markdown(res: dict[str, Any]) -> str:
         lines += cluster_md(res["cluster"])
     if "tracing" in res:
         lines += tracing_md(res["tracing"])
+    if "webhooks" in res:
+        lines += webhooks_md(res["webhooks"])
     lines += targets_md(res["targets"])
     if res.get("errors"):
         lines += ["", "## Sections that failed", ""]
