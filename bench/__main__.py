@@ -19,6 +19,7 @@ from typing import Any
 
 from bench import (
     cluster,
+    fairness,
     latency,
     memory,
     registry_ops,
@@ -43,7 +44,16 @@ from bench.common import (
     source_version,
 )
 
-SECTIONS = ("latency", "throughput", "registry", "memory", "cluster", "tracing", "webhooks")
+SECTIONS = (
+    "latency",
+    "throughput",
+    "registry",
+    "memory",
+    "cluster",
+    "tracing",
+    "webhooks",
+    "fairness",
+)
 PACKAGES = ("epicbox", "llm-sandbox", "docker", "grpcio", "matplotlib")
 FULL = {"runs": 50, "warmup": 3, "cell_seconds": 10.0, "read_runs": 200}
 QUICK = {"runs": 5, "warmup": 1, "cell_seconds": 2.0, "read_runs": 20}
@@ -126,6 +136,8 @@ def main() -> None:
             section("tracing", lambda: tracing_cost.run(args.runs, args.read_runs, engine))
         if "webhooks" in args.sections:
             section("webhooks", webhooks.run)
+        if "fairness" in args.sections:
+            section("fairness", lambda: fairness.run(max(5, args.runs // 3)))
     finally:
         watch.stop()
         res["interference"] = watch.summary()

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bench import latency, registry_ops, throughput
+from bench import fairness, latency, registry_ops, throughput
 
 MS_LIST_TARGET = 5.0  # ms: ListTools / GetToolSchemas p50 with 1,000 tools
 
@@ -369,6 +369,8 @@ def markdown(res: dict[str, Any]) -> str:
         lines += tracing_md(res["tracing"])
     if "webhooks" in res:
         lines += webhooks_md(res["webhooks"])
+    if "fairness" in res:
+        lines += fairness.report_md(res["fairness"])
     lines += targets_md(res["targets"])
     if res.get("errors"):
         lines += ["", "## Sections that failed", ""]

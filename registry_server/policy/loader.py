@@ -12,6 +12,7 @@ when there is one, and the field path. The validated file becomes a frozen
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -76,7 +77,10 @@ def load_policy(path: Path) -> Policy:
         w.spec(f"{source} line {_line_of(root, ('webhooks', i))}: webhooks[{i}]")
         for i, w in enumerate(parsed.webhooks)
     )
-    return replace(_freeze(parsed, source), webhooks=webhooks, console_url=parsed.console_url or "")
+    return replace(
+        _freeze(parsed, source), webhooks=webhooks, console_url=parsed.console_url or "",
+        digest=hashlib.sha256(data).hexdigest(),
+    )  # fmt: skip
 
 
 def _parse_yaml(data: bytes, source: str) -> tuple[yaml.Node, dict[str, Any]]:

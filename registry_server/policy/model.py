@@ -261,6 +261,7 @@ class Policy:
     egress: EgressPolicy = field(default_factory=EgressPolicy)
     quotas: QuotaPolicy = QuotaPolicy()
     source: str = "policy"  # the file it came from, for messages
+    digest: str = ""  # sha256 hex of the file's bytes ("" without a file)
     webhooks: tuple[WebhookSpec, ...] = ()  # where approval events are posted (notify/)
     console_url: str = ""  # the approval console's base URL, without a trailing slash
     _by_id: Mapping[str, Approver] = field(init=False, repr=False, compare=False)
