@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import random
 import socket
+import ssl
 import threading
 import time
 import uuid
@@ -91,7 +92,8 @@ class HttpTransport:
     def __init__(self, endpoints: Mapping[str, Endpoint]) -> None:
         self._clients = {
             e.id: httpx.Client(
-                verify=e.tls if e.tls is not None else True,
+                # the system's CAs (httpx alone would use certifi's), or the endpoint's ca_file
+                verify=e.tls if e.tls is not None else ssl.create_default_context(),
                 timeout=httpx.Timeout(e.spec.timeout_s),
                 follow_redirects=False,
                 trust_env=False,
