@@ -164,8 +164,11 @@ def _start_webhooks(app: App, config: ServerConfig, endpoints: dict[str, Endpoin
     """Approval events reach the policy's webhooks (notify/): queued in each
     event's own transaction, sent by this server's dispatcher (on PostgreSQL,
     by whichever server claims them first)."""
-    policy = app.approvals.policy
-    app.approvals.hooks.append(Outbox(policy.webhooks, policy).hook)
+    policy = app.approvals.policy  # as at start: the endpoints' secrets were read for it
+    # Rules from the policy in force at each event (a reload changes them);
+    # the endpoints and the console link stay as the server started.
+    outbox = Outbox(policy.webhooks, lambda: app.approvals.policy, console_url=policy.console_url)
+    app.approvals.hooks.append(outbox.hook)
     dispatcher = Dispatcher(
         app.store, endpoints, concurrency=config.webhook_concurrency,
         retry_base_s=config.webhook_retry_base_s, max_attempts=config.webhook_max_attempts,

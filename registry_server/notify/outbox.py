@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 
 from registry_server.domain.models import SafetyLevel
 from registry_server.notify.payload import Facts, render
+from registry_server.policy.live import PolicySource, source_of
 from registry_server.policy.model import Policy
 from registry_server.policy.webhooks import WebhookSpec
 from registry_server.store.base import (
@@ -52,14 +53,20 @@ def webhook_id(request_id: str, event_seq: int, endpoint: str) -> str:
 
 
 class Outbox:
-    """The hook (``hook``) that queues an event's deliveries in its own transaction."""
+    """The hook (``hook``) that queues an event's deliveries in its own transaction.
+
+    The endpoints and the console link are the ones the server started with
+    (their secrets are read at start); the rules that say how many approvals
+    are missing are the policy's in force now (``policy``: a Policy, or what
+    returns the current one after reloads)."""
 
     def __init__(
-        self, specs: Sequence[WebhookSpec], policy: Policy,
-        clock: Callable[[], float] = time.time,
+        self, specs: Sequence[WebhookSpec], policy: Policy | PolicySource, *,
+        console_url: str = "", clock: Callable[[], float] = time.time,
     ) -> None:  # fmt: skip
         self._specs = tuple(specs)
-        self._policy = policy
+        self._policy = source_of(policy)
+        self._console_url = console_url
         self._clock = clock
 
     def hook(
@@ -88,10 +95,9 @@ class Outbox:
     ) -> Facts:
         approvers = uow.approvers_of(request.id)
         level, categories = _level_and_categories(request.tool_manifest)
-        rule = self._policy.rule_for(
-            tool_name=request.tool_name, categories=categories, level=level
-        )
-        known = [a for a in map(self._policy.approver, approvers) if a is not None]
+        policy = self._policy()
+        rule = policy.rule_for(tool_name=request.tool_name, categories=categories, level=level)
+        known = [a for a in map(policy.approver, approvers) if a is not None]
         return Facts(
             event_type=event.type, event_seq=event.seq, at=event.at, request_id=request.id,
             tool=request.tool_name, level=level.value, requested_by=request.requested_by,
@@ -100,7 +106,7 @@ class Outbox:
             else max(0, request.approvals_required - len(approvers)),
             approved_by=approvers, state=request.state, actor=event.actor, reason=event.reason,
             created_at=request.created_at, expires_at=request.expires_at,
-            arguments_json=request.arguments_json, console_url=self._policy.console_url,
+            arguments_json=request.arguments_json, console_url=self._console_url,
         )  # fmt: skip
 
 

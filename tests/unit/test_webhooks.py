@@ -168,7 +168,8 @@ def env(tmp_path: Path) -> Env:
     registry.register(RUN_SHELL)
     approvals = Approvals(store, policy, registry)
     clock = Clock()
-    approvals.hooks.append(Outbox(policy.webhooks, policy, clock).hook)
+    outbox = Outbox(policy.webhooks, policy, console_url=policy.console_url, clock=clock)
+    approvals.hooks.append(outbox.hook)
     endpoints = load_endpoints(policy.webhooks, ENVIRON)
     transport = FakeTransport()
     observed: list[tuple[str, str]] = []
@@ -450,3 +451,30 @@ def _request(request_id: str) -> ApprovalRequestRecord:
         arguments_digest="a", requested_by="agent", approvals_required=1, state="PENDING",
         created_at=now, expires_at=now + 60, tool_manifest="", tool_owner="o",
     )  # fmt: skip
+
+
+def test_the_outbox_counts_missing_approvals_by_the_policy_in_force(
+    env: Env, tmp_path: Path
+) -> None:
+    """After a reload (a new policy in force) the next event's payload counts
+    by the new rules; the endpoints stay those the server started with."""
+    bob_public = generate_keypair()[1]
+    stricter = (
+        policy_text()
+        .replace(
+            "approval_rules:\n",
+            f'  - {{id: bob, public_key: "{bob_public}", groups: [security]}}\napproval_rules:\n',
+        )
+        .replace("approvals_required: 1", "approvals_required: 2")
+    )
+    path = tmp_path / "stricter.yaml"
+    path.write_text(stricter)
+    in_force = [env.policy]
+    outbox = Outbox(env.policy.webhooks, lambda: in_force[0], console_url="")
+    env.approvals.hooks[:] = [outbox.hook]
+    env.open({"before": 1})
+    in_force[0] = load_policy(path)
+    env.open({"after": 1})
+    opened = [json.loads(d.payload)["data"] for d in env.rows() if d.endpoint == "audit"]
+    assert [o["approvals_missing"] for o in opened] == [1, 2]
+    assert all("console_url" not in o for o in opened)
