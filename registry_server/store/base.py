@@ -26,9 +26,10 @@ from typing import Any, Protocol
 # reads as EXPIRED before the expiry sweep stores it so (approvals/events.py).
 PENDING, APPROVED, CONSUMED, EXPIRED = "PENDING", "APPROVED", "CONSUMED", "EXPIRED"
 REJECTED = "REJECTED"
-REQUEST_STATES = (PENDING, APPROVED, CONSUMED, REJECTED, EXPIRED)
+VOIDED = "VOIDED"  # its tool was deleted or disabled while it was open
+REQUEST_STATES = (PENDING, APPROVED, CONSUMED, REJECTED, VOIDED, EXPIRED)
 OPEN_STATES = (PENDING, APPROVED)  # still waiting to be used (unless expired)
-FINAL_STATES = (CONSUMED, REJECTED, EXPIRED)  # never change again
+FINAL_STATES = (CONSUMED, REJECTED, VOIDED, EXPIRED)  # never change again
 # What a listing shows instead of a request's parameters schema.
 LISTED_PARAMETERS: dict[str, Any] = {"type": "object"}
 # Webhook delivery states (notify/outbox.py): pending until a 2xx, or until
@@ -42,6 +43,14 @@ class StoredTool:
     manifest_json: str  # the definition in manifest shape, JSON
     digest: str
     owner: str
+    # The kill switch (SetToolEnabled): calls are refused while set. Only
+    # ``set_tool_disabled`` changes these; ``put_tool`` leaves them as stored.
+    disabled: bool = False
+    disabled_reason: str = ""
+    # Approval tokens issued (iat) before this time (time.time()) do not count
+    # for this tool: when it was last disabled, or when its name was last
+    # deleted before this registration (0: no such time).
+    tokens_not_before: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -60,6 +69,7 @@ class ApprovalRequestRecord:
     tool_owner: str
     rejected_by: str = ""  # REJECTED: the approver who refused it
     rejection_reason: str = ""  # REJECTED: why, in the approver's words
+    voided_reason: str = ""  # VOIDED: why (its tool was deleted or disabled)
 
     def state_at(self, now: float) -> str:
         if self.state in OPEN_STATES and self.expires_at <= now:
@@ -83,9 +93,9 @@ class ApprovalEventRecord:
 
     seq: int
     request_id: str
-    type: str  # OPENED, APPROVAL_ADDED, APPROVED, REJECTED, CONSUMED, EXPIRED
+    type: str  # OPENED, APPROVAL_ADDED, APPROVED, REJECTED, CONSUMED, EXPIRED, VOIDED
     actor: str  # the approver, for APPROVAL_ADDED and REJECTED
-    reason: str  # REJECTED: the approver's reason
+    reason: str  # REJECTED: the approver's reason; VOIDED: why
     at: float  # time.time()
 
 
@@ -119,7 +129,7 @@ class WebhookBacklog:
 class AuditEntry:
     seq: int  # 1, 2, 3, ... in append order
     at: float
-    kind: str  # execution, approval, registration
+    kind: str  # execution, approval, registration (tools created, replaced, deleted, disabled)
     record: str  # the record, canonical JSON (RFC 8785)
     prev_hash: str  # hash of entry seq-1 (64 zeros for the first)
     hash: str  # audit_chain.entry_hash of the fields above
@@ -164,6 +174,11 @@ class StoreReads(Protocol):
         the approver's reason instead of asking the approvers again."""
         ...
 
+    def open_requests_for_tool(self, tool_name: str, now: float) -> list[str]:
+        """Ids of the unexpired PENDING or APPROVED requests for tool
+        ``tool_name`` (any definition of it), oldest first."""
+        ...
+
     def expired_open_requests(self, now: float, limit: int) -> list[str]:
         """Ids of PENDING or APPROVED requests whose expires_at has passed (the
         expiry sweep stores them EXPIRED, with an event)."""
@@ -204,7 +219,23 @@ class UnitOfWork(StoreReads, Protocol):
     """Reads and writes inside one transaction."""
 
     def put_tool(self, tool: StoredTool, now: float) -> None:
-        """Create or replace the tool of this name."""
+        """Create or replace the tool of this name. A replacement keeps the
+        stored ``disabled``, ``disabled_reason`` and ``tokens_not_before``
+        (another server may have disabled it meanwhile); a creation starts
+        enabled, with ``tokens_not_before`` the time the name was last
+        deleted (0 when never). SQL stores announce the change on commit."""
+        ...
+
+    def delete_tool(self, name: str, now: float) -> bool:
+        """Remove the tool of this name and remember when (the next tool of
+        the name refuses tokens issued before); False when there was none.
+        SQL stores announce the change on commit."""
+        ...
+
+    def set_tool_disabled(self, name: str, disabled: bool, reason: str, now: float) -> bool:
+        """Disable (with ``reason``; ``tokens_not_before`` becomes ``now``) or
+        enable (reason cleared) the tool; False when there is none. SQL stores
+        announce the change on commit."""
         ...
 
     def add_audit_entry(self, entry: AuditEntry) -> None:
@@ -239,6 +270,11 @@ class UnitOfWork(StoreReads, Protocol):
     def expire_request(self, request_id: str, now: float) -> bool:
         """PENDING or APPROVED whose expires_at has passed -> EXPIRED; False when
         another server (or the call that used it) got there first."""
+        ...
+
+    def void_request(self, request_id: str, reason: str, now: float) -> bool:
+        """PENDING or APPROVED and unexpired -> VOIDED for ``reason``; False
+        when it was not open."""
         ...
 
     def add_event(self, event: ApprovalEventRecord) -> None:
@@ -288,7 +324,8 @@ class Store(Protocol):
         ...
 
     def watch_tools(self, on_change: Callable[[str | None], None]) -> None:
-        """Call ``on_change(name)`` when another server stores tool ``name``, and
+        """Call ``on_change(name)`` when another server stores, deletes, disables
+        or enables tool ``name``, and
         ``on_change(None)`` when everything must be re-read. A store only one
         server uses never calls it."""
         ...

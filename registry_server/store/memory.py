@@ -24,6 +24,7 @@ from registry_server.store.base import (
     OPEN_STATES,
     PENDING,
     REJECTED,
+    VOIDED,
     ApprovalEventRecord,
     ApprovalRequestRecord,
     AuditEntry,
@@ -36,6 +37,7 @@ from registry_server.store.base import (
 @dataclass
 class _Data:
     tools: dict[str, StoredTool] = field(default_factory=dict)
+    deleted: dict[str, float] = field(default_factory=dict)  # name -> when it was last deleted
     requests: dict[str, ApprovalRequestRecord] = field(default_factory=dict)
     tokens: dict[str, dict[str, str]] = field(default_factory=dict)  # request -> approver -> token
     spent: dict[str, str] = field(default_factory=dict)  # jti -> execution id
@@ -97,6 +99,13 @@ class _Reads:
         ]  # fmt: skip
         return max(found, key=lambda r: r.created_at).id if found else None
 
+    def open_requests_for_tool(self, tool_name: str, now: float) -> list[str]:
+        found = [
+            r for r in self._data.requests.values()
+            if r.tool_name == tool_name and r.state_at(now) in OPEN_STATES
+        ]  # fmt: skip
+        return [r.id for r in sorted(found, key=lambda r: (r.created_at, r.id))]
+
     def expired_open_requests(self, now: float, limit: int) -> list[str]:
         found = [
             r for r in self._data.requests.values()
@@ -134,7 +143,33 @@ class _Reads:
 
 class _Writes(_Reads):
     def put_tool(self, tool: StoredTool, now: float) -> None:
-        self._data.tools[tool.name] = tool
+        held = self._data.tools.get(tool.name)
+        if held is None:  # created: enabled, tokens from before a deletion refused
+            since = self._data.deleted.get(tool.name, 0.0)
+            stored = replace(tool, disabled=False, disabled_reason="", tokens_not_before=since)
+        else:  # replaced: the kill switch stays as stored
+            stored = replace(
+                tool, disabled=held.disabled, disabled_reason=held.disabled_reason,
+                tokens_not_before=held.tokens_not_before,
+            )  # fmt: skip
+        self._data.tools[tool.name] = stored
+
+    def delete_tool(self, name: str, now: float) -> bool:
+        if self._data.tools.pop(name, None) is None:
+            return False
+        self._data.deleted[name] = now
+        return True
+
+    def set_tool_disabled(self, name: str, disabled: bool, reason: str, now: float) -> bool:
+        held = self._data.tools.get(name)
+        if held is None:
+            return False
+        if disabled:
+            held = replace(held, disabled=True, disabled_reason=reason, tokens_not_before=now)
+        else:
+            held = replace(held, disabled=False, disabled_reason="")
+        self._data.tools[name] = held
+        return True
 
     def add_audit_entry(self, entry: AuditEntry) -> None:
         self._data.audit.append(entry)
@@ -174,6 +209,13 @@ class _Writes(_Reads):
         self._data.requests[request_id] = replace(
             request, state=REJECTED, rejected_by=by, rejection_reason=reason
         )
+        return True
+
+    def void_request(self, request_id: str, reason: str, now: float) -> bool:
+        request = self._data.requests.get(request_id)
+        if request is None or request.state_at(now) not in OPEN_STATES:
+            return False
+        self._data.requests[request_id] = replace(request, state=VOIDED, voided_reason=reason)
         return True
 
     def expire_request(self, request_id: str, now: float) -> bool:

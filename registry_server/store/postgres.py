@@ -8,8 +8,9 @@ agree:
 * one audit chain: a unit of work that appends takes a transaction-level
   advisory lock first, so appends from every server line up;
 * approvals submitted at once through two servers lock their request row;
-* a changed tool is announced with NOTIFY in the transaction that stores it,
-  and ``watch_tools`` LISTENs for it: every server reloads it at once;
+* a changed tool (stored, deleted, disabled or enabled) is announced with
+  NOTIFY in the transaction that changes it, and ``watch_tools`` LISTENs for
+  it: every server reloads it at once;
 * webhook deliveries are claimed with FOR UPDATE SKIP LOCKED and a lease:
   each is sent by one server at a time, and a dead server's are taken over.
 
@@ -29,7 +30,6 @@ import psycopg
 from psycopg_pool import ConnectionPool
 
 from registry_server.domain.errors import StoreError
-from registry_server.store.base import StoredTool
 from registry_server.store.sql import Dialect, SqlReads, SqlWrites, answers
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,8 @@ POSTGRES = Dialect(
     lock_audit=f"SELECT pg_advisory_xact_lock({_AUDIT_LOCK})",
     lock_request="SELECT 1 FROM approval_requests WHERE id = %s FOR UPDATE",
     announce_event=f"SELECT pg_notify('{APPROVALS_CHANNEL}', %s)",
+    # Delivered on commit only: no server reloads what was rolled back.
+    announce_tool=f"SELECT pg_notify('{TOOLS_CHANNEL}', %s)",
     skip_locked=" FOR UPDATE SKIP LOCKED",
 )
 
@@ -136,6 +138,18 @@ _MIGRATIONS: list[str] = [
     );
     CREATE INDEX webhook_deliveries_due ON webhook_deliveries (state, next_attempt_at);
     """,
+    # 4: as the SQLite store's 7th: the kill switch, deleted names, voided requests
+    """
+    ALTER TABLE tools ADD COLUMN disabled BOOLEAN NOT NULL DEFAULT FALSE;
+    ALTER TABLE tools ADD COLUMN disabled_reason TEXT NOT NULL DEFAULT '';
+    ALTER TABLE tools ADD COLUMN tokens_not_before DOUBLE PRECISION NOT NULL DEFAULT 0;
+    CREATE TABLE tool_deletions (
+        name        TEXT PRIMARY KEY,
+        deleted_at  DOUBLE PRECISION NOT NULL
+    );
+    ALTER TABLE approval_requests ADD COLUMN voided_reason TEXT NOT NULL DEFAULT '';
+    CREATE INDEX approval_requests_tool ON approval_requests (tool_name, state);
+    """,
 ]
 
 
@@ -157,13 +171,6 @@ def _password(url: str) -> str | None:
         return urlsplit(url).password
     except ValueError:
         return None
-
-
-class _Writes(SqlWrites):
-    def put_tool(self, tool: StoredTool, now: float) -> None:
-        super().put_tool(tool, now)
-        # Delivered on commit only: no server reloads what was rolled back.
-        self._run("SELECT pg_notify(?, ?)", (TOOLS_CHANNEL, tool.name))
 
 
 class PostgresStore:
@@ -241,7 +248,7 @@ class PostgresStore:
     def unit_of_work(self) -> Iterator[SqlWrites]:
         """One transaction: all of it is committed, or none of it."""
         with self._connection() as conn, conn.transaction():
-            yield _Writes(conn, POSTGRES)
+            yield SqlWrites(conn, POSTGRES)
 
     def healthy(self) -> bool:
         return answers(self)

@@ -19,6 +19,7 @@ from registry_server.store.base import (
     EXPIRED,
     PENDING,
     REJECTED,
+    VOIDED,
     ApprovalEventRecord,
     ApprovalRequestRecord,
     AuditEntry,
@@ -48,24 +49,38 @@ class Dialect:
     # ends the select of rows to claim (PostgreSQL: FOR UPDATE SKIP LOCKED, so
     # servers claiming at once take different rows; SQLite has one writer)
     skip_locked: str = ""
+    # run after a tool is stored, deleted, disabled or enabled, with its name
+    # (PostgreSQL: NOTIFY the other servers, delivered on commit)
+    announce_tool: str | None = None
 
 
 _REQUEST_COLUMNS = (
     "id, tool_name, tool_digest, arguments_json, arguments_digest, requested_by,"
     " approvals_required, state, created_at, expires_at, tool_manifest, tool_owner,"
-    " rejected_by, rejection_reason"
+    " rejected_by, rejection_reason, voided_reason"
 )
 
 
 def _request(row: tuple[object, ...]) -> ApprovalRequestRecord:
     (rid, tool, tdig, args, adig, by, need, state, created, expires, manifest, owner,
-     rejected_by, reason) = row  # fmt: skip
+     rejected_by, reason, voided) = row  # fmt: skip
     return ApprovalRequestRecord(
         id=str(rid), tool_name=str(tool), tool_digest=str(tdig), arguments_json=str(args),
         arguments_digest=str(adig), requested_by=str(by), approvals_required=int(str(need)),
         state=str(state), created_at=float(str(created)), expires_at=float(str(expires)),
         tool_manifest=str(manifest), tool_owner=str(owner), rejected_by=str(rejected_by),
-        rejection_reason=str(reason),
+        rejection_reason=str(reason), voided_reason=str(voided),
+    )  # fmt: skip
+
+
+_TOOL_COLUMNS = "name, manifest, digest, owner, disabled, disabled_reason, tokens_not_before"
+
+
+def _tool(row: tuple[object, ...]) -> StoredTool:
+    name, manifest, digest, owner, disabled, reason, not_before = row
+    return StoredTool(
+        str(name), str(manifest), str(digest), str(owner), bool(disabled), str(reason),
+        float(str(not_before)),
     )  # fmt: skip
 
 
@@ -132,12 +147,11 @@ class SqlReads:
         self._all("SELECT 1")
 
     def tools(self) -> list[StoredTool]:
-        rows = self._all("SELECT name, manifest, digest, owner FROM tools ORDER BY name")
-        return [StoredTool(str(n), str(m), str(d), str(o)) for n, m, d, o in rows]
+        return [_tool(r) for r in self._all(f"SELECT {_TOOL_COLUMNS} FROM tools ORDER BY name")]
 
     def tool(self, name: str) -> StoredTool | None:
-        rows = self._all("SELECT name, manifest, digest, owner FROM tools WHERE name = ?", (name,))
-        return StoredTool(*(str(v) for v in rows[0])) if rows else None
+        rows = self._all(f"SELECT {_TOOL_COLUMNS} FROM tools WHERE name = ?", (name,))
+        return _tool(rows[0]) if rows else None
 
     def jti_used(self, jti: str) -> bool:
         return bool(self._all("SELECT 1 FROM used_nonces WHERE jti = ?", (jti,)))
@@ -201,6 +215,14 @@ class SqlReads:
             (tool_name, tool_digest, arguments_digest, requested_by, now),
         )
         return str(rows[0][0]) if rows else None
+
+    def open_requests_for_tool(self, tool_name: str, now: float) -> list[str]:
+        rows = self._all(
+            f"SELECT id FROM approval_requests WHERE tool_name = ? AND state IN {_OPEN}"
+            " AND expires_at > ? ORDER BY created_at, id",
+            (tool_name, now),
+        )
+        return [str(r[0]) for r in rows]
 
     def expired_open_requests(self, now: float, limit: int) -> list[str]:
         rows = self._all(
@@ -273,14 +295,52 @@ class SqlWrites(SqlReads):
         return super().audit_tail(count)
 
     def put_tool(self, tool: StoredTool, now: float) -> None:
+        # A replacement leaves the kill switch as stored: another server may
+        # have disabled the tool since this one read it.
         self._run(
-            "INSERT INTO tools (name, manifest, digest, owner, created_at, updated_at)"
-            " VALUES (?, ?, ?, ?, ?, ?)"
+            "INSERT INTO tools (name, manifest, digest, owner, created_at, updated_at,"
+            " tokens_not_before) VALUES (?, ?, ?, ?, ?, ?, COALESCE((SELECT deleted_at"
+            " FROM tool_deletions WHERE name = ?), 0))"
             " ON CONFLICT(name) DO UPDATE SET manifest = excluded.manifest,"
             " digest = excluded.digest, owner = excluded.owner,"
             " updated_at = excluded.updated_at",
-            (tool.name, tool.manifest_json, tool.digest, tool.owner, now, now),
+            (tool.name, tool.manifest_json, tool.digest, tool.owner, now, now, tool.name),
         )
+        self._announce_tool(tool.name)
+
+    def delete_tool(self, name: str, now: float) -> bool:
+        deleted = self._run("DELETE FROM tools WHERE name = ?", (name,)).rowcount
+        if deleted != 1:
+            return False
+        self._run(
+            "INSERT INTO tool_deletions (name, deleted_at) VALUES (?, ?)"
+            " ON CONFLICT (name) DO UPDATE SET deleted_at = excluded.deleted_at",
+            (name, now),
+        )
+        self._announce_tool(name)
+        return True
+
+    def set_tool_disabled(self, name: str, disabled: bool, reason: str, now: float) -> bool:
+        if disabled:
+            changed = self._run(
+                "UPDATE tools SET disabled = ?, disabled_reason = ?, tokens_not_before = ?,"
+                " updated_at = ? WHERE name = ?",
+                (True, reason, now, now, name),
+            ).rowcount
+        else:
+            changed = self._run(
+                "UPDATE tools SET disabled = ?, disabled_reason = '', updated_at = ?"
+                " WHERE name = ?",
+                (False, now, name),
+            ).rowcount
+        if changed != 1:
+            return False
+        self._announce_tool(name)
+        return True
+
+    def _announce_tool(self, name: str) -> None:
+        if self._dialect.announce_tool:
+            self._run(self._dialect.announce_tool, (name,))
 
     def add_audit_entry(self, entry: AuditEntry) -> None:
         self._run(
@@ -302,11 +362,12 @@ class SqlWrites(SqlReads):
         r = request
         self._run(
             f"INSERT INTO approval_requests ({_REQUEST_COLUMNS})"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 r.id, r.tool_name, r.tool_digest, r.arguments_json, r.arguments_digest,
                 r.requested_by, r.approvals_required, r.state, r.created_at, r.expires_at,
                 r.tool_manifest, r.tool_owner, r.rejected_by, r.rejection_reason,
+                r.voided_reason,
             ),
         )  # fmt: skip
 
@@ -323,6 +384,14 @@ class SqlWrites(SqlReads):
             f"UPDATE approval_requests SET state = '{REJECTED}', rejected_by = ?,"
             f" rejection_reason = ? WHERE id = ? AND state IN {_OPEN} AND expires_at > ?",
             (by, reason, request_id, now),
+        ).rowcount
+        return bool(changed == 1)
+
+    def void_request(self, request_id: str, reason: str, now: float) -> bool:
+        changed = self._run(
+            f"UPDATE approval_requests SET state = '{VOIDED}', voided_reason = ?"
+            f" WHERE id = ? AND state IN {_OPEN} AND expires_at > ?",
+            (reason, request_id, now),
         ).rowcount
         return bool(changed == 1)
 

@@ -133,6 +133,20 @@ _MIGRATIONS: list[str] = [
     );
     CREATE INDEX webhook_deliveries_due ON webhook_deliveries (state, next_attempt_at);
     """,
+    # 7: the kill switch (a disabled tool stays listed, its calls are refused);
+    # when each name was last deleted (approval tokens issued before do not
+    # count for a tool registered under it again); voided approval requests
+    """
+    ALTER TABLE tools ADD COLUMN disabled INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE tools ADD COLUMN disabled_reason TEXT NOT NULL DEFAULT '';
+    ALTER TABLE tools ADD COLUMN tokens_not_before REAL NOT NULL DEFAULT 0;
+    CREATE TABLE tool_deletions (
+        name        TEXT PRIMARY KEY,
+        deleted_at  REAL NOT NULL   -- time.time() of the last deletion of this name
+    );
+    ALTER TABLE approval_requests ADD COLUMN voided_reason TEXT NOT NULL DEFAULT '';
+    CREATE INDEX approval_requests_tool ON approval_requests (tool_name, state);
+    """,
 ]
 
 

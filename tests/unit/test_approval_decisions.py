@@ -885,7 +885,10 @@ def test_listing_filters_by_state_and_leaves_arguments_out(env: Env) -> None:
     assert listed.arguments_digest == pending.arguments_digest
     with pytest.raises(InvalidArgument) as info:
         env.approvals.list_requests("DONE")
-    assert info.value.message == "state: unknown state; use PENDING, APPROVED, CONSUMED, REJECTED, EXPIRED"
+    assert (
+        info.value.message
+        == "state: unknown state; use PENDING, APPROVED, CONSUMED, REJECTED, VOIDED, EXPIRED"
+    )
 
 
 # ------------------------------------------------------------ surplus approvals
