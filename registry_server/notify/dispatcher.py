@@ -65,6 +65,7 @@ KEEP_FINISHED_S = 7 * 86_400  # seconds delivered and failed rows stay (for insp
 PRUNE_EVERY_S = 3_600.0  # seconds between prunes of old finished rows
 PRUNE_BATCH = 1_000  # rows deleted per prune
 CLOSE_WAIT_S = 2.0  # seconds close() waits for attempts in flight
+MIN_WAIT_S = 0.01  # seconds: the shortest wait between two looks at the outbox
 USER_AGENT = "toolreg-webhooks/1"
 # Outcomes (the metric's label values)
 OUT_DELIVERED, OUT_RETRIED, OUT_FAILED = "delivered", "retried", "failed"
@@ -209,7 +210,12 @@ class Dispatcher:
             return self._poll_s  # senders busy: their ends wake the loop
         if backlog.next_due is None:
             return self._poll_s
-        return min(self._poll_s, backlog.next_due - self._clock())
+        wait = backlog.next_due - self._clock()
+        if wait <= 0:
+            # Due but not claimable: in flight here (a sender's end wakes the
+            # loop) or claimed by another server. Never spin on it.
+            return self._poll_s
+        return max(MIN_WAIT_S, min(self._poll_s, wait))
 
     def _claim(self, limit: int) -> list[WebhookDeliveryRecord]:
         now = self._clock()

@@ -478,3 +478,16 @@ def test_the_outbox_counts_missing_approvals_by_the_policy_in_force(
     opened = [json.loads(d.payload)["data"] for d in env.rows() if d.endpoint == "audit"]
     assert [o["approvals_missing"] for o in opened] == [1, 2]
     assert all("console_url" not in o for o in opened)
+
+
+def test_the_loop_waits_rather_than_spins_on_deliveries_claimed_elsewhere(env: Env) -> None:
+    """A due delivery in flight (here, or claimed by another server) is not a
+    reason to look again at once: the loop waits for a sender or its poll."""
+    env.open()
+    with env.store.unit_of_work() as uow:
+        assert uow.claim_webhook_deliveries("other", env.clock.now, env.clock.now + 60, 9)
+    assert env.dispatcher._turn() == env.dispatcher._poll_s
+    env.clock.now += 60  # the claims lapsed: claimed and sent now
+    env.dispatcher._turn()
+    env.dispatcher.close()
+    assert {d.state for d in env.rows()} == {DELIVERED}
