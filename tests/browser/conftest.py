@@ -265,7 +265,11 @@ class Page:
         try:
             return WebDriverWait(self.driver, WAIT_S, poll_frequency=0.1).until(condition)
         except TimeoutException:
-            raise AssertionError(f"the page never showed {what}") from None
+            status = self.driver.find_element(By.ID, "status").text
+            raise AssertionError(
+                f"the page never showed {what} (its status: {status!r}); the console's last"
+                " lines:\n" + "".join(self.console.log[-10:])
+            ) from None
 
     def by_id(self, element_id: str) -> WebElement:
         return self.driver.find_element(By.ID, element_id)

@@ -59,6 +59,7 @@ def events(api: Api, until: str = "synced", limit: int = 200) -> Iterator[dict[s
         for line in stream.iter_lines():
             if line.startswith("data: "):
                 message = json.loads(line[len("data: ") :])
+                assert message["kind"] != "reset", f"the console lost its watch: {message}"
                 yield message
                 limit -= 1
                 if message["kind"] == until or limit == 0:

@@ -230,3 +230,15 @@ def test_a_page_starts_from_what_is_open_and_a_slow_page_resyncs() -> None:
         assert feed._watch is None  # its last page left: the watch stops
 
     asyncio.run(scenario())
+
+
+def test_the_cli_and_the_console_show_the_same_fields() -> None:
+    from registry_server.client.cli import _request_lines
+
+    req = request(state="REJECTED", rejected_by="bob", rejection_reason="no\u202e")
+    lines = _request_lines(req)
+    shown = dict(views.detail(req, "alice")["fields"])
+    assert lines[: len(shown)] == [f"{label:<9} {value}" for label, value in shown.items()]
+    assert lines[0] == f"request   {'a' * 32}" and "rejected  by bob: no\\u202e" in lines
+    assert lines[-2] == f"arguments (digest {req.arguments_digest}):"
+    assert json.loads(lines[-1].replace("\\u202e", "")) == {"note": "ship it  now", "n": 1}

@@ -91,6 +91,12 @@ class _Watch(threading.Thread):
                 reason = "the registry ended the watch"
             except grpc.RpcError as err:
                 reason = describe_rpc_error(err).splitlines()[0]
+            except Exception as exc:
+                # An event this console cannot read: start over rather than let
+                # the thread die and leave every page waiting in silence.
+                log.exception("approval watch: unreadable event")
+                call.cancel()
+                reason = f"an event this console could not read ({type(exc).__name__})"
             if self._stopped.is_set():
                 return
             log.warning("approval watch ended (%s); opening it again", reason)
