@@ -192,7 +192,8 @@ class ToolRegistryServicer(pb_grpc.ToolRegistryServicer):
         categories = tuple(sorted(set(request.categories)))
 
         def build() -> pb.GetToolSchemasResponse:
-            tools = self._registry.list(level, categories)
+            # A disabled tool is not offered to models: every call would be refused.
+            tools = [t for t in self._registry.list(level, categories) if not t.disabled]
             return pb.GetToolSchemasResponse(schemas_json=schemas.export_json(tools, fmt))
 
         return self._views.get(("schemas", fmt, level, categories), build)
@@ -265,19 +266,27 @@ class ToolRegistryServicer(pb_grpc.ToolRegistryServicer):
         for item in watch:
             yield convert.approval_event_to_pb(item)
 
-    # Issue 22: the kill switch and the live policy are implemented step by step;
-    # until then these answer UNIMPLEMENTED (never a silent success).
     @maps_errors
     def DeleteTool(
         self, request: pb.DeleteToolRequest, context: grpc.ServicerContext
     ) -> pb.DeleteToolResponse:
-        raise Unimplemented("DeleteTool is not implemented by this server yet")
+        caller = current_principal()
+        self._registry.delete(
+            _tool_name(request.name), reason=request.reason,
+            by=Registrant(caller.id, admin=caller.admin),
+        )  # fmt: skip
+        return pb.DeleteToolResponse()
 
     @maps_errors
     def SetToolEnabled(
         self, request: pb.SetToolEnabledRequest, context: grpc.ServicerContext
     ) -> pb.Tool:
-        raise Unimplemented("SetToolEnabled is not implemented by this server yet")
+        caller = current_principal()
+        tool = self._registry.set_enabled(
+            _tool_name(request.name), request.enabled, reason=request.reason,
+            by=Registrant(caller.id, admin=caller.admin),
+        )  # fmt: skip
+        return convert.tool_to_pb(tool)
 
     @maps_errors
     def ReloadPolicy(

@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 
 OPENED, APPROVAL_ADDED, APPROVED = "OPENED", "APPROVAL_ADDED", "APPROVED"
 REJECTED, CONSUMED, EXPIRED = "REJECTED", "CONSUMED", "EXPIRED"
-EVENT_TYPES = (OPENED, APPROVAL_ADDED, APPROVED, REJECTED, CONSUMED, EXPIRED)
+VOIDED = "VOIDED"  # its tool was deleted or disabled (the event's reason says which, and why)
+EVENT_TYPES = (OPENED, APPROVAL_ADDED, APPROVED, REJECTED, CONSUMED, EXPIRED, VOIDED)
 
 SWEEP_INTERVAL_S = 1.0  # seconds between looks for requests whose time ran out
 SWEEP_BATCH = 100  # expired requests stored per sweep (the rest wait a second)

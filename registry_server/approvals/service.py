@@ -15,13 +15,18 @@ that request. An approver eligible for the tool may reject a request instead,
 with a reason the agent is told. Every change is an approval event
 (approvals/events.py) that watches and webhooks follow; who sees which
 request is ``Viewer``'s to say.
+
+A tool deleted or disabled takes its open requests with it: they are VOIDED
+in the unit of work that deletes or disables it (a registry retire hook), and
+tokens issued before that moment never count for the tool again, so an old
+approval cannot run a tool registered again under the same name, even with
+an identical definition (docs/approvals.md, "Deleted and disabled tools").
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-import unicodedata
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -41,6 +46,7 @@ from registry_server.domain.errors import (
 )
 from registry_server.domain.models import ToolDefinition, parse_definition
 from registry_server.domain.outcome import ApprovalRequestView
+from registry_server.domain.text import checked_reason
 from registry_server.policy.model import EffectiveRule, Policy
 from registry_server.signing.tokens import (
     MAX_REQUEST_ID_CHARS,
@@ -58,6 +64,7 @@ from registry_server.store.base import (
     PENDING,
     REJECTED,
     REQUEST_STATES,
+    VOIDED,
     ApprovalRequestRecord,
     Store,
     UnitOfWork,
@@ -70,7 +77,6 @@ DEFAULT_LISTED = 100
 # says otherwise: each holds up to 1 MiB of arguments, and a steered agent must
 # not fill the store or the approvers' queue.
 MAX_OPEN_REQUESTS_PER_CALLER = 32
-MAX_REASON_CHARS = 1_000  # characters of a rejection's reason
 
 
 @dataclass(frozen=True)
@@ -134,14 +140,20 @@ class Approvals:
         self.hub = hub if hub is not None else EventHub(store)
         # run inside the unit of work of every approval event (webhook outbox)
         self.hooks: list[EventHook] = []
+        # A tool deleted or disabled: its open requests are voided with it, and
+        # this server's watches hear of it once that is committed.
+        registry.add_retire_hook(self.void_requests_for_tool)
+        registry.add_listener(self._tool_changed)
 
     # -- token checks ------------------------------------------------------------
 
     def check_token(
         self, token: str, *, tool_name: str, tool_digest: str, args_digest: str, caller: str,
-        rule: EffectiveRule,
+        rule: EffectiveRule, not_before: float = 0.0,
     ) -> VerifiedApproval:  # fmt: skip
-        """Every token rule (docs/approvals.md) except spending the jti; raises Denied."""
+        """Every token rule (docs/approvals.md) except spending the jti; raises
+        Denied. ``not_before``: the tool's ``tokens_not_before`` (a token
+        issued before it was deleted or disabled does not count)."""
         try:
             approval = verify(
                 token,
@@ -162,6 +174,11 @@ class Approvals:
             )
         if self.policy.same_person(approval.approver, caller):
             raise Denied(f"approver '{approval.approver}' cannot approve their own call")
+        if approval.issued_at < not_before:
+            raise Denied(
+                f"token of '{approval.approver}' was issued before tool '{tool_name}' was last"
+                " deleted or disabled; ask for a new approval"
+            )
         if self._jti_used(approval.jti):
             raise Replayed(f"token of '{approval.approver}' was already used (replayed jti)")
         return approval
@@ -198,6 +215,7 @@ class Approvals:
                 approval = self.check_token(
                     token, tool_name=tool.name, tool_digest=tool.digest,
                     args_digest=call.arguments_digest, caller=call.caller, rule=rule,
+                    not_before=tool.tokens_not_before,
                 )  # fmt: skip
             except Denied as exc:
                 if not inline:
@@ -259,6 +277,8 @@ class Approvals:
             )
         if request.state == REJECTED:
             raise Denied(_rejected(request))
+        if request.state == VOIDED:
+            raise Denied(f"approval request {request.id} was voided: {request.voided_reason}")
         if request.state in (CONSUMED, EXPIRED):
             raise Denied(f"approval request {request.id} is {request.state.lower()}")
         if request.tool_name != call.tool.name:
@@ -349,7 +369,7 @@ class Approvals:
         audit log keeps. An admin may reject any request; an approver those it
         is eligible to approve (a rejection is cheap to make, so who may make
         it is as narrow as who may approve)."""
-        reason = _checked_reason(reason)
+        reason = checked_reason(reason)
         request = self.get_for(request_id, viewer)
         actor = viewer.approver or viewer.client_id
         if not viewer.admin and not (
@@ -415,11 +435,12 @@ class Approvals:
         request = self.get(request_id)
         if request.state in FINAL_STATES:
             raise FailedPrecondition(f"approval request {request_id} is {request.state.lower()}")
-        rule = self._rule_of(request)
+        tool, rule = self._rule_of(request)
         try:
             approval = self.check_token(
                 token, tool_name=request.tool_name, tool_digest=request.tool_digest,
                 args_digest=request.arguments_digest, caller=request.requested_by, rule=rule,
+                not_before=tool.tokens_not_before,
             )  # fmt: skip
         except Denied as exc:
             raise PermissionDenied(f"approval rejected: {exc.reason}") from None
@@ -447,15 +468,40 @@ class Approvals:
         self.hub.poke()
         return self.get(request_id)
 
-    def _rule_of(self, request: ApprovalRequestView) -> EffectiveRule:
-        """The rule as the policy states it now, for the tool as registered now
-        (a redefined tool fails later, at execution, on its digest)."""
+    def _rule_of(self, request: ApprovalRequestView) -> tuple[ToolDefinition, EffectiveRule]:
+        """The tool as registered now, and the rule as the policy states it now
+        for it (a redefined tool fails later, at execution, on its digest)."""
         tool = self._registry.find(request.tool_name)
         if tool is None:
             raise FailedPrecondition(f"tool '{request.tool_name}' is no longer registered")
-        return self.policy.rule_for(
+        return tool, self.policy.rule_for(
             tool_name=tool.name, categories=tool.categories, level=tool.safety_level
         )
+
+    # -- deleted and disabled tools ------------------------------------------------------
+
+    def void_requests_for_tool(
+        self, uow: UnitOfWork, tool: ToolDefinition, why: str, by: str
+    ) -> list[str]:
+        """Inside the unit of work that deletes or disables ``tool``: every open
+        request for it becomes VOIDED for ``why``, each with its audit entry
+        and event (hooks included). Returns their ids."""
+        now = time.time()
+        voided: list[str] = []
+        for request_id in uow.open_requests_for_tool(tool.name, now):
+            if not uow.void_request(request_id, why, now):
+                continue
+            events.record(uow, events.VOIDED, request_id, {
+                "event": "voided", "request_id": request_id, "tool": tool.name,
+                "reason": why, "by": by,
+            }, self.hooks, reason=why)  # fmt: skip
+            voided.append(request_id)
+        return voided
+
+    def _tool_changed(self, old: ToolDefinition | None, new: ToolDefinition | None) -> None:
+        """Registry listener: requests voided with a tool reach watches now."""
+        if old is not None and (new is None or (new.disabled and not old.disabled)):
+            self.hub.poke()
 
     def _stored_tokens(self, request_id: str) -> list[str]:
         with self._store.reading() as reads:
@@ -490,6 +536,7 @@ class Approvals:
                 else max(0, r.approvals_required - len(approvers))
             ),
             rejected_by=r.rejected_by, rejection_reason=r.rejection_reason,
+            voided_reason=r.voided_reason,
         )  # fmt: skip
 
 
@@ -498,19 +545,6 @@ def _rejected(request: ApprovalRequestView) -> str:
         f"approval request {request.id} was rejected by {request.rejected_by}:"
         f" {request.rejection_reason}"
     )
-
-
-def _checked_reason(reason: str) -> str:
-    """1 to MAX_REASON_CHARS characters, none of them control characters: the
-    reason reaches agents, logs, webhooks and pages."""
-    reason = reason.strip()
-    if not reason:
-        raise InvalidArgument("reason: must not be empty (say why, for the agent and the audit)")
-    if len(reason) > MAX_REASON_CHARS:
-        raise InvalidArgument(f"reason: longer than {MAX_REASON_CHARS} characters")
-    if any(unicodedata.category(ch) == "Cc" for ch in reason):
-        raise InvalidArgument("reason: must not contain control characters (newlines included)")
-    return reason
 
 
 def _snapshot(manifest: str, owner: str, *, listed: bool) -> ToolDefinition | None:

@@ -8,6 +8,13 @@ with the admin role, may replace it: a team that registers tools must not be
 able to turn another team's safe tool into its own code, or re-declare a
 dangerous tool as safe. What a client may register at all (the highest level,
 which images) is its ``RegisterGrant`` from the policy.
+
+The kill switch (docs/deploying.md, "Incident response"): its owner or an
+admin deletes a tool, an admin disables it (it stays listed, its calls are
+refused) or enables it again. Either is written to the store with its audit
+entry and whatever the retire hooks write (the tool's open approval requests
+voided) in one unit of work, then every listener (cached listings, warm
+pools) hears it; other servers on the store follow through ``reload``.
 """
 
 from __future__ import annotations
@@ -33,10 +40,11 @@ from registry_server.domain.models import (
     ToolDefinition,
     parse_definition,
 )
+from registry_server.domain.text import checked_reason
 from registry_server.policy.egress import egress_refusal
 from registry_server.policy.model import UNRESTRICTED, EgressPolicy, RegisterGrant
 from registry_server.store import audit_chain
-from registry_server.store.base import Store, StoredTool
+from registry_server.store.base import Store, StoredTool, UnitOfWork
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +55,13 @@ class RegisterOutcome(enum.Enum):
     REPLACED = "replaced"
 
 
-ChangeListener = Callable[[ToolDefinition | None, ToolDefinition], None]
+# Called after a change: (the tool before or None, after or None). A tool
+# deleted is (old, None); disabled or enabled, (old, new) with new.disabled.
+ChangeListener = Callable[[ToolDefinition | None, ToolDefinition | None], None]
+# Runs inside the unit of work that deletes or disables a tool, after its audit
+# entry, with (uow, the tool as it was, why in words, who): what it writes
+# commits with the change or not at all.
+RetireHook = Callable[[UnitOfWork, ToolDefinition, str, str], object]
 # Raises when a definition's image may not be used (e.g. it declares a VOLUME).
 ImageCheck = Callable[[ToolDefinition], None]
 
@@ -83,6 +97,7 @@ class Registry:
         self._tools: dict[str, ToolDefinition] = {}
         self._version = 0
         self._listeners: list[ChangeListener] = []
+        self._retire_hooks: list[RetireHook] = []
         self._load(store)
 
     def _load(self, store: Store) -> None:
@@ -101,12 +116,16 @@ class Registry:
             # Kept in the store untouched; an operator can fix or replace it.
             log.error("stored tool %r no longer validates and is not served: %s", row.name, exc)
             return None
-        return dataclasses.replace(tool, owner=row.owner)
+        return dataclasses.replace(
+            tool, owner=row.owner, disabled=row.disabled, disabled_reason=row.disabled_reason,
+            tokens_not_before=row.tokens_not_before,
+        )  # fmt: skip
 
     def reload(self, name: str | None = None) -> None:
-        """Another server stored tool ``name`` (None: perhaps any): serve what the
-        store holds now, and tell the listeners (cached listings, warm pools)."""
-        changed: list[tuple[ToolDefinition | None, ToolDefinition]] = []
+        """Another server changed tool ``name`` (None: perhaps any): serve what
+        the store holds now (a name it no longer holds was deleted), and tell
+        the listeners (cached listings, warm pools)."""
+        changed: list[tuple[ToolDefinition | None, ToolDefinition | None]] = []
         # Read under the write lock: a registration here cannot interleave and
         # be overwritten by the older row read just before it.
         with self._write_lock:
@@ -117,12 +136,17 @@ class Registry:
                     row = reads.tool(name)
                     rows = [] if row is None else [row]
             tools = dict(self._tools)
+            stored = {row.name for row in rows}
+            gone = [n for n in tools if n not in stored] if name is None else [name]
+            for removed in gone:
+                if removed in tools and removed not in stored:
+                    changed.append((tools.pop(removed), None))
             for row in rows:
                 current = tools.get(row.name)
-                if current is not None and (current.digest, current.owner) == (
-                    row.digest,
-                    row.owner,
-                ):
+                if current is not None and _state(current) == (
+                    row.digest, row.owner, row.disabled, row.disabled_reason,
+                    row.tokens_not_before,
+                ):  # fmt: skip
                     continue
                 tool = self._parse(row)
                 if tool is None:
@@ -134,7 +158,9 @@ class Registry:
             self._tools = tools
             self._version += 1
         for old, new in changed:
-            log.info("tool %s %s by another server", new.name, "replaced" if old else "created")
+            shown = new or old
+            assert shown is not None
+            log.info("tool %s %s by another server", shown.name, _change(old, new))
             for listener in self._listeners:
                 listener(old, new)
 
@@ -144,8 +170,13 @@ class Registry:
         return self._version
 
     def add_listener(self, listener: ChangeListener) -> None:
-        """Called after a definition is created or replaced: (old or None, new)."""
+        """Called after a tool is created, replaced, deleted, disabled or
+        enabled: (old or None, new or None)."""
         self._listeners.append(listener)
+
+    def add_retire_hook(self, hook: RetireHook) -> None:
+        """Run inside the unit of work of every deletion and disabling."""
+        self._retire_hooks.append(hook)
 
     def register(
         self,
@@ -190,6 +221,12 @@ class Registry:
             with self._store.unit_of_work() as uow:
                 audit_chain.append(uow, "registration", record)
                 uow.put_tool(StoredTool(tool.name, manifest, tool.digest, by.id), time.time())
+                row = uow.tool(tool.name)
+            if row is not None:  # the kill switch as stored (kept by a replacement)
+                tool = dataclasses.replace(
+                    tool, disabled=row.disabled, disabled_reason=row.disabled_reason,
+                    tokens_not_before=row.tokens_not_before,
+                )  # fmt: skip
             tools = dict(self._tools)
             tools[tool.name] = tool
             self._tools = tools  # publish: one reference swap, atomic for readers
@@ -197,6 +234,84 @@ class Registry:
         for listener in self._listeners:
             listener(current, tool)
         return RegisterOutcome.CREATED if current is None else RegisterOutcome.REPLACED
+
+    def delete(self, name: str, *, reason: str = "", by: Registrant = OPERATOR) -> ToolDefinition:
+        """Remove tool ``name`` (its owner or an admin; a disabled tool only an
+        admin: the kill switch is the operator's), with ``reason`` (optional)
+        in the audit log and the voided requests. Returns the tool as it was.
+        Raises NotFound, PermissionDenied, InvalidArgument (a bad reason)."""
+        reason = checked_reason(reason, required=False)
+        why = f"tool '{name}' was deleted" + (f": {reason}" if reason else "")
+        with self._write_lock:
+            current = self.get(name)
+            with self._store.unit_of_work() as uow:
+                row = uow.tool(name)  # the store's word: another server may have changed it
+                if row is None:
+                    raise NotFound(f"Tool '{name}' not found")
+                if not by.admin and row.owner != by.id:
+                    raise PermissionDenied(
+                        f"tool '{name}' belongs to '{row.owner}': only its owner or an admin"
+                        " may delete it"
+                    )
+                if not by.admin and row.disabled:
+                    raise PermissionDenied(
+                        f"tool '{name}' was disabled by an admin: only an admin may delete it"
+                    )
+                uow.delete_tool(name, time.time())
+                audit_chain.append(uow, "registration", {
+                    "event": "deleted", "tool": name, "digest": row.digest, "by": by.id,
+                    "owner": row.owner, "reason": reason,
+                })  # fmt: skip
+                for hook in self._retire_hooks:
+                    hook(uow, current, why, by.id)
+            tools = dict(self._tools)
+            del tools[name]
+            self._tools = tools
+            self._version += 1
+        for listener in self._listeners:
+            listener(current, None)
+        return current
+
+    def set_enabled(
+        self, name: str, enabled: bool, *, reason: str = "", by: Registrant = OPERATOR
+    ) -> ToolDefinition:
+        """The kill switch (admins only): disable tool ``name`` for ``reason``
+        (required: refused calls and voided requests show it), or enable it
+        again. Returns the tool as it is now. Raises NotFound,
+        PermissionDenied, InvalidArgument (a bad or missing reason)."""
+        if not by.admin:
+            raise PermissionDenied(
+                f"client '{by.id}' lacks the admin role: only an admin may disable or enable a tool"
+            )
+        reason = checked_reason(reason, required=not enabled)
+        with self._write_lock:
+            current = self.get(name)
+            if (not current.disabled) if enabled else current.disabled_reason == reason:
+                return current  # already so: nothing to write
+            with self._store.unit_of_work() as uow:
+                if not uow.set_tool_disabled(name, not enabled, reason, time.time()):
+                    raise NotFound(f"Tool '{name}' not found")
+                row = uow.tool(name)
+                assert row is not None
+                audit_chain.append(uow, "registration", {
+                    "event": "enabled" if enabled else "disabled", "tool": name,
+                    "digest": row.digest, "by": by.id, "owner": row.owner, "reason": reason,
+                })  # fmt: skip
+                if not enabled:
+                    why = f"tool '{name}' was disabled: {reason}"
+                    for hook in self._retire_hooks:
+                        hook(uow, current, why, by.id)
+            updated = self._parse(row) or dataclasses.replace(
+                current, disabled=row.disabled, disabled_reason=row.disabled_reason,
+                tokens_not_before=row.tokens_not_before,
+            )  # fmt: skip
+            tools = dict(self._tools)
+            tools[name] = updated
+            self._tools = tools
+            self._version += 1
+        for listener in self._listeners:
+            listener(current, updated)
+        return updated
 
     def get(self, name: str) -> ToolDefinition:
         tool = self._tools.get(name)
@@ -222,6 +337,21 @@ class Registry:
             if (max_level is None or tool.safety_level.at_most(max_level))
             and (not wanted or not wanted.isdisjoint(tool.categories))
         ]
+
+
+def _state(tool: ToolDefinition) -> tuple[str, str, bool, str, float]:
+    """What a stored row says of a tool besides its definition (and digest)."""
+    return (tool.digest, tool.owner, tool.disabled, tool.disabled_reason, tool.tokens_not_before)
+
+
+def _change(old: ToolDefinition | None, new: ToolDefinition | None) -> str:
+    if new is None:
+        return "deleted"
+    if old is None:
+        return "created"
+    if old.disabled != new.disabled:
+        return "disabled" if new.disabled else "enabled"
+    return "replaced"
 
 
 def _check_grant(tool: ToolDefinition, by: Registrant, egress: EgressPolicy) -> None:

@@ -136,6 +136,14 @@ class ToolDefinition:
     # Who registered it (a client id, or OPERATOR_OWNER): not part of the
     # definition, so not in ``as_manifest()`` or the digest.
     owner: str = ""
+    # The registry's state of the tool, not part of the definition either.
+    # The kill switch (SetToolEnabled): its calls are refused while set.
+    disabled: bool = False
+    disabled_reason: str = ""
+    # Approval tokens issued (iat) before this time (time.time()) do not count
+    # for it: when it was last disabled, or when its name was last deleted
+    # before it was registered (docs/approvals.md, "Deleted and disabled tools").
+    tokens_not_before: float = 0.0
 
     @property
     def parameters(self) -> dict[str, Any]:

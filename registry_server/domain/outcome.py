@@ -19,6 +19,7 @@ class Status(enum.Enum):
     TIMEOUT = "TIMEOUT"
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
     SANDBOX_ERROR = "SANDBOX_ERROR"
+    TOOL_DISABLED = "TOOL_DISABLED"  # an admin disabled the tool; error gives the reason
 
 
 @dataclass(frozen=True)
@@ -49,10 +50,11 @@ class ApprovalRequestView:
 class ApprovalEventView:
     """One item of a watch on approval requests (WatchApprovalRequests)."""
 
-    type: str  # CURRENT, SYNCED, OPENED, APPROVAL_ADDED, APPROVED, REJECTED, CONSUMED, EXPIRED
+    type: str  # CURRENT, SYNCED, OPENED, APPROVAL_ADDED, APPROVED, REJECTED, CONSUMED,
+    # EXPIRED, VOIDED
     request: ApprovalRequestView | None  # listed form; None for SYNCED
     actor: str = ""  # the approver who added an approval or rejected
-    reason: str = ""  # REJECTED: why
+    reason: str = ""  # REJECTED: why; VOIDED: why
     at: datetime | None = None
     seq: int = 0  # the event's place in the store's order (0 for CURRENT, SYNCED)
 

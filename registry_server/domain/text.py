@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import unicodedata
 
+from registry_server.domain.errors import InvalidArgument
+
 # Categories printed as \uXXXX: controls, format (bidi marks, zero-width),
 # line/paragraph separators, surrogates, private use, unassigned.
 ESCAPED_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs", "Co", "Cn"})
@@ -30,3 +32,20 @@ def escape(text: str, *, keep_newlines: bool = False) -> str:
         else:
             out.append(char)
     return "".join(out)
+
+
+MAX_REASON_CHARS = 1_000  # characters of a reason a client gives (a rejection, a kill switch)
+
+
+def checked_reason(reason: str, *, required: bool = True) -> str:
+    """``reason`` stripped: at most MAX_REASON_CHARS characters, none of them
+    control characters (it reaches agents, logs, webhooks and pages), and not
+    empty when ``required``. Raises InvalidArgument naming the field."""
+    reason = reason.strip()
+    if not reason and required:
+        raise InvalidArgument("reason: must not be empty (say why, for the agent and the audit)")
+    if len(reason) > MAX_REASON_CHARS:
+        raise InvalidArgument(f"reason: longer than {MAX_REASON_CHARS} characters")
+    if any(unicodedata.category(ch) == "Cc" for ch in reason):
+        raise InvalidArgument("reason: must not contain control characters (newlines included)")
+    return reason

@@ -156,6 +156,8 @@ class Executor:
                 f"client '{call.caller}' may run tools up to {call.max_level.value};"
                 f" '{tool.name}' is {tool.safety_level.value}"
             )
+        if tool.disabled:
+            raise _refusal(record, Status.TOOL_DISABLED, _disabled(tool))
         return tool
 
     def _check_arguments(self, record: AuditRecord, tool: ToolDefinition) -> ParsedArguments:
@@ -239,6 +241,8 @@ class Executor:
                 error="call cancelled before it started",
                 execution_id=execution_id,
             )
+        except _Refused as refused:
+            return refused.outcome
         except Denied as exc:
             return Outcome(
                 Status.APPROVAL_DENIED, error=f"approval denied: {exc.reason}",
@@ -319,6 +323,7 @@ class Executor:
         try:
             if cancel is not None and cancel.is_set():
                 raise Cancelled()
+            self._still_runnable(record)
             if record.approved is not None:
                 with tracing.step(tracing.APPROVAL_SPEND):
                     self._approvals.spend(
@@ -334,6 +339,19 @@ class Executor:
         spec = within_deadline(spec, record.call.deadline)
         deadline = time.monotonic() + spec.limits.timeout_ms / 1000
         return prepared.finish(spec.input, deadline, on_output, cancel)
+
+    def _still_runnable(self, record: AuditRecord) -> None:
+        """The kill switch reaches a call that waited for a slot or a container:
+        a tool deleted or disabled meanwhile does not start (one already
+        started finishes)."""
+        name = record.call.name
+        current = self._registry.find(name)
+        if current is None:
+            raise _refusal(
+                record, Status.TOOL_NOT_FOUND, f"Tool '{name}' was deleted before the call started"
+            )
+        if current.disabled:
+            raise _refusal(record, Status.TOOL_DISABLED, _disabled(current))
 
     # -- the record -----------------------------------------------------------------------
 
@@ -363,6 +381,10 @@ def _refusal(
     return _Refused(
         Outcome(status, error=error, execution_id=record.execution_id, approval_request=request)
     )
+
+
+def _disabled(tool: ToolDefinition) -> str:
+    return f"Tool '{tool.name}' is disabled: {tool.disabled_reason}"
 
 
 def _check_request_id(request_id: str) -> None:

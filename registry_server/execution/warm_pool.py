@@ -109,7 +109,8 @@ class WarmPools:
     # -- what to keep warm -----------------------------------------------------------
 
     def size_for(self, tool: ToolDefinition) -> int:
-        return tool.warm_pool or self._default_size
+        """How many to keep warm: none of a disabled tool (its calls are refused)."""
+        return 0 if tool.disabled else tool.warm_pool or self._default_size
 
     def track(self, tool: ToolDefinition) -> None:
         """Keep ``tool`` warm as its definition says (replacing any older pool of
@@ -127,8 +128,21 @@ class WarmPools:
         if old is not None:
             self._discard_all(old.ready)
 
-    def on_change(self, old: ToolDefinition | None, new: ToolDefinition) -> None:
-        """Registry listener: a created or replaced tool."""
+    def untrack(self, name: str) -> None:
+        """Keep nothing warm for ``name`` any more, and remove what is (the tool
+        was deleted). A call that already took one of its containers finishes."""
+        with self._cond:
+            old = self._pools.pop(name, None)
+        if old is not None:
+            self._discard_all(old.ready)
+
+    def on_change(self, old: ToolDefinition | None, new: ToolDefinition | None) -> None:
+        """Registry listener: a tool created, replaced, deleted, disabled or
+        enabled. A deleted or disabled tool's pool is drained at once."""
+        if new is None:
+            if old is not None:
+                self.untrack(old.name)
+            return
         self.track(new)
 
     # -- the call's side ---------------------------------------------------------------

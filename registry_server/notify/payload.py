@@ -31,6 +31,7 @@ TITLES = {
     "REJECTED": "Rejected",
     "CONSUMED": "Approved call run",
     "EXPIRED": "Expired unused",
+    "VOIDED": "Voided (its tool was deleted or disabled)",
 }
 
 
@@ -50,7 +51,7 @@ class Facts:
     approved_by: Sequence[str]
     state: str
     actor: str  # the approver who added an approval or rejected
-    reason: str  # REJECTED: the approver's words
+    reason: str  # REJECTED: the approver's words; VOIDED: why
     created_at: float
     expires_at: float
     arguments_json: str  # compact JSON; only ever shown as a capped preview

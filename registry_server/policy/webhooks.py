@@ -20,7 +20,9 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # The approval events an endpoint may ask for (approvals/events.py, in lower case).
-WEBHOOK_EVENTS = ("opened", "approval_added", "approved", "rejected", "consumed", "expired")
+WEBHOOK_EVENTS = (
+    "opened", "approval_added", "approved", "rejected", "consumed", "expired", "voided",
+)  # fmt: skip
 WEBHOOK_FORMATS = ("standard", "slack")
 # Endpoint ids become metric labels and log fields: short, and only as many as the policy names.
 WEBHOOK_ID_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,63}$"

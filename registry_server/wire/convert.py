@@ -166,8 +166,12 @@ def _secret_to_pb(ref: SecretRef) -> pb.SecretRef:
 
 
 def stored_tool_from_pb(msg: pb.Tool) -> ToolDefinition:
-    """A Tool the server sent: re-validated, with its owner (output only)."""
-    return dataclasses.replace(tool_from_pb(msg), owner=msg.owner)
+    """A Tool the server sent: re-validated, with what is output only (its
+    owner, and whether an admin disabled it)."""
+    return dataclasses.replace(
+        tool_from_pb(msg), owner=msg.owner, disabled=msg.disabled,
+        disabled_reason=msg.disabled_reason,
+    )  # fmt: skip
 
 
 def _is_parse_echo(v: Violation, already: list[Violation]) -> bool:
@@ -201,6 +205,8 @@ def tool_to_pb(tool: ToolDefinition) -> pb.Tool:
         owner=tool.owner,
         network=pb.NetworkSpec(egress=list(tool.egress)),
         secrets=[_secret_to_pb(ref) for ref in tool.secrets],
+        disabled=tool.disabled,
+        disabled_reason=tool.disabled_reason,
     )
 
 
