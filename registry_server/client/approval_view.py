@@ -37,6 +37,7 @@ def request_fields(req: pb.ApprovalRequest) -> list[tuple[str, str]]:
     expires = req.expires_at.ToDatetime().strftime(TIME_FORMAT)
     approved = ", ".join(req.approved_by) or "nobody yet"
     rejected = [("rejected", f"by {req.rejected_by}: {req.rejection_reason}")]
+    voided = [("voided", req.voided_reason)]  # its tool was deleted or disabled
     fields = [
         ("request", req.id),
         ("state", req.state),
@@ -48,6 +49,7 @@ def request_fields(req: pb.ApprovalRequest) -> list[tuple[str, str]]:
             f" {req.approvals_missing} more needed",
         ),
         *(rejected if req.rejected_by else []),
+        *(voided if req.voided_reason else []),
         *_tool_fields(req),
     ]
     return [(label, escape(value)) for label, value in fields]

@@ -166,6 +166,7 @@ def test_a_request_is_signable_only_as_shown() -> None:
     cases = {
         "is approved": request(state="APPROVED"),
         "is rejected": request(state="REJECTED"),
+        "is voided": request(state="VOIDED", voided_reason="tool disabled: incident 7"),
         "no definition": no_tool,
         "does not match tool_digest": changed_tool,
         "do not match arguments_digest": other_args,
@@ -242,3 +243,8 @@ def test_the_cli_and_the_console_show_the_same_fields() -> None:
     assert lines[0] == f"request   {'a' * 32}" and "rejected  by bob: no\\u202e" in lines
     assert lines[-2] == f"arguments (digest {req.arguments_digest}):"
     assert json.loads(lines[-1].replace("\\u202e", "")) == {"note": "ship it  now", "n": 1}
+
+
+def test_a_voided_request_says_why() -> None:
+    fields = dict(approval_view.request_fields(request(state="VOIDED", voided_reason="gone\u202e")))
+    assert fields["voided"] == "gone\\u202e"

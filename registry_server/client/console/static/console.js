@@ -11,7 +11,7 @@
   const JTI_BYTES = 16; // 128 random bits, as the CLI mints them
   const MAX_KEY_FILE_BYTES = 16 * 1024; // a PEM Ed25519 key is ~120 bytes
   const OPEN_STATES = new Set(['PENDING', 'APPROVED']);
-  const KNOWN_STATES = ['PENDING', 'APPROVED', 'CONSUMED', 'REJECTED', 'EXPIRED'];
+  const KNOWN_STATES = ['PENDING', 'APPROVED', 'CONSUMED', 'REJECTED', 'VOIDED', 'EXPIRED'];
   const EVENT_WORDS = { // WatchApprovalRequests' event types, as a card's last line says them
     CURRENT: 'Open when you signed in',
     OPENED: 'Asked',
@@ -19,6 +19,7 @@
     APPROVED: 'Approved: the agent may run it',
     REJECTED: 'Rejected',
     CONSUMED: 'Used: the call ran',
+    VOIDED: 'Voided (its tool was deleted or disabled)',
     EXPIRED: 'Expired',
   };
 
