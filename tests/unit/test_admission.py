@@ -22,7 +22,7 @@ from registry_server.execution.admission import (
 )
 from registry_server.execution.quotas import Rate, RateLimits
 
-JOIN_S = 1.0  # seconds: the longest any thread is waited for
+JOIN_S = 5.0  # seconds: the longest any thread is waited for (a loaded machine is slow)
 ENTERED: list[Caller] = []  # every Caller, in the order it got its slot
 
 
@@ -57,8 +57,8 @@ class Caller:
     def _run(self) -> None:
         try:
             with self._admission.slot(self.cancel, self._memory_mb, self.client):
+                self.order.append(self)  # before entered is set: the test reads it then
                 self.entered.set()
-                self.order.append(self)
                 self.leave.wait(JOIN_S)
         except BaseException as exc:  # handed to the test thread
             self.error = exc
