@@ -10,7 +10,7 @@ one implementation; the server picks it in registry_server/api/app.py.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Protocol, runtime_checkable
 
 from .spec import SandboxResult, SandboxSpec
@@ -97,8 +97,9 @@ class SandboxBackend(Protocol):
         """Finish queued removals and let go of the engine."""
         ...
 
-    def runtimes(self) -> frozenset[str]:
-        """OCI runtimes the engine offers (e.g. {'runc', 'runsc'})."""
+    def runtimes(self) -> Mapping[str, tuple[str, ...]]:
+        """OCI runtimes the engine offers, each with the arguments the engine
+        starts it with (e.g. {'runc': (), 'runsc': ('--network=none',)})."""
         ...
 
     def image_volumes(self, image: str) -> tuple[str, ...] | None:

@@ -82,6 +82,7 @@ __all__ = [
     "NETSTACK_UNSUPPORTED",
     "DockerBackend",
     "Prepared",
+    "runtimes_of",
 ]
 
 log = logging.getLogger(__name__)
@@ -97,9 +98,11 @@ UNROUTABLE_DNS: Final = "192.0.2.1"  # TEST-NET-1 (RFC 5737): a resolver nobody 
 # both of its runtimes, with and without a network.
 NO_PIDS_LIMIT_RUNTIMES: Final = GVISOR_RUNTIMES
 # What runsc says when it takes the call's network namespace for the host's. Builds that
-# decide so by whether /proc/sys/net/core/rmem_default exists (Debian's 20221219 and
-# 20240729 do) are wrong on kernels where every namespace has it (6.18 here): their
-# netstack never starts there, and the call fails before its tool does.
+# decide so by whether /proc/sys/net/core/rmem_default exists (those before gVisor's
+# release-20240801, Debian's 20221219 and 20240729 among them) are wrong on kernels where
+# every namespace has it (6.18 here): their netstack never starts there, and the call
+# fails before its tool does. scripts/ensure_docker.sh registers runsc-net with hostinet
+# (--network=host) there instead.
 NETSTACK_UNSUPPORTED: Final = "cannot run with network enabled in root network namespace"
 
 # The init (init/toolreg_init.c). Docker creates the mountpoint in the container's own
@@ -173,9 +176,21 @@ def _netstack_hint(runtime: str) -> Iterator[None]:
         if runtime != GVISOR_NET or NETSTACK_UNSUPPORTED not in str(e):
             raise
         raise SandboxError(
-            f"{e} (this runsc cannot give gVisor its own network stack on this kernel;"
-            " install a newer runsc: docs/deploying.md, 1. The engine)"
+            f"{e} (this runsc cannot give gVisor its own network stack on this kernel:"
+            " install runsc from gVisor release-20240801 or later, or run"
+            " scripts/ensure_docker.sh, which registers runsc-net with hostinet here:"
+            " docs/deploying.md, 1. The engine)"
         ) from e
+
+
+def runtimes_of(info: Mapping[str, Any]) -> dict[str, tuple[str, ...]]:
+    """The runtimes in an engine's `docker info` answer, each with the arguments
+    the engine starts it with (its runtimeArgs in daemon.json)."""
+    runtimes = info.get("Runtimes") or {}
+    return {
+        str(name): tuple(str(arg) for arg in (entry or {}).get("runtimeArgs") or ())
+        for name, entry in runtimes.items()
+    }
 
 
 def _status(exc: BaseException) -> int | None:
@@ -777,10 +792,9 @@ class DockerBackend:
         except Exception:
             return False
 
-    def runtimes(self) -> frozenset[str]:
+    def runtimes(self) -> Mapping[str, tuple[str, ...]]:
         with _engine_call("engine info"):
-            info = self._client().info()
-        return frozenset((info.get("Runtimes") or {}).keys())
+            return runtimes_of(self._client().info())
 
     # -- one execution -------------------------------------------------------------------
 

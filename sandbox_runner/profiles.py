@@ -4,7 +4,7 @@ a tool's own request is merged with `profile.tightest(request)` and never loosen
 
 from __future__ import annotations
 
-from collections.abc import Set
+from collections.abc import Sequence, Set
 from typing import Final
 
 from .spec import Limits
@@ -15,8 +15,12 @@ __all__ = [
     "GVISOR",
     "GVISOR_NET",
     "GVISOR_RUNTIMES",
+    "HOSTINET",
     "LEVELS",
+    "NETSTACK",
     "SAFE_LIMITS",
+    "gvisor_network",
+    "preferred_runtime",
     "profile_for",
     "runtime_for",
 ]
@@ -79,10 +83,16 @@ LEVELS: Final = tuple(_BY_LEVEL)  # ordered from least to most dangerous
 # The two gVisor runtimes scripts/ensure_docker.sh registers (README: The sandbox), one
 # binary each. The names are Docker runtime names: an engine offers them or not.
 GVISOR: Final = "runsc"  # --network=none: no network stack, only lo
-# --network=sandbox: gVisor's own netstack on the call's internal network, for dangerous
-# tools with network.egress only (their one reachable peer is the egress proxy).
+# For dangerous tools with network.egress only, on the call's internal network (whose one
+# reachable peer is the egress proxy): --network=sandbox, gVisor's own netstack, or, where
+# this runsc's netstack cannot start (scripts/ensure_docker.sh probes), --network=host.
 GVISOR_NET: Final = "runsc-net"
 GVISOR_RUNTIMES: Final = frozenset({GVISOR, GVISOR_NET})
+
+# gVisor's network modes (runsc --network), by what they mean for a sandbox's sockets:
+NETSTACK: Final = "netstack"  # sandbox (runsc's default): TCP/IP in gVisor, in user space
+HOSTINET: Final = "hostinet"  # host: socket calls go to the host kernel, in the container's netns
+_GVISOR_NETWORKS: Final = {"sandbox": NETSTACK, "host": HOSTINET}
 
 # gVisor for dangerous tools; others use the engine's default OCI runtime.
 _PREFERRED_RUNTIME: Final[dict[str, str]] = {
@@ -104,11 +114,32 @@ def profile_for(level: str) -> Limits:
     return _BY_LEVEL[level]
 
 
+def preferred_runtime(level: str, *, egress: bool = False) -> str:
+    """The runtime a level's tools (with network egress when ``egress``) want. A
+    dangerous tool with egress wants GVISOR_NET: GVISOR has no network stack and
+    could not reach the proxy."""
+    _check_level(level)
+    return GVISOR_NET if egress and level == "dangerous" else _PREFERRED_RUNTIME[level]
+
+
 def runtime_for(level: str, available: Set[str], *, egress: bool = False) -> str | None:
     """The preferred runtime of a level (of a tool with network egress when ``egress``)
     if the engine has it, else None (the caller decides whether to fall back to
-    FALLBACK_RUNTIME with a warning or to refuse). A dangerous tool with egress wants
-    GVISOR_NET: GVISOR has no network stack and could not reach the proxy."""
-    _check_level(level)
-    preferred = GVISOR_NET if egress and level == "dangerous" else _PREFERRED_RUNTIME[level]
+    FALLBACK_RUNTIME with a warning or to refuse)."""
+    preferred = preferred_runtime(level, egress=egress)
     return preferred if preferred in available else None
+
+
+def gvisor_network(runtime_args: Sequence[str]) -> str:
+    """gVisor's network mode under these runsc runtimeArgs (the engine's, e.g.
+    ``("--network=host",)``): NETSTACK, HOSTINET, or the --network value itself
+    ("none", ...). runsc parses Go flags: ``-network=X``, ``--network=X`` and
+    ``--network X`` alike, the last one winning; with none, runsc's default is
+    the netstack."""
+    network = "sandbox"
+    for i, arg in enumerate(runtime_args):
+        name, eq, value = arg.lstrip("-").partition("=")
+        if arg.startswith("-") and name == "network":
+            following = runtime_args[i + 1] if i + 1 < len(runtime_args) else ""
+            network = value if eq else following
+    return _GVISOR_NETWORKS.get(network, network)

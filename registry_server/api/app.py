@@ -31,7 +31,7 @@ from registry_server.domain.models import SafetyLevel, ToolDefinition
 from registry_server.execution.admission import Admission
 from registry_server.execution.executor import Executor
 from registry_server.execution.quotas import RateLimits, Shares
-from registry_server.execution.sandbox_plan import SandboxPolicy
+from registry_server.execution.sandbox_plan import SandboxPolicy, runsc_net_problem
 from registry_server.execution.secrets import SecretStore
 from registry_server.execution.warm_pool import WarmPools
 from registry_server.notify.dispatcher import Dispatcher
@@ -45,7 +45,14 @@ from registry_server.store.sqlite import SqliteStore
 from sandbox_runner import Limits, SandboxBackend, SandboxError
 from sandbox_runner.docker_backend import DockerBackend
 from sandbox_runner.egress.gateway import EgressConfig
-from sandbox_runner.profiles import GVISOR, GVISOR_NET, profile_for
+from sandbox_runner.profiles import (
+    GVISOR,
+    GVISOR_NET,
+    HOSTINET,
+    NETSTACK,
+    gvisor_network,
+    profile_for,
+)
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +123,7 @@ def build_app(config: ServerConfig) -> App:
             egress=policy.egress,
             grant_of=(lambda _owner: UNRESTRICTED) if dev_mode else policy.grant_of,
             secrets=SecretStore(_prepare_secrets(config.secrets)),
+            allow_hostinet=config.gvisor_hostinet == "allow",
         ),
         store=store,
         approvals=approvals,
@@ -320,13 +328,25 @@ def _start_sandboxes(config: ServerConfig, backend: SandboxBackend, require_gvis
             " set TOOLREG_REQUIRE_GVISOR=true to refuse them instead",
             GVISOR,
         )
-    if GVISOR_NET in runtimes:
-        log.info("dangerous tools with egress run under gVisor with networking (%s)", GVISOR_NET)
-    else:
+    net_args = runtimes.get(GVISOR_NET)
+    problem = runsc_net_problem(net_args, config.gvisor_hostinet == "allow")
+    if problem is not None or net_args is None:
+        log.warning("dangerous tools with egress will be refused: %s, %s", GVISOR_NET, problem)
+    elif gvisor_network(net_args) == HOSTINET:
         log.warning(
-            "the engine has no %s runtime: dangerous tools with egress will be refused"
-            " (scripts/ensure_docker.sh registers it)",
+            "dangerous tools with egress run under gVisor (%s) with %s, not gVisor's netstack:"
+            " their socket calls reach the host kernel's network stack, inside each call's own"
+            " network namespace and internal network (docs/deploying.md, 1. The engine);"
+            " TOOLREG_GVISOR_HOSTINET=refuse refuses them, a runsc from gVisor"
+            " release-20240801 or later gives the netstack",
             GVISOR_NET,
+            HOSTINET,
+        )
+    else:
+        log.info(
+            "dangerous tools with egress run under gVisor (%s) with its own network stack (%s)",
+            GVISOR_NET,
+            NETSTACK,
         )
 
 

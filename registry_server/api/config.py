@@ -60,6 +60,12 @@ class ServerConfig(BaseSettings):
     # or run them under runc with a warning at start-up (False). Unset: True
     # with a policy (a real deployment), False in development mode.
     require_gvisor: bool | None = None
+    # Dangerous tools with egress run under runsc-net. Where its runsc cannot start
+    # gVisor's netstack, scripts/ensure_docker.sh registers it with hostinet (the
+    # tool's socket calls reach the host kernel's network stack, inside the call's
+    # own namespace and internal network). refuse: such calls fail (SANDBOX_ERROR)
+    # before any approval is asked for; they run only with the netstack.
+    gvisor_hostinet: Literal["allow", "refuse"] = "allow"
     workspace_dir: Path | None = None  # default: <data_dir>/workspace
     # Dangerous tools that get workspace_dir mounted read-write at /workspace.
     workspace_tools: tuple[str, ...] = ("write_file",)

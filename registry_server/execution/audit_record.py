@@ -23,6 +23,7 @@ class AuditRecord:
         self.args_digest = ""
         self.approved: Approved | None = None
         self.runtime = ""
+        self.gvisor_network = ""  # runsc-net only: netstack or hostinet (sandbox_plan.Runtime)
         self.limits: Limits | None = None
         self.container_id = ""
         self.warm = False
@@ -53,6 +54,7 @@ class AuditRecord:
             else None,
             "duration_ms": outcome.duration_ms if outcome else 0,
             "runtime": self.runtime,
+            **({"gvisor_network": self.gvisor_network} if self.gvisor_network else {}),
             "container_id": self.container_id,
             "warm": self.warm,
             "limits": dataclasses.asdict(self.limits) if self.limits else {},

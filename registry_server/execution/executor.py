@@ -1,8 +1,12 @@
 """Executing one tool call, as a pipeline of named steps:
 
-    look up -> check arguments -> approval gate -> plan the sandbox
+    look up -> check arguments -> choose the runtime -> approval gate
+            -> plan the sandbox
             -> run (admission, a warm or cold sandbox, spend the approval, start)
             -> record (the audit log, the execution log, observers)
+
+The runtime is chosen before the approval gate: approvers are never asked to
+sign a call that this engine (or the server's settings) would refuse to run.
 
 A step that refuses the call ends it with an ``Outcome`` that is recorded like
 every other attempt. Only problems of the request or the server (a caller above
@@ -42,7 +46,9 @@ from registry_server.execution.quotas import RateLimits
 from registry_server.execution.redaction import Redactor
 from registry_server.execution.results import outcome_of
 from registry_server.execution.sandbox_plan import (
+    NoRuntime,
     NotRunnable,
+    Runtime,
     SandboxPlanner,
     SandboxPolicy,
     within_deadline,
@@ -137,8 +143,9 @@ class Executor:
                 with tracing.step(tracing.VALIDATE):
                     tool = self._look_up(record)
                     arguments = self._check_arguments(record, tool)
+                runtime = self._choose_runtime(record, tool)
                 self._approval_gate(record, tool, arguments)
-                spec = self._plan_sandbox(record, tool, arguments)
+                spec = self._plan_sandbox(record, tool, arguments, runtime)
             except _Refused as refused:
                 return self._record(record, refused.outcome)
             return self._record(record, self._run(record, tool, spec, on_output, cancel))
@@ -168,6 +175,15 @@ class Executor:
         record.args_digest = arguments.digest
         return arguments
 
+    def _choose_runtime(self, record: AuditRecord, tool: ToolDefinition) -> Runtime:
+        """The runtime ``tool`` runs under here (for runsc-net, with gVisor's
+        network mode): refused before the approval gate, so no approval request
+        is opened for a call the engine would not run."""
+        try:
+            return self._planner.runtime_for(tool)
+        except NoRuntime as exc:
+            raise _refusal(record, Status.SANDBOX_ERROR, str(exc)) from None
+
     def _approval_gate(
         self, record: AuditRecord, tool: ToolDefinition, arguments: ParsedArguments
     ) -> None:
@@ -196,23 +212,25 @@ class Executor:
         record.approved = decision
 
     def _plan_sandbox(
-        self, record: AuditRecord, tool: ToolDefinition, arguments: ParsedArguments
+        self,
+        record: AuditRecord,
+        tool: ToolDefinition,
+        arguments: ParsedArguments,
+        runtime: Runtime,
     ) -> SandboxSpec:
-        runtime = self._planner.runtime_for(tool)
-        if runtime is None:
-            raise _refusal(record, Status.SANDBOX_ERROR, self._planner.missing_runtime(tool))
         try:
             # Before the secrets are read: an owner the policy no longer lets
             # grant them never causes a read.
             self._planner.check_egress(tool)
             values = self._planner.secret_values(tool)
-            spec = self._planner.spec(tool, arguments.canonical, runtime, values)
+            spec = self._planner.spec(tool, arguments.canonical, runtime.name, values)
         except NotRunnable as exc:
             raise _refusal(
                 record, Status.SANDBOX_ERROR, f"Tool '{tool.name}' cannot run: {exc}"
             ) from None
         record.redactor = Redactor(values)
-        record.runtime, record.limits = runtime, spec.limits
+        record.runtime, record.gvisor_network = runtime.name, runtime.gvisor_network
+        record.limits = spec.limits
         return spec
 
     # -- the sandbox --------------------------------------------------------------------

@@ -1,10 +1,11 @@
-"""Planning one call's sandbox: which OCI runtime its level runs under here,
-and the spec (image, command, limits, mounts) its definition asks for merged
-into the server's ceiling for that level. The server decides; the tool only
-asks."""
+"""Planning one call's sandbox: which OCI runtime its level runs under here
+(for runsc-net, with which of gVisor's network modes), and the spec (image,
+command, limits, mounts) its definition asks for merged into the server's
+ceiling for that level. The server decides; the tool only asks."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Mapping
@@ -29,8 +30,11 @@ from sandbox_runner.profiles import (
     FALLBACK_RUNTIME,
     GVISOR,
     GVISOR_NET,
+    HOSTINET,
+    NETSTACK,
+    gvisor_network,
+    preferred_runtime,
     profile_for,
-    runtime_for,
 )
 
 WORKSPACE_TARGET = "/workspace"  # where a workspace tool sees its directory
@@ -39,6 +43,43 @@ WORKSPACE_TARGET = "/workspace"  # where a workspace tool sees its directory
 # without a restart; a missing one costs one engine query per interval, not per call)
 RUNTIMES_RECHECK_S = 5.0
 TOOL_WORKSPACE_ENV = "TOOLREG_WORKSPACE"  # tells the tool where its workspace is
+HOSTINET_SETTING = "TOOLREG_GVISOR_HOSTINET"  # allow|refuse: the server setting below
+ENGINE_DOCS = "docs/deploying.md, 1. The engine"
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """The OCI runtime a call runs under here."""
+
+    name: str
+    # runsc-net only: gVisor's network mode, as the engine reported its runtimeArgs
+    # (profiles.NETSTACK or profiles.HOSTINET); "" for every other runtime.
+    gvisor_network: str = ""
+
+
+def runsc_net_problem(runtime_args: tuple[str, ...] | None, allow_hostinet: bool) -> str | None:
+    """Why runsc-net, started with ``runtime_args`` (None: the engine lacks it),
+    cannot run a dangerous call with egress on this server, as the end of a
+    sentence about it; None when it can. The one place that decides."""
+    if runtime_args is None:
+        return (
+            "which this engine lacks: run scripts/ensure_docker.sh as root, or register"
+            f" {GVISOR_NET} in /etc/docker/daemon.json ({ENGINE_DOCS})"
+        )
+    mode = gvisor_network(runtime_args)
+    if mode == HOSTINET and not allow_hostinet:
+        return (
+            f"which this engine runs with {HOSTINET} (--network=host: the tool's socket calls"
+            f" reach the host kernel's network stack), refused by {HOSTINET_SETTING}=refuse:"
+            " install runsc from gVisor release-20240801 or later and run"
+            f" scripts/ensure_docker.sh again for gVisor's {NETSTACK} ({ENGINE_DOCS})"
+        )
+    if mode not in (NETSTACK, HOSTINET):
+        return (
+            f"which this engine starts with {' '.join(runtime_args)}: no network for the"
+            f" sandbox; register it with --network=sandbox ({ENGINE_DOCS})"
+        )
+    return None
 
 
 @dataclass(frozen=True)
@@ -61,6 +102,9 @@ class SandboxPolicy:
     # before every call. Default (development mode): everything.
     grant_of: Callable[[str], RegisterGrant | None] = lambda _owner: UNRESTRICTED
     secrets: SecretStore | None = None  # None: tools with secrets cannot run
+    # runsc-net with gVisor's hostinet (TOOLREG_GVISOR_HOSTINET=allow|refuse): refused,
+    # a dangerous tool with egress runs only where runsc-net has the netstack.
+    allow_hostinet: bool = True
 
 
 class NotRunnable(Exception):
@@ -68,55 +112,63 @@ class NotRunnable(Exception):
     message says why, naming secrets but never their values)."""
 
 
+class NoRuntime(NotRunnable):
+    """The engine offers no runtime this tool may run under here; the message is
+    the whole reason, naming the tool and the fix."""
+
+
 class SandboxPlanner:
     def __init__(self, backend: SandboxBackend, policy: SandboxPolicy) -> None:
         self._backend = backend
         self.policy = policy
-        self._runtimes: frozenset[str] | None = None  # what the engine offers
+        self._runtimes: Mapping[str, tuple[str, ...]] | None = None  # what the engine offers
         self._runtimes_at = 0.0  # time.monotonic() of that answer
 
-    def runtime_for(self, tool: ToolDefinition) -> str | None:
-        """The OCI runtime ``tool`` runs under here, or None if it may not run
-        (``missing_runtime`` says why)."""
+    def runtime_for(self, tool: ToolDefinition) -> Runtime:
+        """The OCI runtime ``tool`` runs under here; NoRuntime when it may not run
+        (no gVisor for a dangerous tool, or no usable runsc-net for one with egress)."""
         level, egress = tool.safety_level, bool(tool.egress)
-        chosen = self._offered(lambda offered: runtime_for(level.value, offered, egress=egress))
-        if chosen is not None:
-            return chosen
+        wanted = preferred_runtime(level.value, egress=egress)
+        networked = wanted == GVISOR_NET
+        # runsc-net's mode decides the call, so its answer is never older than the
+        # recheck interval: a reload that changed it is seen within that.
+        offered = self._engine_runtimes(wanted, fresh=networked)
+        if networked:
+            args = None if offered is None else offered.get(GVISOR_NET)
+            problem = runsc_net_problem(args, self.policy.allow_hostinet)
+            if problem is not None or args is None:
+                raise NoRuntime(
+                    f"Tool '{tool.name}' needs gVisor with networking (runtime"
+                    f" '{GVISOR_NET}'), {problem}"
+                )
+            return Runtime(GVISOR_NET, gvisor_network(args))
+        if offered is not None and wanted in offered:
+            return Runtime(wanted)
         if level is not SafetyLevel.DANGEROUS:
-            return FALLBACK_RUNTIME
+            return Runtime(FALLBACK_RUNTIME)
         # The development-mode fallback gives a dangerous tool runc's isolation,
-        # never runc's isolation plus a way out: with egress, gVisor's netstack
-        # or nothing. Neither does an engine with runsc but no runsc-net get one.
-        if egress or self.policy.require_gvisor or self._runtimes is None:
-            return None
-        return FALLBACK_RUNTIME
+        # never runc's isolation plus a way out: with egress, gVisor with a network
+        # (above) or nothing.
+        if self.policy.require_gvisor or offered is None:
+            raise NoRuntime(f"Tool '{tool.name}' needs gVisor ({GVISOR}), which this engine lacks")
+        return Runtime(FALLBACK_RUNTIME)
 
-    def _offered(self, choose: Callable[[frozenset[str]], str | None]) -> str | None:
-        """``choose`` over the engine's runtimes (asked again when it finds none
-        and the answer is older than RUNTIMES_RECHECK_S); None when the engine
-        does not answer."""
+    def _engine_runtimes(self, wanted: str, *, fresh: bool) -> Mapping[str, tuple[str, ...]] | None:
+        """The engine's runtimes and their arguments, asked again when the answer
+        is older than RUNTIMES_RECHECK_S and lacks ``wanted`` (or, ``fresh``, in
+        any case); the last answer when the engine does not answer now, None
+        when it never did."""
         now = time.monotonic()
-        stale = now - self._runtimes_at >= RUNTIMES_RECHECK_S
-        if self._runtimes is not None:
-            chosen = choose(self._runtimes)
-            if chosen is not None or not stale:
-                return chosen
-        try:
+        cached = self._runtimes
+        if cached is not None and (
+            now - self._runtimes_at < RUNTIMES_RECHECK_S or (wanted in cached and not fresh)
+        ):
+            return cached
+        # An engine that does not answer now: the call meets that where it
+        # starts its sandbox.
+        with contextlib.suppress(SandboxError):
             self._runtimes, self._runtimes_at = self._backend.runtimes(), now
-        except SandboxError:
-            return None
-        return choose(self._runtimes)
-
-    @staticmethod
-    def missing_runtime(tool: ToolDefinition) -> str:
-        """Why ``runtime_for`` found none for ``tool``, naming the fix."""
-        if tool.egress:
-            return (
-                f"Tool '{tool.name}' needs gVisor with networking (runtime '{GVISOR_NET}'),"
-                " which this engine lacks: run scripts/ensure_docker.sh as root, or register"
-                f" {GVISOR_NET} in /etc/docker/daemon.json (docs/deploying.md, 1. The engine)"
-            )
-        return f"Tool '{tool.name}' needs gVisor ({GVISOR}), which this engine lacks"
+        return self._runtimes
 
     def warm_spec(self, tool: ToolDefinition) -> SandboxSpec | None:
         """What a warm container of ``tool`` is made from (None: it may not run
@@ -124,8 +176,11 @@ class SandboxPlanner:
         and secret files, made for it)."""
         if tool.egress or tool.secrets:
             return None
-        runtime = self.runtime_for(tool)
-        return None if runtime is None else self.spec(tool, b"{}", runtime)
+        try:
+            runtime = self.runtime_for(tool)
+        except NoRuntime:
+            return None
+        return self.spec(tool, b"{}", runtime.name)
 
     def spec(
         self,

@@ -18,7 +18,8 @@ What it does:
   spec and input); by default exit 0 with stdout echoing the input;
 * fails ``prepare`` on request (``fail_prepare``) with ``SandboxError`` or
   ``EngineUnavailable``, once, a few times or until ``stop_failing``;
-* reports the runtimes it is given (``available_runtimes``), or fails to;
+* reports the runtimes it is given (``available_runtimes``), each with the
+  arguments in ``runtime_args`` (none unless given), or fails to;
 * lets a test mark a prepared sandbox dead (``kill``): ``alive()`` is then
   False and ``finish`` raises SandboxError, as a container gone meanwhile;
 * runs hooks at ``prepare`` and ``finish`` (``on_prepare``, ``on_finish``),
@@ -151,6 +152,9 @@ class FakeBackend:
         volumes: dict[str, tuple[str, ...]] | None = None,
     ) -> None:
         self.available_runtimes = runtimes
+        # A runtime's runtimeArgs, as `docker info` reports them (e.g. runsc-net's
+        # ("--network=host",)); a runtime not named here has none.
+        self.runtime_args: dict[str, tuple[str, ...]] = {}
         self.runtimes_error: SandboxError | None = None  # raised by runtimes() when set
         self.respond = respond  # a result per (spec, input); queued results go first
         self.volumes = dict(volumes or {})  # image -> VOLUME paths; others: ()
@@ -272,11 +276,11 @@ class FakeBackend:
             self.calls.append("close")
             self.closed = True
 
-    def runtimes(self) -> frozenset[str]:
+    def runtimes(self) -> dict[str, tuple[str, ...]]:
         self._note("runtimes")
         if self.runtimes_error is not None:
             raise self.runtimes_error
-        return self.available_runtimes
+        return {name: self.runtime_args.get(name, ()) for name in self.available_runtimes}
 
     def image_volumes(self, image: str) -> tuple[str, ...] | None:
         self._note("image_volumes")

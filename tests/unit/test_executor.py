@@ -246,6 +246,7 @@ def build(
     runtimes: frozenset[str] = frozenset({"runc"}),
     require_gvisor: bool = False,
     max_running: int = 4,
+    allow_hostinet: bool = True,
 ) -> Env:
     path = tmp_path / "policy.yaml"
     path.write_text(POLICY)
@@ -261,7 +262,11 @@ def build(
         registry,
         backend,
         admission=admission,
-        policy=SandboxPolicy(ceilings=ceilings(policy), require_gvisor=require_gvisor),
+        policy=SandboxPolicy(
+            ceilings=ceilings(policy),
+            require_gvisor=require_gvisor,
+            allow_hostinet=allow_hostinet,
+        ),
         store=store,
         approvals=approvals,
     )
@@ -271,6 +276,13 @@ def build(
 @pytest.fixture
 def env(tmp_path: Path) -> Env:
     return build(tmp_path)
+
+
+def sandbox_calls(env: Env) -> list[str]:
+    """What the call asked of the backend beyond the engine's list of runtimes
+    (read before the approval gate, so no approval is asked for a call the
+    engine cannot run)."""
+    return [c for c in env.backend.calls if c != "runtimes"]
 
 
 # ---------------------------------------------------------------- the fake itself
@@ -376,7 +388,7 @@ def test_an_unknown_approval_request_id_is_denied(env: Env) -> None:
     assert outcome.status is Status.APPROVAL_DENIED
     assert outcome.error == f"approval denied: approval request '{'0' * 32}' not found"
     assert [e["decision"] for e in env.executions()] == ["approval_denied"]
-    assert env.backend.calls == []
+    assert sandbox_calls(env) == []
 
 
 def test_a_caller_below_the_tools_level_is_denied_without_a_sandbox(env: Env) -> None:
@@ -503,7 +515,7 @@ def test_a_dangerous_call_without_tokens_needs_approval_and_prepares_nothing(env
         "approval_required", "APPROVAL_REQUIRED", outcome.execution_id,
     )  # fmt: skip
     assert executed["args_digest"] == requested["args_digest"] == arguments_digest(MESSAGE)
-    assert env.backend.calls == []
+    assert sandbox_calls(env) == []
     # Asking again opens no second request.
     again = env.call("wipe")
     assert again.approval_request is not None and again.approval_request.id == request.id
@@ -565,7 +577,7 @@ def test_one_token_is_not_enough(env: Env) -> None:
     outcome = env.call("wipe", approval_tokens=env.tokens(WIPE, approvers=("alice",)))
     assert outcome.status is Status.APPROVAL_REQUIRED
     assert "1 valid so far" in outcome.error
-    assert env.backend.calls == []
+    assert sandbox_calls(env) == []
 
 
 def test_tokens_for_other_arguments_are_denied(env: Env) -> None:
@@ -575,7 +587,7 @@ def test_tokens_for_other_arguments_are_denied(env: Env) -> None:
     assert outcome.error == (
         "approval denied: approval token 1 rejected: arguments do not match (args_digest)"
     )
-    assert env.backend.calls == []
+    assert sandbox_calls(env) == []
 
 
 def test_an_approved_request_runs_once_and_is_consumed(env: Env) -> None:
@@ -699,6 +711,112 @@ def test_an_engine_without_runsc_net_refuses_a_dangerous_tool_with_egress(
     plain = "runsc" if "runsc" in runtimes else None if require_gvisor else "runc"
     assert [s.runtime for s in env.backend.prepared_specs] == ([plain] if plain else [])
     assert wipe.status is (Status.OK if plain else Status.SANDBOX_ERROR)
+
+
+GVISOR_ALL = frozenset({"runc", "runsc", "runsc-net"})
+HOSTINET_ARGS = ("--network=host",)  # what scripts/ensure_docker.sh registers where needed
+
+
+def test_no_approval_is_asked_for_a_call_the_engine_cannot_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without runsc-net, a dangerous call with egress is refused before the
+    approval gate: no request opens for approvers to sign in vain."""
+    env = with_fetch(build(tmp_path, require_gvisor=True, runtimes=frozenset({"runc", "runsc"})))
+    outcome = env.call("fetch")  # no tokens: this would open an approval request
+    assert (outcome.status, outcome.error) == (Status.SANDBOX_ERROR, NO_NET_FIX)
+    assert outcome.approval_request is None
+    assert env.approvals.list_requests() == []
+    assert [e["decision"] for e in env.executions()] == ["allowed"]
+    assert env.backend.prepared == []
+    # Once the engine can run it, the same call asks for its approval as usual.
+    env.backend.available_runtimes = GVISOR_ALL
+    monkeypatch.setattr(sandbox_plan, "RUNTIMES_RECHECK_S", 0.0)  # the engine is asked again
+    asked = env.call("fetch")
+    assert asked.status is Status.APPROVAL_REQUIRED and asked.approval_request is not None
+    assert len(env.approvals.list_requests()) == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "mode"), [((), "netstack"), (("--network=sandbox",), "netstack"),
+                       (HOSTINET_ARGS, "hostinet")],
+)  # fmt: skip
+def test_the_audit_record_says_which_gvisor_network_ran_the_call(
+    tmp_path: Path, args: tuple[str, ...], mode: str
+) -> None:
+    env = with_fetch(build(tmp_path, require_gvisor=True, runtimes=GVISOR_ALL))
+    env.backend.runtime_args["runsc-net"] = args
+    assert env.call("fetch", approval_tokens=env.tokens(FETCH)).status is Status.OK
+    assert env.call("wipe", approval_tokens=env.tokens(WIPE)).status is Status.OK
+    fetch_starting, fetch_done, wipe_starting, wipe_done = env.executions()
+    for record in (fetch_starting, fetch_done):
+        assert (record["runtime"], record["gvisor_network"]) == ("runsc-net", mode)
+    for record in (wipe_starting, wipe_done):  # runsc has no network to speak of
+        assert record["runtime"] == "runsc" and "gvisor_network" not in record
+
+
+HOSTINET_REFUSED = (
+    "Tool 'fetch' needs gVisor with networking (runtime 'runsc-net'), which this engine runs"
+    " with hostinet (--network=host: the tool's socket calls reach the host kernel's network"
+    " stack), refused by TOOLREG_GVISOR_HOSTINET=refuse: install runsc from gVisor"
+    " release-20240801 or later and run scripts/ensure_docker.sh again for gVisor's netstack"
+    " (docs/deploying.md, 1. The engine)"
+)
+
+
+def test_a_server_that_refuses_hostinet_fails_closed_before_any_approval(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    env = with_fetch(
+        build(tmp_path, require_gvisor=True, runtimes=GVISOR_ALL, allow_hostinet=False)
+    )
+    env.backend.runtime_args["runsc-net"] = HOSTINET_ARGS
+    asked = env.call("fetch")
+    assert (asked.status, asked.error) == (Status.SANDBOX_ERROR, HOSTINET_REFUSED)
+    assert env.approvals.list_requests() == []  # nobody is asked to sign it
+    tokens = env.tokens(FETCH)
+    refused = env.call("fetch", approval_tokens=tokens)
+    assert (refused.status, refused.error) == (Status.SANDBOX_ERROR, HOSTINET_REFUSED)
+    assert env.backend.prepared == [] and not any(map(env.jti_used, jtis(tokens)))
+    # Everything else runs as before: without egress, runsc has no network at all.
+    assert env.call("wipe", approval_tokens=env.tokens(WIPE)).status is Status.OK
+    assert [s.runtime for s in env.backend.prepared_specs] == ["runsc"]
+    # With gVisor's netstack, the same server runs the call.
+    env.backend.runtime_args["runsc-net"] = ("--network=sandbox",)
+    monkeypatch.setattr(sandbox_plan, "RUNTIMES_RECHECK_S", 0.0)  # the engine is asked again
+    assert env.call("fetch", approval_tokens=tokens).status is Status.OK
+
+
+def test_runsc_net_without_a_network_is_refused(tmp_path: Path) -> None:
+    env = with_fetch(build(tmp_path, require_gvisor=True, runtimes=GVISOR_ALL))
+    env.backend.runtime_args["runsc-net"] = ("--network=none",)
+    outcome = env.call("fetch", approval_tokens=env.tokens(FETCH))
+    assert outcome.status is Status.SANDBOX_ERROR
+    assert "starts with --network=none: no network for the sandbox" in outcome.error
+    assert env.backend.prepared == []
+
+
+def test_a_switch_to_hostinet_is_seen_within_the_recheck_interval(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """scripts/ensure_docker.sh may switch runsc-net's mode with a reload while
+    the server runs: the mode a call runs under is never older than
+    RUNTIMES_RECHECK_S, even though runsc-net was there all along."""
+    env = with_fetch(
+        build(tmp_path, require_gvisor=True, runtimes=GVISOR_ALL, allow_hostinet=False)
+    )
+    tokens = env.tokens(FETCH)
+    assert env.call("wipe", approval_tokens=env.tokens(WIPE)).status is Status.OK
+    env.backend.runtime_args["runsc-net"] = HOSTINET_ARGS
+    assert env.call("fetch", approval_tokens=tokens).status is Status.OK  # within the interval
+    assert env.backend.calls.count("runtimes") == 1
+    monkeypatch.setattr(sandbox_plan, "RUNTIMES_RECHECK_S", 0.0)
+    refused = env.call("fetch", approval_tokens=env.tokens(FETCH))
+    assert (refused.status, refused.error) == (Status.SANDBOX_ERROR, HOSTINET_REFUSED)
+    # Calls without runsc-net keep the answer they have: no engine query each.
+    asked = env.backend.calls.count("runtimes")
+    assert env.call("wipe", approval_tokens=env.tokens(WIPE)).status is Status.OK
+    assert env.backend.calls.count("runtimes") == asked
 
 
 def test_runsc_net_registered_while_the_server_runs_is_found_without_a_restart(

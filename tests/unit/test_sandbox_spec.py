@@ -16,6 +16,7 @@ from sandbox_runner import (
     profile_for,
     runtime_for,
 )
+from sandbox_runner.profiles import gvisor_network
 
 UNSET = Limits(0, 0, 0, 0, 0, 0, 0, 0)
 
@@ -81,6 +82,26 @@ def test_runtime_for() -> None:
     assert runtime_for("dangerous", {"runc", "runsc"}, egress=True) is None
     assert runtime_for("dangerous", gvisor) == "runsc"
     assert runtime_for("cautious", gvisor, egress=True) == "runc"
+
+
+@pytest.mark.parametrize(
+    ("args", "mode"),
+    [
+        ((), "netstack"),  # runsc's default
+        (("--network=sandbox",), "netstack"),
+        (("--network=host",), "hostinet"),
+        (("-network=host",), "hostinet"),  # Go's flags: one dash or two
+        (("--network", "host"), "hostinet"),
+        (("--debug", "--network=sandbox", "--network=host"), "hostinet"),  # the last wins
+        (("--network=host", "--network=sandbox"), "netstack"),
+        (("--network=none",), "none"),
+        (("--networkx=host",), "netstack"),  # another flag
+    ],
+)
+def test_gvisor_network_reads_runsc_arguments_as_runsc_does(
+    args: tuple[str, ...], mode: str
+) -> None:
+    assert gvisor_network(args) == mode
 
 
 def spec(**changes: object) -> SandboxSpec:
