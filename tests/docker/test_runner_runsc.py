@@ -1,5 +1,7 @@
-"""gVisor: the runtimes of dangerous tools, runsc (no network) and runsc-net (gVisor's
-netstack, for tools with egress). This engine has both, so no skipping."""
+"""gVisor: the runtimes of dangerous tools, runsc (no network) and runsc-net (for tools
+with egress: gVisor's netstack, or hostinet where this runsc's netstack cannot start;
+tests/gvisor_netstack.py). `make test` registers both, so nothing here skips: an engine
+without them fails, naming the fix."""
 
 from __future__ import annotations
 
@@ -11,8 +13,8 @@ import pytest
 
 from sandbox_runner import CAUTIOUS_LIMITS, SandboxSpec
 from sandbox_runner.docker_backend import DockerBackend
-from sandbox_runner.profiles import GVISOR, GVISOR_NET
-from tests.gvisor_netstack import netstack_problem
+from sandbox_runner.profiles import GVISOR, GVISOR_NET, gvisor_network
+from tests.gvisor_netstack import runsc_net_mode
 
 Eid = Callable[[], str]
 SpecFactory = Callable[..., SandboxSpec]
@@ -23,8 +25,15 @@ def gvisor(make_spec: SpecFactory) -> SpecFactory:
     return lambda script, **kw: make_spec(script, runtime=GVISOR, limits=CAUTIOUS_LIMITS, **kw)
 
 
-def test_engine_offers_both_gvisor_runtimes(runner: DockerBackend) -> None:
-    assert {GVISOR, GVISOR_NET} <= runner.runtimes()
+def test_engine_offers_both_gvisor_runtimes(
+    runner: DockerBackend, docker_client: docker.DockerClient
+) -> None:
+    """With the arguments the server reads: runsc without a network, runsc-net
+    with the mode its sandboxes start with here."""
+    runtimes = runner.runtimes()
+    assert {GVISOR, GVISOR_NET} <= runtimes.keys()
+    assert gvisor_network(runtimes[GVISOR]) == "none"
+    assert gvisor_network(runtimes[GVISOR_NET]) == runsc_net_mode(docker_client)
 
 
 def test_runsc_round_trip(runner: DockerBackend, gvisor: SpecFactory, eid: Eid) -> None:
@@ -40,10 +49,11 @@ def test_gvisor_is_really_gvisor_and_locked_down(
     runtime: str,
     docker_client: docker.DockerClient,
 ) -> None:
-    """runsc-net too: without a call's egress network (network_mode none) its
-    netstack has nothing but lo; the pids limit it would refuse is left out."""
-    if runtime == GVISOR_NET and (problem := netstack_problem(docker_client)):
-        pytest.skip(f"this engine's {GVISOR_NET} cannot start its netstack: {problem}")
+    """runsc-net too, in either network mode: without a call's egress network
+    (network_mode none) it has nothing but lo; the pids limit it would refuse is
+    left out."""
+    if runtime == GVISOR_NET:
+        runsc_net_mode(docker_client)  # it starts here at all, or the test fails saying why
     script = "dmesg | head -1; id -u; grep CapEff /proc/self/status; cat /proc/net/dev"
     res = runner.run(make_spec(script, runtime=runtime, limits=CAUTIOUS_LIMITS), execution_id=eid())
     out = res.stdout.decode()

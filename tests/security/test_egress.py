@@ -5,11 +5,13 @@ network the test creates). The tools are hostile: they try every way out.
 
 Every row runs twice, once per level that may have egress, each with its own
 server and world: cautious tools under runc, and dangerous tools (approved by
-a token the test signs) under gVisor: runsc-net, its own netstack, for a tool
-with egress, runsc without any network for one without. Each call's audit
-record must name that runtime. Where this engine's runsc cannot start its
-netstack at all (tests/gvisor_netstack.py), the dangerous rows with egress
-skip and test_a_runsc_net_that_cannot_network_fails_closed runs instead."""
+a token the test signs) under gVisor: runsc-net for a tool with egress, runsc
+without any network for one without. Each call's audit record must name that
+runtime and, under runsc-net, gVisor's network mode: its own netstack, or
+hostinet where this engine's runsc cannot start the netstack (Debian's runsc
+on 6.18 here; scripts/ensure_docker.sh registers runsc-net so, and
+tests/gvisor_netstack.py says which). Nothing skips: an engine without a
+working runsc-net fails the dangerous rows, naming the fix."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,11 +43,10 @@ from registry_server.signing.keys import generate_keypair, load_private_key
 from registry_server.signing.tokens import mint, mint_for
 from registry_server.store import audit_chain
 from registry_server.wire import convert
-from sandbox_runner.docker_backend import NETSTACK_UNSUPPORTED
-from sandbox_runner.profiles import GVISOR, GVISOR_NET
+from sandbox_runner.profiles import GVISOR, GVISOR_NET, HOSTINET, NETSTACK
 from tests.egress_world import UpstreamWorld
 from tests.factories import sha
-from tests.gvisor_netstack import netstack_problem
+from tests.gvisor_netstack import runsc_net_mode
 
 CANARY = "canary-7f3a9c-header-secret"  # header-delivered: must never enter a sandbox
 FILE_CANARY = "canary-51d0e2-file-secret"  # file-delivered: the tool sees it, output must not
@@ -145,6 +147,9 @@ class Deployment:
     metrics_port: int
     level: str  # what the tools of this deployment are: cautious or dangerous
     engine: docker.DockerClient
+    # runsc-net's mode on this engine (tests/gvisor_netstack.py): what the audit
+    # record of a dangerous call with egress must say
+    gvisor_network: str
     tools: dict[str, pb.Tool] = field(default_factory=dict)  # as last registered
 
     def md(self, who: str = "ops") -> list[tuple[str, str]]:
@@ -192,7 +197,10 @@ class Deployment:
         if result.status not in REFUSED_BEFORE_A_SANDBOX:
             runtimes = WITH_EGRESS if tool.network.egress else WITHOUT_EGRESS
             level = "dangerous" if self._dangerous(tool) else "cautious"
-            assert self.audit(result.execution_id)["runtime"] == runtimes[level], result
+            record = self.audit(result.execution_id)
+            assert record["runtime"] == runtimes[level], result
+            networked = record["runtime"] == GVISOR_NET
+            assert record.get("gvisor_network") == (self.gvisor_network if networked else None)
         return result
 
     @staticmethod
@@ -227,11 +235,27 @@ def results(result: pb.ToolResult) -> list[dict[str, Any]]:
     return out
 
 
+@contextmanager
+def serving(config: ServerConfig) -> Iterator[tuple[App, int, pb_grpc.ToolRegistryStub]]:
+    """A real server on loopback with ``config``, its port, and a stub to it."""
+    server, port, app = create_server(config)
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield app, port, pb_grpc.ToolRegistryStub(channel)
+    finally:
+        channel.close()
+        server.stop(grace=None).wait()
+        app.close()
+
+
 @pytest.fixture(scope="module", params=LEVELS, ids=[f"{lvl}-{WITH_EGRESS[lvl]}" for lvl in LEVELS])
 def deployment(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Deployment]:
     engine = docker.from_env()
+    # Fails here, naming the fix, where this engine's runsc-net cannot start.
+    mode = runsc_net_mode(engine) if request.param == "dangerous" else ""
     with UpstreamWorld(engine) as world:
         data = tmp_path_factory.mktemp("egress") / "data"
         secrets = data / "secrets"
@@ -268,17 +292,10 @@ def deployment(
             egress_networks=(world.network_name,), egress_dns=(world.dns_ip,),
             egress_upstream_ca=world.ca_file,
         )  # fmt: skip
-        server, port, app = create_server(config)
-        server.start()
-        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-        try:
-            yield Deployment(world, app, port, pb_grpc.ToolRegistryStub(channel), data,
+        with serving(config) as (app, port, stub):
+            yield Deployment(world, app, port, stub, data,
                              {who: pair[0] for who, pair in keys.items()},
-                             app.metrics_port or 0, request.param, engine)  # fmt: skip
-        finally:
-            channel.close()
-            server.stop(grace=None).wait()
-            app.close()
+                             app.metrics_port or 0, request.param, engine, mode)  # fmt: skip
         left = engine.api.networks(
             filters={"label": f"io.toolreg.instance={app.backend.instance_id}"}  # type: ignore[attr-defined]
         )
@@ -287,23 +304,8 @@ def deployment(
 
 
 @pytest.fixture(scope="module")
-def netstack(deployment: Deployment) -> str | None:
-    """What keeps this engine's runsc-net from networking, for a dangerous deployment."""
-    return netstack_problem(deployment.engine) if deployment.level == "dangerous" else None
-
-
-@pytest.fixture(scope="module")
-def networked(deployment: Deployment, netstack: str | None) -> Deployment:
-    """The deployment, where its tools with egress can run at all (see the
-    module's docstring)."""
-    if netstack is not None:
-        pytest.skip(f"this engine's {GVISOR_NET} cannot network: {netstack}")
-    return deployment
-
-
-@pytest.fixture(scope="module")
-def fetcher(networked: Deployment) -> str:
-    networked.register(
+def fetcher(deployment: Deployment) -> str:
+    deployment.register(
         name="fetcher",
         network={"egress": ["api.world.test:443", "plain.world.test:80", "other.world.test:443",
                             "rebind.world.test:443", "rebind-first-bad.world.test:443",
@@ -579,40 +581,40 @@ def test_a_call_without_egress_runs_under_its_levels_runtime_with_no_network(
 
 
 def test_a_call_with_egress_runs_under_its_levels_runtime_on_its_own_network(
-    networked: Deployment, fetcher: str
+    deployment: Deployment, fetcher: str
 ) -> None:
-    host_config, result = sandbox_during(networked, fetcher)
+    host_config, result = sandbox_during(deployment, fetcher)
     assert result.status == pb.EXECUTION_STATUS_OK, result.error
-    assert host_config["Runtime"] == WITH_EGRESS[networked.level]
+    assert host_config["Runtime"] == WITH_EGRESS[deployment.level]
     assert host_config["NetworkMode"].endswith(f"net-{result.execution_id}")
-    interfaces = results(networked.run(fetcher, {"kind": "interfaces"}))[0]["names"]
+    interfaces = results(deployment.run(fetcher, {"kind": "interfaces"}))[0]["names"]
     assert len(interfaces) == 2 and "lo" in interfaces  # lo and the call's own link
 
 
 @pytest.mark.parametrize("deployment", ["dangerous"], indirect=True)
 def test_a_dangerous_tool_with_a_header_secret_approved_2_of_2_reaches_its_upstream(
-    networked: Deployment,
+    deployment: Deployment,
 ) -> None:
-    world = networked.world
-    networked.register(
+    world = deployment.world
+    deployment.register(
         name=TWO_OF_TWO, network={"egress": ["api.world.test:443"]},
         secrets=[{"name": "CANARY", "inject": {"host": "api.world.test"}}],
     )  # fmt: skip
     ops = ({"kind": "fetch", "url": "https://api.world.test/two-of-two"},)
-    asked = networked.run(TWO_OF_TWO, *ops, tokens=[])
+    asked = deployment.run(TWO_OF_TWO, *ops, tokens=[])
     assert asked.status == pb.EXECUTION_STATUS_APPROVAL_REQUIRED
     request = asked.approval_request
     assert request.approvals_required == 2
     assert list(request.tool.network.egress) == ["api.world.test:443"]
     assert [s.name for s in request.tool.secrets] == ["CANARY"]  # what the approvers sign
-    one = networked.run(TWO_OF_TWO, *ops, tokens=[networked.approve("boss", request)])
+    one = deployment.run(TWO_OF_TWO, *ops, tokens=[deployment.approve("boss", request)])
     assert one.status == pb.EXECUTION_STATUS_APPROVAL_REQUIRED  # 1 of 2 is not enough
-    both = [networked.approve(who, request) for who in APPROVERS]
-    got = results(networked.run(TWO_OF_TWO, *ops, tokens=both))
+    both = [deployment.approve(who, request) for who in APPROVERS]
+    got = results(deployment.run(TWO_OF_TWO, *ops, tokens=both))
     assert got[0]["ok"] and json.loads(got[0]["body"])["host"] == "api.world.test", got
     sent = [r for r in world.requests("api.world.test") if r["path"] == "/two-of-two"]
     assert [r["headers"]["Authorization"] for r in sent] == [f"Bearer {CANARY}"]
-    replayed = networked.run(TWO_OF_TWO, *ops, tokens=both)
+    replayed = deployment.run(TWO_OF_TWO, *ops, tokens=both)
     assert replayed.status == pb.EXECUTION_STATUS_APPROVAL_DENIED  # each token works once
 
 
@@ -640,19 +642,38 @@ def test_an_approval_binds_the_egress_list_and_the_secret_names(deployment: Depl
 
 
 @pytest.mark.parametrize("deployment", ["dangerous"], indirect=True)
-def test_a_runsc_net_that_cannot_network_fails_closed(
-    deployment: Deployment, netstack: str | None
+def test_a_server_that_refuses_hostinet_runs_such_calls_only_with_the_netstack(
+    deployment: Deployment, tmp_path: Path
 ) -> None:
-    """Where runsc cannot set up its netstack (test ``netstack``), a dangerous
-    call with egress fails before its tool starts, with the reason and the fix;
-    nothing reaches an upstream and its approval stays unspent."""
-    if netstack is None:
-        pytest.skip(f"{GVISOR_NET} networks on this engine: the rows above run instead")
-    deployment.register(name="stuck", network={"egress": ["api.world.test:443"]})
-    ops = ({"kind": "fetch", "url": "https://api.world.test/stuck"},)
-    token = deployment._token(deployment.tools["stuck"], {"ops": list(ops)})
-    for _ in range(2):  # the same token again: it was not spent
-        refused = deployment.run("stuck", *ops, tokens=[token])
-        assert refused.status == pb.EXECUTION_STATUS_SANDBOX_ERROR, refused
-        assert NETSTACK_UNSUPPORTED in refused.error and "newer runsc" in refused.error
-    assert [r for r in deployment.world.requests("api.world.test") if r["path"] == "/stuck"] == []
+    """TOOLREG_GVISOR_HOSTINET=refuse, on a second server with the same policy:
+    where runsc-net is hostinet (this engine with Debian's runsc), a dangerous
+    call with egress fails before any approval is asked for and before its tool
+    starts, naming the setting and the fix; nothing reaches an upstream and no
+    token is spent. Where runsc-net has gVisor's netstack, the call runs."""
+    refusing = deployment.app.config.model_copy(
+        update={"data_dir": tmp_path / "refusing", "secrets_dir": deployment.data / "secrets",
+                "metrics_port": None, "gvisor_hostinet": "refuse"}
+    )  # fmt: skip
+    ops = ({"kind": "fetch", "url": "https://api.world.test/refused-hostinet"},)
+    with serving(refusing) as (app, port, stub):
+        other = Deployment(deployment.world, app, port, stub, refusing.data_dir,
+                           deployment.approver_keys, 0, "dangerous", deployment.engine,
+                           deployment.gvisor_network)  # fmt: skip
+        other.register(name="picky", network={"egress": ["api.world.test:443"]})
+        asked = other.run("picky", *ops, tokens=[])
+        if deployment.gvisor_network == NETSTACK:
+            assert asked.status == pb.EXECUTION_STATUS_APPROVAL_REQUIRED, asked
+            assert results(other.run("picky", *ops))[0]["ok"]
+            return
+        assert deployment.gvisor_network == HOSTINET
+        assert asked.status == pb.EXECUTION_STATUS_SANDBOX_ERROR, asked
+        assert "TOOLREG_GVISOR_HOSTINET=refuse" in asked.error and "20240801" in asked.error
+        assert app.approvals.list_requests() == []  # nobody was asked to sign it
+        refused = other.run("picky", *ops)  # with boss's token for exactly this call
+        assert refused.status == pb.EXECUTION_STATUS_SANDBOX_ERROR and refused.error == asked.error
+        records = [e["record"] for e in audit_chain.tail(app.store, 50)
+                   if e["record"].get("tool") == "picky" and "execution_id" in e["record"]]  # fmt: skip
+        assert [(r["status"], r["jtis"], r["container_id"]) for r in records] == [
+            ("SANDBOX_ERROR", [], "")] * 2  # fmt: skip
+    path = "/refused-hostinet"
+    assert [r for r in deployment.world.requests("api.world.test") if r["path"] == path] == []
