@@ -22,7 +22,7 @@ from registry_server.client.registry_client import RegistryClient, describe_rpc_
 from registry_server.client.terminal import escape
 from registry_server.domain.errors import ToolregError
 from registry_server.domain.files import read_credential
-from registry_server.domain.models import SafetyLevel
+from registry_server.domain.models import SafetyLevel, ToolDefinition
 from registry_server.domain.schemas import SchemaFormat, tool_belt
 from registry_server.wire import convert
 
@@ -289,11 +289,7 @@ def tools_list(
         except grpc.RpcError as err:
             _rpc_failed(err, client.address)
     if as_json:
-        typer.echo(
-            json.dumps(
-                [t.as_manifest() | {"digest": t.digest, "owner": t.owner} for t in tools], indent=2
-            )
-        )
+        typer.echo(json.dumps([_shown_tool(t) for t in tools], indent=2))
         return
     if not tools:
         typer.echo("no tools")
@@ -303,6 +299,8 @@ def tools_list(
         cats = ",".join(t.categories) or "-"
         summary = t.description.splitlines()[0]
         line = f"{t.name:<{width}}  {t.safety_level.value:<9}  {cats:<20}  {t.owner:<12}  {summary}"
+        if t.disabled:
+            line += f"  [DISABLED: {t.disabled_reason}]"
         typer.echo(escape(line))
 
 
@@ -314,8 +312,73 @@ def tools_get(ctx: typer.Context, name: str, address: AddressOpt = None) -> None
             tool = client_mod.tool_from_message(client.get(name))
         except grpc.RpcError as err:
             _rpc_failed(err, client.address)
-    shown = tool.as_manifest() | {"digest": tool.digest, "owner": tool.owner}
+    shown = _shown_tool(tool)
     typer.echo(escape(json.dumps(shown, indent=2, ensure_ascii=False), keep_newlines=True))
+
+
+def _shown_tool(tool: ToolDefinition) -> dict[str, Any]:
+    """A tool as `tools get` and `tools list --json` print it: the manifest,
+    its digest and owner, and the kill switch when it is set."""
+    shown = tool.as_manifest() | {"digest": tool.digest, "owner": tool.owner}
+    if tool.disabled:
+        shown |= {"disabled": True, "disabled_reason": tool.disabled_reason}
+    return shown
+
+
+ReasonOpt = Annotated[
+    str,
+    typer.Option("--reason", help="Why: for the audit log and the voided approval requests."),
+]
+
+
+@tools_app.command("delete")
+def tools_delete(
+    ctx: typer.Context, name: str, reason: ReasonOpt = "", address: AddressOpt = None
+) -> None:
+    """Delete a tool (its owner or an admin). Its open approval requests are
+    voided; a call already running finishes; the name may be registered again."""
+    with _client(ctx, address) as client:
+        try:
+            client.delete_tool(name, reason)
+        except grpc.RpcError as err:
+            _rpc_failed(err, client.address)
+    typer.echo(escape(f"deleted {name}"))
+
+
+@tools_app.command("disable")
+def tools_disable(
+    ctx: typer.Context,
+    name: str,
+    reason: Annotated[
+        str,
+        typer.Option(
+            "--reason", help="Why: every refused call and voided request says it (required)."
+        ),
+    ],
+    address: AddressOpt = None,
+) -> None:
+    """The kill switch (admins): every call of the tool is refused with
+    TOOL_DISABLED, on every server within a second; it stays listed, its warm
+    containers go and its open approval requests are voided."""
+    with _client(ctx, address) as client:
+        try:
+            tool = client.set_tool_enabled(name, False, reason)
+        except grpc.RpcError as err:
+            _rpc_failed(err, client.address)
+    typer.echo(escape(f"disabled {tool.name}: {tool.disabled_reason}"))
+
+
+@tools_app.command("enable")
+def tools_enable(
+    ctx: typer.Context, name: str, reason: ReasonOpt = "", address: AddressOpt = None
+) -> None:
+    """Make a disabled tool callable again (admins); approvals must be asked for again."""
+    with _client(ctx, address) as client:
+        try:
+            tool = client.set_tool_enabled(name, True, reason)
+        except grpc.RpcError as err:
+            _rpc_failed(err, client.address)
+    typer.echo(escape(f"enabled {tool.name}"))
 
 
 @tools_app.command("schemas")
@@ -340,7 +403,8 @@ def tools_schemas(
                     client_mod.tool_from_message(t)
                     for t in client.list_tools(level, category or ())
                 ]
-                typer.echo(tool_belt(tools), nl=False)
+                # as GetToolSchemas: a disabled tool is not offered to the model
+                typer.echo(tool_belt([t for t in tools if not t.disabled]), nl=False)
                 return
             try:
                 schema_format = SchemaFormat.parse(fmt)

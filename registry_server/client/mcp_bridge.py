@@ -199,7 +199,8 @@ class Bridge:
             message = self._rpc_message(client, err)
             log.warning("ListTools failed: %s", message)
             raise MCPError(types.INTERNAL_ERROR, message) from None
-        return types.ListToolsResult(tools=[tool_to_mcp(t) for t in tools])
+        # A disabled tool is not offered to the model (every call would be refused).
+        return types.ListToolsResult(tools=[tool_to_mcp(t) for t in tools if not t.disabled])
 
     async def call_tool(
         self, ctx: ServerRequestContext[Any], params: types.CallToolRequestParams

@@ -3,12 +3,12 @@
 Two layers share one class:
 
 - the *domain* API (``RegistryClient.connect`` and ``register_tool``,
-  ``get_tool``, ``list_tool_definitions``, ``tool_schemas``, ``execute_tool``,
-  ``stream_tool``, ``list_approval_requests``, ``get_approval_request``,
-  ``submit_approval_token``, ``reject_approval_request``,
-  ``watch_approval_requests``, ``wait_for_approval``): one method per RPC, taking
-  and returning domain objects (``ToolDefinition``, ``CallResult``,
-  ``ApprovalRequestView``), never protobuf messages;
+  ``get_tool``, ``delete_tool``, ``set_tool_enabled``,
+  ``list_tool_definitions``, ``tool_schemas``, ``execute_tool``, ``stream_tool``,
+  ``list_approval_requests``, ``get_approval_request``, ``submit_approval_token``,
+  ``reject_approval_request``, ``watch_approval_requests``, ``wait_for_approval``):
+  one method per RPC, taking and returning domain objects (``ToolDefinition``,
+  ``CallResult``, ``ApprovalRequestView``), never protobuf messages;
 - the thin message-level methods the CLI uses (``register``, ``get``, ...).
 
 Errors: a tool call's outcome (unknown tool, bad arguments, approval required,
@@ -268,6 +268,28 @@ class RegistryClient:
     def get_tool(self, name: str) -> ToolDefinition:
         """GetTool. Raises grpc.RpcError NOT_FOUND for an unknown name."""
         return tool_from_message(self.get(name))
+
+    def delete_tool(self, name: str, reason: str = "") -> None:
+        """DeleteTool (the tool's owner or an admin): it is no longer listed or
+        run, its warm containers go, its open approval requests are VOIDED with
+        ``reason`` (at most 1,000 characters, no control characters); a call
+        already running finishes. Raises grpc.RpcError: NOT_FOUND,
+        PERMISSION_DENIED, INVALID_ARGUMENT."""
+        self.stub.DeleteTool(
+            pb.DeleteToolRequest(name=name, reason=reason), timeout=DEFAULT_TIMEOUT_S
+        )
+
+    def set_tool_enabled(self, name: str, enabled: bool, reason: str = "") -> ToolDefinition:
+        """SetToolEnabled, the kill switch (admins): disable the tool for
+        ``reason`` (required; calls are refused with TOOL_DISABLED and it, open
+        approval requests are VOIDED), or enable it again. Returns the tool as
+        it is now (``disabled``, ``disabled_reason``). Raises grpc.RpcError:
+        NOT_FOUND, PERMISSION_DENIED, INVALID_ARGUMENT."""
+        msg: pb.Tool = self.stub.SetToolEnabled(
+            pb.SetToolEnabledRequest(name=name, enabled=enabled, reason=reason),
+            timeout=DEFAULT_TIMEOUT_S,
+        )
+        return tool_from_message(msg)
 
     def list_tool_definitions(
         self, max_level: SafetyLevel | None = None, categories: Iterable[str] = ()

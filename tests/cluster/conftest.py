@@ -36,6 +36,7 @@ CLIENTS = {  # id -> (bearer token, roles, extra policy fields)
     "team": ("cluster-team", ["register"], {}),
     "other-team": ("cluster-other-team", ["register"], {}),
     "alice": ("cluster-alice", ["approve"], {}),
+    "admin": ("cluster-admin", ["admin"], {}),
 }
 STOP_TIMEOUT_S = 60  # seconds a server may take to stop after SIGTERM
 HEALTH_INTERVAL_S = "0.5"  # seconds between each server's engine and store checks

@@ -44,8 +44,10 @@ def list_tools(
     client: RegistryClient, max_level: SafetyLevel | str | None, categories: Iterable[str]
 ) -> list[ToolDefinition]:
     """ListTools: the same registry query as GetToolSchemas, so the filters
-    (at or below ``max_level``, any of ``categories``) are exactly the server's."""
-    return client.list_tool_definitions(parse_level(max_level), tuple(categories))
+    (at or below ``max_level``, any of ``categories``) are exactly the server's,
+    and, as GetToolSchemas, without disabled tools (every call would be refused)."""
+    found = client.list_tool_definitions(parse_level(max_level), tuple(categories))
+    return [tool for tool in found if not tool.disabled]
 
 
 def canonical_key(arguments: Any) -> str:
