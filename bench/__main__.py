@@ -1,6 +1,6 @@
 """toolreg benchmarks: latency against the baselines users would pick,
-throughput, registry operations with 1,000 tools, and memory, all in one run
-on the same image and command.
+throughput, registry operations with 1,000 tools, memory, and what gVisor
+costs a call with egress, all in one run on the same image and command.
 
 Writes bench/results/<timestamp>.{md,json,png} and prints the tables.
 `--quick` is a smoke test (few runs, short cells); `--only` picks sections.
@@ -19,6 +19,7 @@ from typing import Any
 
 from bench import (
     cluster,
+    egress_cost,
     fairness,
     latency,
     memory,
@@ -53,6 +54,7 @@ SECTIONS = (
     "tracing",
     "webhooks",
     "fairness",
+    "egress",
 )
 PACKAGES = ("epicbox", "llm-sandbox", "docker", "grpcio", "matplotlib")
 FULL = {"runs": 50, "warmup": 3, "cell_seconds": 10.0, "read_runs": 200}
@@ -138,6 +140,9 @@ def main() -> None:
             section("webhooks", webhooks.run)
         if "fairness" in args.sections:
             section("fairness", lambda: fairness.run(max(5, args.runs // 3)))
+        if "egress" in args.sections:
+            runs = min(args.runs, egress_cost.RUNS)
+            section("egress", lambda: egress_cost.run(runs, run_id, engine))
     finally:
         watch.stop()
         res["interference"] = watch.summary()

@@ -110,6 +110,24 @@ def summary(values: Sequence[float]) -> dict[str, float]:
     }
 
 
+def summary_table(heading: str, first: str, rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """A report section: ``heading``, then a table of ``summary`` rows, each
+    named by its "what" under the column ``first``."""
+    lines = [
+        "",
+        f"## {heading}",
+        "",
+        f"| {first} | p50 ms | p95 ms | min ms | max ms |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['what']} | {r['p50_ms']:.1f} | {r['p95_ms']:.1f} | {r['min_ms']:.1f}"
+            f" | {r['max_ms']:.1f} |"
+        )
+    return lines
+
+
 def timed_ms(fn: Callable[[], object]) -> float:
     started = time.perf_counter()
     fn()

@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 import yaml
 
-from bench.common import OUR_PIDS, RPC_TIMEOUT_S, summary, timed_ms
+from bench.common import OUR_PIDS, RPC_TIMEOUT_S, summary, summary_table, timed_ms
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
 from registry_server.client.launcher import spawn_server
@@ -105,18 +105,8 @@ def run(calls: int) -> dict[str, Any]:
 
 
 def report_md(sec: dict[str, Any]) -> list[str]:
-    lines = [
-        "",
-        f"## One client floods, another calls ({sec['calls']} quick calls each way)",
-        "",
-        "| quick call | p50 ms | p95 ms | min ms | max ms |",
-        "|---|---:|---:|---:|---:|",
-    ]
-    for r in sec["rows"]:
-        lines.append(
-            f"| {r['what']} | {r['p50_ms']:.1f} | {r['p95_ms']:.1f} | {r['min_ms']:.1f}"
-            f" | {r['max_ms']:.1f} |"
-        )
+    heading = f"One client floods, another calls ({sec['calls']} quick calls each way)"
+    lines = summary_table(heading, "quick call", sec["rows"])
     lines += [
         "",
         f"Under the flood / idle, p50: **{sec['ratio_p50']}x**. The flooder ({FLOOD_THREADS}"

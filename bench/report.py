@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bench import fairness, latency, registry_ops, throughput
+from bench import egress_cost, fairness, latency, registry_ops, throughput
 
 MS_LIST_TARGET = 5.0  # ms: ListTools / GetToolSchemas p50 with 1,000 tools
 
@@ -371,6 +371,8 @@ def markdown(res: dict[str, Any]) -> str:
         lines += webhooks_md(res["webhooks"])
     if "fairness" in res:
         lines += fairness.report_md(res["fairness"])
+    if "egress" in res:
+        lines += egress_cost.report_md(res["egress"])
     lines += targets_md(res["targets"])
     if res.get("errors"):
         lines += ["", "## Sections that failed", ""]
