@@ -146,10 +146,15 @@ class StoreReads(Protocol):
 
     def request(self, request_id: str) -> ApprovalRequestRecord | None: ...
 
-    def requests(self, *, state: str, now: float, limit: int) -> list[ApprovalRequestRecord]:
-        """Newest first, in their listed form (``ApprovalRequestRecord.listed``);
+    def requests(
+        self, *, state: str, now: float, limit: int, before: tuple[float, str] | None = None,
+        requested_by: str | None = None,
+    ) -> list[ApprovalRequestRecord]:  # fmt: skip
+        """Up to ``limit``, newest first (by created_at, then id, both
+        descending), in their listed form (``ApprovalRequestRecord.listed``);
         ``state``: "" for all, else one of REQUEST_STATES as ``state_at(now)``
-        tells it."""
+        tells it. ``before``: only those whose (created_at, id) is below it (the
+        next page of a listing, keyset); ``requested_by``: only that client's."""
         ...
 
     def open_request_for(
@@ -240,6 +245,12 @@ class UnitOfWork(StoreReads, Protocol):
 
     def add_audit_entry(self, entry: AuditEntry) -> None:
         """Append an entry (audit_chain.append makes it)."""
+        ...
+
+    def keep_secret(self, name: str, value: str, now: float) -> str:
+        """The secret stored under ``name``, storing ``value`` first when there is
+        none: every server on the store gets the one the first of them stored
+        (the key of page tokens, domain/pages.py)."""
         ...
 
     def use_jti(self, jti: str, approver: str, execution_id: str, now: float) -> bool:

@@ -41,6 +41,7 @@ class _Data:
     requests: dict[str, ApprovalRequestRecord] = field(default_factory=dict)
     tokens: dict[str, dict[str, str]] = field(default_factory=dict)  # request -> approver -> token
     spent: dict[str, str] = field(default_factory=dict)  # jti -> execution id
+    secrets: dict[str, str] = field(default_factory=dict)  # name -> value (keep_secret)
     audit: list[AuditEntry] = field(default_factory=list)
     events: list[ApprovalEventRecord] = field(default_factory=list)
     # (event seq, endpoint) -> the outbox row
@@ -63,9 +64,17 @@ class _Reads:
     def request(self, request_id: str) -> ApprovalRequestRecord | None:
         return self._data.requests.get(request_id)
 
-    def requests(self, *, state: str, now: float, limit: int) -> list[ApprovalRequestRecord]:
-        found = [r for r in self._data.requests.values() if not state or r.state_at(now) == state]
-        found.sort(key=lambda r: r.created_at, reverse=True)
+    def requests(
+        self, *, state: str, now: float, limit: int, before: tuple[float, str] | None = None,
+        requested_by: str | None = None,
+    ) -> list[ApprovalRequestRecord]:  # fmt: skip
+        found = [
+            r for r in self._data.requests.values()
+            if (not state or r.state_at(now) == state)
+            and (requested_by is None or r.requested_by == requested_by)
+            and (before is None or (r.created_at, r.id) < before)
+        ]  # fmt: skip
+        found.sort(key=lambda r: (r.created_at, r.id), reverse=True)
         return [r.listed() for r in found[:limit]]
 
     def open_request_for(
@@ -173,6 +182,9 @@ class _Writes(_Reads):
 
     def add_audit_entry(self, entry: AuditEntry) -> None:
         self._data.audit.append(entry)
+
+    def keep_secret(self, name: str, value: str, now: float) -> str:
+        return self._data.secrets.setdefault(name, value)
 
     def use_jti(self, jti: str, approver: str, execution_id: str, now: float) -> bool:
         if jti in self._data.spent:

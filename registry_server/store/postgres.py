@@ -150,6 +150,14 @@ _MIGRATIONS: list[str] = [
     ALTER TABLE approval_requests ADD COLUMN voided_reason TEXT NOT NULL DEFAULT '';
     CREATE INDEX approval_requests_tool ON approval_requests (tool_name, state);
     """,
+    # 5: as the SQLite store's 8th: secrets every server shares (the page token key)
+    """
+    CREATE TABLE store_secrets (
+        name        TEXT PRIMARY KEY,
+        value       TEXT NOT NULL,
+        created_at  DOUBLE PRECISION NOT NULL
+    );
+    """,
 ]
 
 

@@ -162,23 +162,37 @@ class SqlReads:
         )
         return _request(rows[0]) if rows else None
 
-    def requests(self, *, state: str, now: float, limit: int) -> list[ApprovalRequestRecord]:
-        where = ""
-        params: tuple[object, ...] = ()
+    def requests(
+        self, *, state: str, now: float, limit: int, before: tuple[float, str] | None = None,
+        requested_by: str | None = None,
+    ) -> list[ApprovalRequestRecord]:  # fmt: skip
+        conditions: list[str] = []
+        params: list[object] = []
         if state == EXPIRED:
-            where = f"WHERE state = '{EXPIRED}' OR (state IN {_OPEN} AND expires_at <= ?)"
-            params = (now,)
+            conditions.append(f"(state = '{EXPIRED}' OR (state IN {_OPEN} AND expires_at <= ?))")
+            params.append(now)
         elif state in (PENDING, APPROVED):
-            where, params = "WHERE state = ? AND expires_at > ?", (state, now)
+            conditions.append("state = ? AND expires_at > ?")
+            params += [state, now]
         elif state:
-            where, params = "WHERE state = ?", (state,)
+            conditions.append("state = ?")
+            params.append(state)
+        if requested_by is not None:
+            conditions.append("requested_by = ?")
+            params.append(requested_by)
+        if before is not None:
+            # (created_at, id) < before, spelled so the created_at index bounds the scan
+            conditions.append("created_at <= ? AND (created_at < ? OR id < ?)")
+            params += [before[0], before[0], before[1]]
+        where = f"WHERE {' AND '.join(conditions)}" if conditions else ""
         # Listings read neither the arguments nor the schema from disk.
         listed = _REQUEST_COLUMNS.replace("arguments_json", "''").replace(
             "tool_manifest",
             f"CASE tool_manifest WHEN '' THEN '' ELSE {self._dialect.listed_manifest} END",
         )
         rows = self._all(
-            f"SELECT {listed} FROM approval_requests {where} ORDER BY created_at DESC LIMIT ?",
+            f"SELECT {listed} FROM approval_requests {where}"
+            " ORDER BY created_at DESC, id DESC LIMIT ?",
             (*params, limit),
         )
         return [_request(r) for r in rows]
@@ -347,6 +361,16 @@ class SqlWrites(SqlReads):
             "INSERT INTO audit (seq, at, kind, record, prev_hash, hash) VALUES (?, ?, ?, ?, ?, ?)",
             (entry.seq, entry.at, entry.kind, entry.record, entry.prev_hash, entry.hash),
         )
+
+    def keep_secret(self, name: str, value: str, now: float) -> str:
+        # Of servers storing one at once, the first commits and the others insert nothing.
+        self._run(
+            "INSERT INTO store_secrets (name, value, created_at) VALUES (?, ?, ?)"
+            " ON CONFLICT (name) DO NOTHING",
+            (name, value, now),
+        )
+        ((stored,),) = self._all("SELECT value FROM store_secrets WHERE name = ?", (name,))
+        return str(stored)
 
     def use_jti(self, jti: str, approver: str, execution_id: str, now: float) -> bool:
         # The primary key decides: of two transactions spending one jti, on any

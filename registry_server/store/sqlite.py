@@ -147,6 +147,14 @@ _MIGRATIONS: list[str] = [
     ALTER TABLE approval_requests ADD COLUMN voided_reason TEXT NOT NULL DEFAULT '';
     CREATE INDEX approval_requests_tool ON approval_requests (tool_name, state);
     """,
+    # 8: secrets every server on the store shares (the key of page tokens)
+    """
+    CREATE TABLE store_secrets (
+        name        TEXT PRIMARY KEY,
+        value       TEXT NOT NULL,   -- hex
+        created_at  REAL NOT NULL
+    );
+    """,
 ]
 
 

@@ -182,3 +182,61 @@ def test_the_audit_chain_appends_and_verifies(store: Store) -> None:
     with store.reading() as reads:
         assert reads.audit_tail(0) == []
         assert [e.seq for e in reads.audit_entries()] == [1, 2, 3, 4, 5]
+
+
+def test_requests_page_by_created_at_then_id_newest_first(store: Store) -> None:
+    """The keyset of ListApprovalRequests' pages: (created_at, id) descending,
+    the next page strictly below the last key, ties on created_at broken by id,
+    alike in every store; filtered by state and requester in the store."""
+    made = [
+        record(f"r{i:02d}", created=NOW - i // 3, by="agent" if i % 2 else "agent2",
+               state=APPROVED if i % 5 == 0 else PENDING,
+               expires=NOW - 1 if i == 7 else NOW + 100)
+        for i in range(20)
+    ]  # fmt: skip
+    with store.unit_of_work() as uow:
+        for r in made:
+            uow.add_request(r)
+    order = [r.id for r in sorted(made, key=lambda r: (r.created_at, r.id), reverse=True)]
+    with store.reading() as reads:
+
+        def pages(size: int, **kw: object) -> list[list[str]]:
+            out: list[list[str]] = []
+            before: tuple[float, str] | None = None
+            while True:
+                found = reads.requests(now=NOW, limit=size, before=before, **kw)  # type: ignore[arg-type]
+                out.append([r.id for r in found])
+                if len(found) < size:
+                    return out
+                before = (found[-1].created_at, found[-1].id)
+
+        assert [i for p in pages(1, state="") for i in p] == order
+        assert [i for p in pages(7, state="") for i in p] == order
+        assert [len(p) for p in pages(7, state="")] == [7, 7, 6]
+        by_agent = [r.id for r in made if r.requested_by == "agent"]
+        want = [i for i in order if i in by_agent]
+        assert [i for p in pages(3, state="", requested_by="agent") for i in p] == want
+        pending = [i for i in order if i not in ("r00", "r05", "r10", "r15", "r07")]
+        assert [i for p in pages(4, state=PENDING) for i in p] == pending
+        expired = reads.requests(state=EXPIRED, now=NOW, limit=10, before=(NOW, "r99"))
+        assert [r.id for r in expired] == ["r07"]
+        # a key between rows: strictly below it, ties by id
+        tie = [r.id for r in reads.requests(state="", now=NOW, limit=3, before=(NOW - 1, "r04"))]
+        assert tie == ["r03", "r08", "r07"]
+        assert reads.requests(state="", now=NOW, limit=5, before=(NOW - 100, "")) == []
+        assert reads.requests(state="", now=NOW, limit=5, requested_by="nobody") == []
+        listed = reads.requests(state="", now=NOW, limit=1, before=(NOW, "r01"))[0]
+        assert listed.id == "r00" and listed.arguments_json == ""  # the listed form
+
+
+def test_a_secret_is_kept_by_the_first_to_store_it(store: Store) -> None:
+    with store.unit_of_work() as uow:
+        assert uow.keep_secret("page_tokens", "aa" * 32, NOW) == "aa" * 32
+    with store.unit_of_work() as uow:
+        assert uow.keep_secret("page_tokens", "bb" * 32, NOW + 1) == "aa" * 32
+        assert uow.keep_secret("other", "cc", NOW) == "cc"
+    with pytest.raises(RuntimeError), store.unit_of_work() as uow:
+        uow.keep_secret("rolled_back", "dd", NOW)
+        raise RuntimeError("after the write")
+    with store.unit_of_work() as uow:
+        assert uow.keep_secret("rolled_back", "ee", NOW) == "ee"
