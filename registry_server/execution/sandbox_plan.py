@@ -103,8 +103,9 @@ class SandboxPolicy:
     grant_of: Callable[[str], RegisterGrant | None] = lambda _owner: UNRESTRICTED
     secrets: SecretStore | None = None  # None: tools with secrets cannot run
     # runsc-net with gVisor's hostinet (TOOLREG_GVISOR_HOSTINET=allow|refuse): refused,
-    # a dangerous tool with egress runs only where runsc-net has the netstack.
-    allow_hostinet: bool = True
+    # a dangerous tool with egress runs only where runsc-net has the netstack. The
+    # server passes its setting (default allow); a policy made without one refuses.
+    allow_hostinet: bool = False
 
 
 class NotRunnable(Exception):
