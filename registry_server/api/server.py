@@ -26,6 +26,7 @@ from registry_server.domain.errors import (
     ConfigError,
 )
 from registry_server.domain.files import read_credential
+from registry_server.store.page_key import page_tokens
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,10 @@ def create_server(config: ServerConfig, app: App | None = None) -> tuple[grpc.Se
         ],
     )
     pb_grpc.add_ToolRegistryServicer_to_server(
-        ToolRegistryServicer(app.registry, app.executor, app.approvals, app.watches), server
+        ToolRegistryServicer(
+            app.registry, app.executor, app.approvals, app.watches, pages=page_tokens(app.store)
+        ),
+        server,
     )
     health_pb2_grpc.add_HealthServicer_to_server(app.health, server)
     app.health.set("", health_pb2.HealthCheckResponse.SERVING)

@@ -6,7 +6,7 @@ import contextvars
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import grpc
 
@@ -21,6 +21,7 @@ from registry_server.catalog.views import RegistryViews
 from registry_server.domain import schemas
 from registry_server.domain.errors import InvalidArgument, Unimplemented, Violation
 from registry_server.domain.models import NAME_PATTERN, valid_tool_name
+from registry_server.domain.pages import PageQuery, PageTokens
 from registry_server.execution.call_request import CallRequest
 from registry_server.execution.executor import Executor
 from registry_server.policy.model import Role
@@ -124,12 +125,15 @@ class ToolRegistryServicer(pb_grpc.ToolRegistryServicer):
     def __init__(
         self, registry: Registry, executor: Executor, approvals: Approvals | None,
         watches: Watches | None = None,
+        pages: PageTokens | None = None,
     ) -> None:  # fmt: skip
         self._registry = registry
         self._executor = executor
         self._approvals = approvals
         self._watches = watches
-        self._views = RegistryViews(registry)
+        # Without the store's key (server.py passes it), tokens work on this server only.
+        self._pages = pages or PageTokens.ephemeral()
+        self._views = RegistryViews(registry, self._pages)
 
     def _approval_service(self) -> Approvals:
         if self._approvals is None:
@@ -175,13 +179,16 @@ class ToolRegistryServicer(pb_grpc.ToolRegistryServicer):
         self, request: pb.ListToolsRequest, context: grpc.ServicerContext
     ) -> pb.ListToolsResponse:
         level = convert.max_level_from_pb(request.max_safety_level)
-        categories = tuple(sorted(set(request.categories)))
+        categories = sorted(set(request.categories))
+        query = PageQuery.of("tools", level=level.value if level else "", categories=categories)
 
-        def build() -> pb.ListToolsResponse:
-            tools = self._registry.list(level, categories)
-            return pb.ListToolsResponse(tools=[convert.tool_to_pb(t) for t in tools])
+        def listing() -> list[tuple[str, pb.Tool]]:
+            return [(t.name, convert.tool_to_pb(t)) for t in self._registry.list(level, categories)]
 
-        return self._views.get(("list", level, categories), build)
+        def answer(tools: Sequence[pb.Tool], next_page_token: str) -> pb.ListToolsResponse:
+            return pb.ListToolsResponse(tools=tools, next_page_token=next_page_token)
+
+        return self._views.page(query, request.page_size, request.page_token, listing, answer)
 
     @maps_errors
     def GetToolSchemas(
@@ -189,14 +196,22 @@ class ToolRegistryServicer(pb_grpc.ToolRegistryServicer):
     ) -> pb.GetToolSchemasResponse:
         fmt = convert.format_from_pb(request.format)
         level = convert.max_level_from_pb(request.max_safety_level)
-        categories = tuple(sorted(set(request.categories)))
+        categories = sorted(set(request.categories))
+        query = PageQuery.of(
+            "schemas", format=fmt.value, level=level.value if level else "", categories=categories
+        )
 
-        def build() -> pb.GetToolSchemasResponse:
+        def listing() -> list[tuple[str, str]]:
+            tools = self._registry.list(level, categories)
             # A disabled tool is not offered to models: every call would be refused.
-            tools = [t for t in self._registry.list(level, categories) if not t.disabled]
-            return pb.GetToolSchemasResponse(schemas_json=schemas.export_json(tools, fmt))
+            return [(t.name, schemas.tool_json(t, fmt)) for t in tools if not t.disabled]
 
-        return self._views.get(("schemas", fmt, level, categories), build)
+        def answer(items: Sequence[str], next_page_token: str) -> pb.GetToolSchemasResponse:
+            return pb.GetToolSchemasResponse(
+                schemas_json=schemas.json_array(items), next_page_token=next_page_token
+            )
+
+        return self._views.page(query, request.page_size, request.page_token, listing, answer)
 
     @maps_errors
     def ExecuteTool(
@@ -218,10 +233,13 @@ class ToolRegistryServicer(pb_grpc.ToolRegistryServicer):
     def ListApprovalRequests(
         self, request: pb.ListApprovalRequestsRequest, context: grpc.ServicerContext
     ) -> pb.ListApprovalRequestsResponse:
-        viewer = _viewer(current_principal())
-        found = self._approval_service().list_requests(request.state, request.limit, viewer)
+        page = self._approval_service().page_requests(
+            request.state, request.page_size, request.page_token,
+            _viewer(current_principal()), self._pages, limit=request.limit,
+        )  # fmt: skip
         return pb.ListApprovalRequestsResponse(
-            requests=[convert.approval_request_to_pb(r) for r in found]
+            requests=[convert.approval_request_to_pb(r) for r in page.items],
+            next_page_token=page.next_page_token,
         )
 
     @maps_errors

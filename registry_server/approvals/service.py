@@ -46,6 +46,7 @@ from registry_server.domain.errors import (
 )
 from registry_server.domain.models import ToolDefinition, parse_definition
 from registry_server.domain.outcome import ApprovalRequestView
+from registry_server.domain.pages import Page, PageQuery, PageTokens, page_size
 from registry_server.domain.text import checked_reason
 from registry_server.policy.model import EffectiveRule, Policy
 from registry_server.signing.tokens import (
@@ -71,8 +72,16 @@ from registry_server.store.base import (
 )
 
 MAX_TOKENS_PER_CALL = 16  # approval tokens one call may carry; more is an attack, not a quorum
-MAX_LISTED = 500  # approval requests per ListApprovalRequests answer
+MAX_LISTED = 500  # approval requests one list_requests answer holds at most (watches)
 DEFAULT_LISTED = 100
+DEFAULT_REQUESTS_PAGE = 50  # approval requests per page when a request names no page_size
+MAX_REQUESTS_PAGE = 500  # approval requests per page at most; a larger page_size is cut to it
+# Rows one page reads at most to fill itself with requests its caller may see:
+# an approver eligible for few tools gets a short page (with a token to go on
+# from the last row read) instead of a call that reads the whole table.
+MAX_REQUESTS_SCANNED = 2_000
+SCAN_BATCH = 100  # rows read at a time while filling a page for an approver
+RequestKey = tuple[float, str]  # (created_at, id): listings run newest first, by this key
 # Pending requests one client may have open at once unless the policy's quota
 # says otherwise: each holds up to 1 MiB of arguments, and a steered agent must
 # not fill the store or the approvers' queue.
@@ -409,15 +418,69 @@ class Approvals:
         """Newest first, without the arguments or the tool's parameters (an
         answer of 500 requests must not carry 500 MiB): read one with ``get``.
         Only those ``viewer`` may see (all without one)."""
-        state = state.strip().upper()
-        if state and state not in REQUEST_STATES:
-            raise InvalidArgument(f"state: unknown state; use {', '.join(REQUEST_STATES)}")
-        limit = min(limit or DEFAULT_LISTED, MAX_LISTED)
-        with self._store.reading() as reads:
-            records = reads.requests(state=state, now=time.time(), limit=limit)
-            approvers = [reads.approvers_of(r.id) for r in records]
-        views = [self._view(r, a, listed=True) for r, a in zip(records, approvers, strict=True)]
-        return [v for v in views if viewer is None or self.visible(v, viewer)]
+        size = min(limit or DEFAULT_LISTED, MAX_LISTED)
+        found, _, _ = self._scan(_checked_state(state), size, None, viewer)
+        return found
+
+    def page_requests(
+        self, state: str, requested_size: int, page_token: str, viewer: Viewer,
+        tokens: PageTokens, *, limit: int = 0,
+    ) -> Page[ApprovalRequestView]:  # fmt: skip
+        """One page of ``list_requests`` (AIP-158): newest first, the next page
+        starting after this one's last (created_at, id), so a request present
+        throughout is listed once. ``limit`` (deprecated) is the page size when
+        ``requested_size`` is 0. Raises InvalidArgument for an unknown state,
+        a negative size, or a token not issued to ``viewer`` for ``state``."""
+        state = _checked_state(state)
+        if requested_size:
+            size = page_size(requested_size, DEFAULT_REQUESTS_PAGE, MAX_REQUESTS_PAGE)
+        else:
+            size = page_size(limit, DEFAULT_REQUESTS_PAGE, MAX_REQUESTS_PAGE, "limit")
+        query = PageQuery.of("approvals", state=state, viewer=viewer.client_id)
+        after = tokens.read(page_token, query, (float, str))
+        start = None if after is None else (float(after[0]), str(after[1]))
+        found, last, more = self._scan(state, size, start, viewer)
+        return Page(found, tokens.issue(query, last) if more and last else "")
+
+    def _scan(
+        self, state: str, size: int, after: RequestKey | None, viewer: Viewer | None
+    ) -> tuple[list[ApprovalRequestView], RequestKey | None, bool]:
+        """Up to ``size`` requests ``viewer`` may see, newest first, after
+        ``after``; the key to go on after; whether more may follow. The store
+        filters by state, key and (for a viewer who sees only its own) the
+        requester; what an approver may see is the policy's to say, so its
+        rows are read in batches until the page is full, at most
+        MAX_REQUESTS_SCANNED of them."""
+        own_only = viewer is not None and not viewer.sees_all and viewer.approver is None
+        filtered = viewer is not None and not viewer.sees_all and not own_only
+        requester = viewer.client_id if viewer is not None and own_only else None
+        now = time.time()
+        found: list[ApprovalRequestView] = []
+        last: RequestKey | None = None  # of the last request in ``found``
+        cursor, scanned = after, 0
+        while True:
+            # One row more than fits: whether another page follows.
+            batch = size + 1 - len(found)
+            if filtered:
+                batch = min(max(batch, SCAN_BATCH), MAX_REQUESTS_SCANNED - scanned)
+            with self._store.reading() as reads:
+                records = reads.requests(
+                    state=state, now=now, limit=batch, before=cursor, requested_by=requester
+                )
+                approvers = [reads.approvers_of(r.id) for r in records]
+            scanned += len(records)
+            for record, held in zip(records, approvers, strict=True):
+                view = self._view(record, held, listed=True)
+                cursor = (record.created_at, record.id)
+                if viewer is None or self.visible(view, viewer):
+                    if len(found) == size:
+                        return found, last, True
+                    found.append(view)
+                    last = cursor
+            if len(records) < batch:
+                return found, None, False
+            if scanned >= MAX_REQUESTS_SCANNED:
+                return found, cursor, True
 
     def listed(self, request_id: str) -> ApprovalRequestView | None:
         """One request in its listed form (what watches send), or None."""
@@ -538,6 +601,13 @@ class Approvals:
             rejected_by=r.rejected_by, rejection_reason=r.rejection_reason,
             voided_reason=r.voided_reason,
         )  # fmt: skip
+
+
+def _checked_state(state: str) -> str:
+    state = state.strip().upper()
+    if state and state not in REQUEST_STATES:
+        raise InvalidArgument(f"state: unknown state; use {', '.join(REQUEST_STATES)}")
+    return state
 
 
 def _rejected(request: ApprovalRequestView) -> str:

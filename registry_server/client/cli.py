@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -337,12 +338,12 @@ def tools_delete(
 ) -> None:
     """Delete a tool (its owner or an admin). Its open approval requests are
     voided; a call already running finishes; the name may be registered again."""
-    with _client(ctx, address) as client:
-        try:
-            client.delete_tool(name, reason)
-        except grpc.RpcError as err:
-            _rpc_failed(err, client.address)
-    typer.echo(escape(f"deleted {name}"))
+
+    def delete(client: RegistryClient) -> str:
+        client.delete_tool(name, reason)
+        return f"deleted {name}"
+
+    _switch(ctx, address, delete)
 
 
 @tools_app.command("disable")
@@ -360,12 +361,12 @@ def tools_disable(
     """The kill switch (admins): every call of the tool is refused with
     TOOL_DISABLED, on every server within a second; it stays listed, its warm
     containers go and its open approval requests are voided."""
-    with _client(ctx, address) as client:
-        try:
-            tool = client.set_tool_enabled(name, False, reason)
-        except grpc.RpcError as err:
-            _rpc_failed(err, client.address)
-    typer.echo(escape(f"disabled {tool.name}: {tool.disabled_reason}"))
+
+    def disable(client: RegistryClient) -> str:
+        tool = client.set_tool_enabled(name, False, reason)
+        return f"disabled {tool.name}: {tool.disabled_reason}"
+
+    _switch(ctx, address, disable)
 
 
 @tools_app.command("enable")
@@ -373,12 +374,21 @@ def tools_enable(
     ctx: typer.Context, name: str, reason: ReasonOpt = "", address: AddressOpt = None
 ) -> None:
     """Make a disabled tool callable again (admins); approvals must be asked for again."""
+
+    def enable(client: RegistryClient) -> str:
+        return f"enabled {client.set_tool_enabled(name, True, reason).name}"
+
+    _switch(ctx, address, enable)
+
+
+def _switch(ctx: typer.Context, address: str | None, act: Callable[[RegistryClient], str]) -> None:
+    """One kill-switch call; prints the line ``act`` returns."""
     with _client(ctx, address) as client:
         try:
-            tool = client.set_tool_enabled(name, True, reason)
+            done = act(client)
         except grpc.RpcError as err:
             _rpc_failed(err, client.address)
-    typer.echo(escape(f"enabled {tool.name}"))
+    typer.echo(escape(done))
 
 
 @tools_app.command("schemas")

@@ -48,6 +48,17 @@ def export_json(tools: Sequence[ToolDefinition], fmt: SchemaFormat) -> str:
     return json.dumps(export(tools, fmt), ensure_ascii=False, separators=(",", ":"))
 
 
+def tool_json(tool: ToolDefinition, fmt: SchemaFormat) -> str:
+    """One tool's schema as JSON text: ``export_json`` of several is these,
+    joined by commas inside brackets (``json_array``)."""
+    return json.dumps(_one(tool, fmt), ensure_ascii=False, separators=(",", ":"))
+
+
+def json_array(items: Sequence[str]) -> str:
+    """A JSON array of JSON texts, as ``export_json`` writes it."""
+    return "[" + ",".join(items) + "]"
+
+
 def tool_belt(tools: Sequence[ToolDefinition]) -> str:
     """A plain-text list of the tools for a system prompt."""
     if not tools:

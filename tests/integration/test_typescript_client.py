@@ -24,7 +24,10 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "clients" / "typescript"
 EXAMPLES = ROOT / "examples" / "tools"
 NODE_TIMEOUT_S = 240  # seconds for the whole TypeScript suite (it starts a few dozen containers)
-TOKENS = {"agent": "ts-agent", "agent2": "ts-agent2", "admin": "ts-admin", "alice": "ts-alice"}
+TOKENS = {
+    "agent": "ts-agent", "agent2": "ts-agent2", "admin": "ts-admin", "alice": "ts-alice",
+    "ops": "ts-ops",
+}  # fmt: skip
 MTLS_SUBJECT = "CN=ts-agent-tls"
 
 
@@ -35,6 +38,8 @@ def write_policy(path: Path, public_keys: dict[str, str]) -> None:
         # watch tests use it alone, so its watch count is theirs.
         token_client("agent2", TOKENS["agent2"], ["execute"], "dangerous"),
         token_client("admin", TOKENS["admin"], ["register"]),
+        # The operator: the kill switch, and tools of any level (kill-switch tests)
+        token_client("ops", TOKENS["ops"], ["register", "admin"]),
         token_client("alice", TOKENS["alice"], ["approve"]),
         {"id": "agent-tls", "mtls_subject": MTLS_SUBJECT, "roles": ["execute"]},
     ]
@@ -117,6 +122,7 @@ def test_typescript_client_suite(tmp_path: Path) -> None:
             "TOOLREG_AGENT_TOKEN": TOKENS["agent"],
             "TOOLREG_OTHER_AGENT_TOKEN": TOKENS["agent2"],
             "TOOLREG_ADMIN_TOKEN": TOKENS["admin"],
+            "TOOLREG_OPS_TOKEN": TOKENS["ops"],
             "TOOLREG_APPROVER_TOKEN": TOKENS["alice"],
             "TOOLREG_APPROVER_ID": "alice",
             "TOOLREG_APPROVER_KEY_PEM": alice_private.decode(),

@@ -145,6 +145,34 @@ export class ToolregClient {
     return toolFromPb(await this.#call(() => this.stub.getTool({ name }, this.#opts(options))));
   }
 
+  /**
+   * DeleteTool (the tool's owner or an admin): it is no longer listed or run,
+   * its warm containers go, its open approval requests are VOIDED with
+   * `reason` (at most 1,000 characters, no control characters); a call
+   * already running finishes. Throws RpcError: NOT_FOUND, PERMISSION_DENIED,
+   * INVALID_ARGUMENT.
+   */
+  async deleteTool(name: string, options: CallOptions & { reason?: string } = {}): Promise<void> {
+    const request = { name, reason: options.reason ?? "" };
+    await this.#call(() => this.stub.deleteTool(request, this.#opts(options)));
+  }
+
+  /**
+   * SetToolEnabled, the kill switch (admins): `enabled: false` disables the
+   * tool for `reason` (required: every refused call, TOOL_DISABLED, and every
+   * voided approval request says it); `true` makes it callable again.
+   * Returns the tool as it is now (`disabled`, `disabledReason`). Throws
+   * RpcError: NOT_FOUND, PERMISSION_DENIED, INVALID_ARGUMENT.
+   */
+  async setToolEnabled(
+    name: string,
+    enabled: boolean,
+    options: CallOptions & { reason?: string } = {},
+  ): Promise<ToolDefinition> {
+    const request = { name, enabled, reason: options.reason ?? "" };
+    return toolFromPb(await this.#call(() => this.stub.setToolEnabled(request, this.#opts(options))));
+  }
+
   /** ListTools, sorted by name; the filters are ANDed. */
   async listTools(filter: ToolFilter & CallOptions = {}): Promise<ToolDefinition[]> {
     const request = { maxSafetyLevel: levelToPb(filter.maxLevel), categories: filter.categories ?? [] };
@@ -204,7 +232,7 @@ export class ToolregClient {
     }
   }
 
-  /** ListApprovalRequests, newest first (state: PENDING, APPROVED, CONSUMED, REJECTED, EXPIRED; default all). */
+  /** ListApprovalRequests, newest first (state: PENDING, APPROVED, CONSUMED, REJECTED, VOIDED, EXPIRED; default all). */
   async listApprovalRequests(
     options: CallOptions & { state?: ApprovalState; limit?: number } = {},
   ): Promise<ApprovalRequestView[]> {
@@ -242,8 +270,8 @@ export class ToolregClient {
    * WatchApprovalRequests: the open requests the caller may see (PENDING or
    * APPROVED, as CURRENT events; with `requestId`, that request whatever its
    * state), one SYNCED event, then every change as it is stored (OPENED,
-   * APPROVAL_ADDED, APPROVED, REJECTED, CONSUMED, EXPIRED). An approver sees
-   * what it may approve, an agent its own requests, an admin all. Requests
+   * APPROVAL_ADDED, APPROVED, REJECTED, CONSUMED, EXPIRED, VOIDED). An approver
+   * sees what it may approve, an agent its own requests, an admin all. Requests
    * come in their listed form (read one whole with getApprovalRequest).
    *
    * Runs until the server ends it (the loop then ends; watch again), the
@@ -265,9 +293,9 @@ export class ToolregClient {
    * Waits until the request is APPROVED and returns it (read whole), following
    * WatchApprovalRequests: no polling, the answer comes the moment the last
    * approver signs. Throws ApprovalWaitError when it is REJECTED (the message
-   * carries the approver's reason), EXPIRED or CONSUMED, or after `timeoutMs`
-   * (TIMEOUT); RpcError when the server fails (e.g. NOT_FOUND); the signal's
-   * reason when aborted. A watch the server ends (stopping, or ABORTED) is
+   * carries the approver's reason), VOIDED (its tool deleted or disabled, with
+   * why), EXPIRED or CONSUMED, or after `timeoutMs` (TIMEOUT); RpcError when
+   * the server fails (e.g. NOT_FOUND); the signal's reason when aborted. A watch the server ends (stopping, or ABORTED) is
    * watched again. Only a server that cannot watch (UNIMPLEMENTED) is polled,
    * every `pollMs`.
    */
@@ -335,6 +363,9 @@ export class ToolregClient {
         "REJECTED",
         seen,
       );
+    }
+    if (seen.state === "VOIDED") {
+      throw new ApprovalWaitError(`approval request ${id} is voided: ${seen.voidedReason}`, "VOIDED", seen);
     }
     const state = seen.state as "EXPIRED" | "CONSUMED"; // settled() let no other state through
     throw new ApprovalWaitError(`approval request ${id} is ${state.toLowerCase()}`, state, seen);
@@ -406,7 +437,7 @@ export class ToolregClient {
 
 /** Whether waiting is over: approved, or in a state that never changes. */
 function settled(request: ApprovalRequestView): boolean {
-  return ["APPROVED", "REJECTED", "EXPIRED", "CONSUMED"].includes(request.state);
+  return ["APPROVED", "REJECTED", "VOIDED", "EXPIRED", "CONSUMED"].includes(request.state);
 }
 
 function stillWaiting(id: string, last: ApprovalRequestView, timeoutMs: number): ApprovalWaitError {

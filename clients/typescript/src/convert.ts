@@ -49,6 +49,7 @@ const STATUS_FROM_PB: Partial<Record<ExecutionStatus, Status>> = {
   [ExecutionStatus.TIMEOUT]: "TIMEOUT",
   [ExecutionStatus.RESOURCE_EXHAUSTED]: "RESOURCE_EXHAUSTED",
   [ExecutionStatus.SANDBOX_ERROR]: "SANDBOX_ERROR",
+  [ExecutionStatus.TOOL_DISABLED]: "TOOL_DISABLED",
 };
 
 const EVENT_TYPE_FROM_PB: Partial<Record<PbApprovalEventType, ApprovalEventType>> = {
@@ -60,6 +61,7 @@ const EVENT_TYPE_FROM_PB: Partial<Record<PbApprovalEventType, ApprovalEventType>
   [PbApprovalEventType.REJECTED]: "REJECTED",
   [PbApprovalEventType.CONSUMED]: "CONSUMED",
   [PbApprovalEventType.EXPIRED]: "EXPIRED",
+  [PbApprovalEventType.VOIDED]: "VOIDED",
 };
 
 export function levelToPb(level: SafetyLevel | undefined): PbSafetyLevel {
@@ -185,6 +187,8 @@ export function toolFromPb(msg: Tool): ToolDefinition {
     })),
     digest: msg.digest,
     owner: msg.owner,
+    disabled: msg.disabled,
+    disabledReason: msg.disabledReason,
   };
 }
 
@@ -221,6 +225,7 @@ export function approvalFromPb(msg: ApprovalRequest): ApprovalRequestView {
     tool: shownTool(msg),
     rejectedBy: msg.rejectedBy,
     rejectionReason: msg.rejectionReason,
+    voidedReason: msg.voidedReason,
   };
 }
 

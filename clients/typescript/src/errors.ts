@@ -87,12 +87,13 @@ export function toRpcError(err: unknown): RpcError {
 }
 
 /** Why waitForApproval gave up. */
-export type ApprovalWaitReason = "REJECTED" | "EXPIRED" | "CONSUMED" | "TIMEOUT";
+export type ApprovalWaitReason = "REJECTED" | "VOIDED" | "EXPIRED" | "CONSUMED" | "TIMEOUT";
 
 /**
  * waitForApproval gave up: an approver rejected the request (the message
  * names who and gives their reason, as do `request.rejectedBy` and
- * `request.rejectionReason`), it expired, was already used, or the wait timed
+ * `request.rejectionReason`), it was voided (its tool deleted or disabled:
+ * `request.voidedReason`), it expired, was already used, or the wait timed
  * out. `request` is the last state seen (null if the wait timed out before
  * the first answer).
  */

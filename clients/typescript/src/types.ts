@@ -21,10 +21,12 @@ export type Status =
   | "TOOL_ERROR"
   | "TIMEOUT"
   | "RESOURCE_EXHAUSTED"
-  | "SANDBOX_ERROR";
+  | "SANDBOX_ERROR"
+  /** An admin disabled the tool (`error` gives the reason). */
+  | "TOOL_DISABLED";
 
-/** The states of an approval request (REJECTED, CONSUMED and EXPIRED are final). */
-export type ApprovalState = "PENDING" | "APPROVED" | "CONSUMED" | "REJECTED" | "EXPIRED";
+/** The states of an approval request (REJECTED, VOIDED, CONSUMED and EXPIRED are final). */
+export type ApprovalState = "PENDING" | "APPROVED" | "CONSUMED" | "REJECTED" | "VOIDED" | "EXPIRED";
 
 /**
  * What an `ApprovalEvent` says happened (on the wire
@@ -39,7 +41,9 @@ export type ApprovalEventType =
   | "APPROVED"
   | "REJECTED"
   | "CONSUMED"
-  | "EXPIRED";
+  | "EXPIRED"
+  /** Its tool was deleted or disabled (`reason` says which, and why). */
+  | "VOIDED";
 
 /** A JSON value as `JSON.parse` returns it. */
 export type JsonValue = null | boolean | number | string | JsonValue[] | { [key: string]: JsonValue };
@@ -94,6 +98,10 @@ export interface ToolDefinition {
   digest: string;
   /** The client that registered it, or "[operator]". */
   owner: string;
+  /** An admin disabled it (the kill switch): listed, but every call is refused with TOOL_DISABLED. */
+  disabled: boolean;
+  /** Why it was disabled ("" when it is not). */
+  disabledReason: string;
 }
 
 /** A definition to register. Omitted fields take the server's defaults. */
@@ -144,6 +152,8 @@ export interface ApprovalRequestView {
   /** Set when `state` is REJECTED: the approver who rejected it, and why. */
   rejectedBy: string;
   rejectionReason: string;
+  /** Set when `state` is VOIDED: why (its tool was deleted or disabled). */
+  voidedReason: string;
 }
 
 /** One item of `watchApprovalRequests` (the domain form of ApprovalEvent). */
@@ -157,7 +167,7 @@ export interface ApprovalEvent {
   request: ApprovalRequestView | null;
   /** The approver who added an approval (APPROVAL_ADDED) or rejected (REJECTED); else empty. */
   actor: string;
-  /** REJECTED: the approver's reason; else empty. */
+  /** REJECTED: the approver's reason; VOIDED: why; else empty. */
   reason: string;
   /** When it happened; null for CURRENT and SYNCED. */
   at: Date | null;

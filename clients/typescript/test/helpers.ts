@@ -24,6 +24,10 @@ export const tokens = {
   get admin() {
     return env("TOOLREG_ADMIN_TOKEN");
   },
+  /** The operator (admin role): the kill switch, and tools of any level. */
+  get ops() {
+    return env("TOOLREG_OPS_TOKEN");
+  },
   get approver() {
     return env("TOOLREG_APPROVER_TOKEN");
   },
