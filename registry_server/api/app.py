@@ -15,6 +15,7 @@ from grpc_health.v1 import health
 
 from registry_server.api.config import ServerConfig
 from registry_server.api.metrics import Metrics
+from registry_server.api.policy_reload import PolicyReloads
 from registry_server.approvals.events import ExpirySweeper
 from registry_server.approvals.service import Approvals
 from registry_server.approvals.watch import Watches
@@ -37,6 +38,7 @@ from registry_server.execution.warm_pool import WarmPools
 from registry_server.notify.dispatcher import Dispatcher
 from registry_server.notify.endpoints import Endpoint, load_endpoints
 from registry_server.notify.outbox import Outbox
+from registry_server.policy.live import LivePolicy
 from registry_server.policy.loader import load_policy
 from registry_server.policy.model import UNRESTRICTED, Policy, PolicyError, development_policy
 from registry_server.store import audit_chain as audit
@@ -76,6 +78,8 @@ class App:
     metrics_port: int | None = None
     closers: list[Callable[[], None]] = field(default_factory=list)
     watches: Watches | None = None
+    policy: LivePolicy | None = None  # the policy in force (reloadable)
+    reloads: PolicyReloads | None = None
 
     def close(self) -> None:
         self.health.enter_graceful_shutdown()
@@ -86,14 +90,23 @@ class App:
 
 def build_app(config: ServerConfig) -> App:
     _check_exposure(config)
-    policy, dev_mode = _load_policy(config)
+    dev_mode = config.policy_file is None
+    try:
+        live = LivePolicy(lambda: _read_policy(config))
+    except PolicyError as exc:
+        raise ConfigError(str(exc)) from None
+    policy = live.current
+    if dev_mode:
+        _warn_development_mode(config, policy)
     webhooks = _webhook_endpoints(policy)  # their secrets first: no secret, no server
     require_gvisor = config.require_gvisor if config.require_gvisor is not None else not dev_mode
     backend = open_backend(config)
     store = open_store(config.store)
     try:
         _check_audit_chain(config, store)
-        registry = Registry(store, image_check=_image_check(backend), egress=policy.egress)
+        registry = Registry(
+            store, image_check=_image_check(backend), egress=lambda: live.current.egress
+        )
         if config.tools_dir is not None:
             _register_operator_tools(registry, config.tools_dir)
     except BaseException:
@@ -101,10 +114,11 @@ def build_app(config: ServerConfig) -> App:
         backend.close()
         raise
     _start_sandboxes(config, backend, require_gvisor)
-    approvals = Approvals(store, policy, registry)
+    approvals = Approvals(store, live, registry)
     watches = Watches(approvals, max_watches=config.max_watches)
     sweeper = ExpirySweeper(store, approvals.hub, approvals.hooks)
-    shares = Shares(lambda: policy, config.max_sandboxes, config.max_queued)
+    shares = Shares(live, config.max_sandboxes, config.max_queued)
+    sandboxes = _SandboxPolicies(config, require_gvisor, dev_mode)
     rates = RateLimits(shares.rate)
     executor = Executor(
         registry,
@@ -115,16 +129,7 @@ def build_app(config: ServerConfig) -> App:
             config.sandbox_memory_mb,
             limits_of=shares.limits,
         ),
-        policy=SandboxPolicy(
-            ceilings=_ceilings(config, policy),
-            require_gvisor=require_gvisor,
-            workspace_dir=_prepare_workspace(config.workspace),
-            workspace_tools=frozenset(config.workspace_tools),
-            egress=policy.egress,
-            grant_of=(lambda _owner: UNRESTRICTED) if dev_mode else policy.grant_of,
-            secrets=SecretStore(_prepare_secrets(config.secrets)),
-            allow_hostinet=config.gvisor_hostinet == "allow",
-        ),
+        policy=sandboxes.of(policy),
         store=store,
         approvals=approvals,
         rates=rates,
@@ -132,6 +137,10 @@ def build_app(config: ServerConfig) -> App:
     app = App(config, store, registry, executor, health.HealthServicer(), backend, approvals)
     app.dev_mode = dev_mode
     app.watches = watches
+    app.policy = live
+    # What was derived from the policy is derived again on each reload.
+    live.on_reload(lambda new: executor.use_sandbox_policy(sandboxes.of(new)))
+    app.reloads = PolicyReloads(live, store)
     app.closers.append(backend.close)
     executor.observe(app.metrics.observe_execution)
     if config.max_warm > 0:
@@ -158,7 +167,33 @@ def build_app(config: ServerConfig) -> App:
     approvals.hub.start()
     sweeper.start()
     app.closers[:0] = [approvals.hub.close, sweeper.close]
+    # A reload asked of any server is done by every server on the store.
+    store.watch_policy(app.reloads.from_peer)
     return app
+
+
+class _SandboxPolicies:
+    """The sandbox side of a policy (ceilings, egress, grants), made again for
+    each policy put in force; what does not change with it is made once."""
+
+    def __init__(self, config: ServerConfig, require_gvisor: bool, dev_mode: bool) -> None:
+        self._config = config
+        self._require_gvisor = require_gvisor
+        self._dev_mode = dev_mode
+        self._workspace = _prepare_workspace(config.workspace)
+        self._secrets = SecretStore(_prepare_secrets(config.secrets))
+
+    def of(self, policy: Policy) -> SandboxPolicy:
+        return SandboxPolicy(
+            ceilings=_ceilings(self._config, policy),
+            require_gvisor=self._require_gvisor,
+            workspace_dir=self._workspace,
+            workspace_tools=frozenset(self._config.workspace_tools),
+            egress=policy.egress,
+            grant_of=(lambda _owner: UNRESTRICTED) if self._dev_mode else policy.grant_of,
+            secrets=self._secrets,
+            allow_hostinet=self._config.gvisor_hostinet == "allow",
+        )
 
 
 def _webhook_endpoints(policy: Policy) -> dict[str, Endpoint]:
@@ -253,25 +288,27 @@ def _check_exposure(config: ServerConfig) -> None:
         )
 
 
-def _load_policy(config: ServerConfig) -> tuple[Policy, bool]:
+def _read_policy(config: ServerConfig) -> Policy:
+    """The policy file, or in development mode the approver keys installed in
+    the data directory; PolicyError names the file, line and rule."""
     if config.policy_file is not None:
-        try:
-            return load_policy(config.policy_file), False
-        except PolicyError as exc:
-            raise ConfigError(str(exc)) from None
+        return load_policy(config.policy_file)
     keys: dict[str, str] = {}
     if config.approvers_dir.is_dir():
         keys = {p.stem: p.read_text().strip() for p in sorted(config.approvers_dir.glob("*.pub"))}
+    try:
+        return development_policy(audience=config.dev_audience, approvers=keys)
+    except PolicyError as exc:
+        raise PolicyError(f"{config.approvers_dir}: {exc}") from None
+
+
+def _warn_development_mode(config: ServerConfig, policy: Policy) -> None:
     log.warning(
         "DEVELOPMENT MODE (no --policy): loopback only, every client allowed with every role;"
         " dangerous tools need a token from one of %d approver key(s) in %s"
-        " (add one with `toolreg keys generate --out FILE --install %s`)",
-        len(keys), config.approvers_dir, config.data_dir,
+        " (add one with `toolreg keys generate --out FILE --install %s`, then SIGHUP)",
+        len(policy.approvers), config.approvers_dir, config.data_dir,
     )  # fmt: skip
-    try:
-        return development_policy(audience=config.dev_audience, approvers=keys), True
-    except PolicyError as exc:
-        raise ConfigError(f"{config.approvers_dir}: {exc}") from None
 
 
 def _check_audit_chain(config: ServerConfig, store: Store) -> None:

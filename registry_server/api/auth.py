@@ -23,6 +23,7 @@ import grpc
 from registry_server.api.handlers import refuse, rewrap
 from registry_server.domain.errors import Unauthenticated
 from registry_server.domain.models import SafetyLevel
+from registry_server.policy.live import PolicySource, source_of
 from registry_server.policy.model import UNRESTRICTED, Policy, RegisterGrant, Role
 
 SERVICE = "/toolregistry.v1.ToolRegistry/"
@@ -95,14 +96,16 @@ class AuthError(Exception):
 
 
 class Authenticator:
-    def __init__(self, policy: Policy | None) -> None:
-        self._policy = policy  # None: development mode
+    def __init__(self, policy: Policy | PolicySource | None) -> None:
+        # None: development mode; else the policy in force, read per call
+        self._policy = None if policy is None else source_of(policy)
 
     def identify(
         self, metadata: tuple[tuple[str, Any], ...], auth_context: Mapping[str, Any]
     ) -> Principal:
         if self._policy is None:
             return DEVELOPER
+        policy = self._policy()
         client = None
         bearer = [str(v) for k, v in metadata if k == "authorization"]
         if bearer:
@@ -111,12 +114,12 @@ class Authenticator:
                 raise AuthError(
                     grpc.StatusCode.UNAUTHENTICATED, "authorization must be 'Bearer <token>'"
                 )
-            client = self._policy.client_by_token(token.strip())
+            client = policy.client_by_token(token.strip())
             if client is None:
                 raise AuthError(grpc.StatusCode.UNAUTHENTICATED, "unknown bearer token")
         else:
             for subject in _subjects(auth_context):
-                client = self._policy.client_by_subject(subject)
+                client = policy.client_by_subject(subject)
                 if client is not None:
                     break
             if client is None:
@@ -127,7 +130,7 @@ class Authenticator:
                 )
         return Principal(
             client.id, client.roles, client.max_safety_level, client.register,
-            self._policy.approver_identity(client),
+            policy.approver_identity(client),
         )  # fmt: skip
 
 

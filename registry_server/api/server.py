@@ -21,6 +21,7 @@ from registry_server.api.auth import Authenticator, AuthInterceptor
 from registry_server.api.config import MAX_MESSAGE_BYTES, ServerConfig
 from registry_server.api.health_monitor import HealthMonitor
 from registry_server.api.metrics import MetricsInterceptor
+from registry_server.api.policy_digest import PolicyDigestInterceptor
 from registry_server.api.servicer import ToolRegistryServicer
 from registry_server.domain.errors import (
     ConfigError,
@@ -39,8 +40,11 @@ def create_server(config: ServerConfig, app: App | None = None) -> tuple[grpc.Se
     app = app or build_app(config)
     interceptors: list[grpc.ServerInterceptor] = [
         MetricsInterceptor(app.metrics),  # before auth: it counts refused calls too
-        AuthInterceptor(Authenticator(None if app.dev_mode else app.approvals.policy)),
+        AuthInterceptor(Authenticator(None if app.dev_mode else app.policy)),
     ]
+    live = app.policy
+    if live is not None:
+        interceptors.append(PolicyDigestInterceptor(lambda: live.current.digest))
     traced = tracing.server_interceptor()
     if traced is not None:
         interceptors.insert(0, traced)  # outermost: refused calls are spans too
@@ -54,7 +58,8 @@ def create_server(config: ServerConfig, app: App | None = None) -> tuple[grpc.Se
     )
     pb_grpc.add_ToolRegistryServicer_to_server(
         ToolRegistryServicer(
-            app.registry, app.executor, app.approvals, app.watches, pages=page_tokens(app.store)
+            app.registry, app.executor, app.approvals, app.watches, app.policy, app.reloads,
+            pages=page_tokens(app.store),
         ),
         server,
     )
@@ -127,6 +132,21 @@ def _tls_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
     )
 
 
+def _start_reloader(app: App, asked: threading.Event, stopping: threading.Event) -> None:
+    reloads = app.reloads
+    if reloads is None:
+        return
+
+    def run() -> None:
+        while not stopping.is_set():
+            if asked.wait(0.5):
+                asked.clear()
+                log.info("received SIGHUP; reloading the policy")
+                reloads.from_signal()
+
+    threading.Thread(target=run, name="policy-reload", daemon=True).start()
+
+
 def serve(config: ServerConfig) -> None:
     """Run until SIGTERM or SIGINT, then finish in-flight calls and stop."""
     stopping = threading.Event()
@@ -139,7 +159,12 @@ def serve(config: ServerConfig) -> None:
     # signals right after that line still gets a graceful stop.
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    reload_asked = threading.Event()
+    # SIGHUP re-reads the policy, on a thread of its own (a handler must not
+    # block, and a reload writes to the store).
+    signal.signal(signal.SIGHUP, lambda _signum, _frame: reload_asked.set())
     server, port, app = create_server(config)
+    _start_reloader(app, reload_asked, stopping)
     server.start()
     log.info(
         "toolreg serving on %s:%d (data %s, %d tools)",

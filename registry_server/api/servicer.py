@@ -14,6 +14,7 @@ from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
 from registry_server.api.auth import DEVELOPER, Principal, current_principal
 from registry_server.api.grpc_errors import maps_errors
+from registry_server.api.policy_reload import PolicyReloads
 from registry_server.approvals.service import Approvals, Viewer
 from registry_server.approvals.watch import Watches
 from registry_server.catalog.registry import Registrant, Registry
@@ -24,6 +25,7 @@ from registry_server.domain.models import NAME_PATTERN, valid_tool_name
 from registry_server.domain.pages import PageQuery, PageTokens
 from registry_server.execution.call_request import CallRequest
 from registry_server.execution.executor import Executor
+from registry_server.policy.live import LivePolicy
 from registry_server.policy.model import Role
 from registry_server.wire import convert
 
@@ -125,12 +127,16 @@ class ToolRegistryServicer(pb_grpc.ToolRegistryServicer):
     def __init__(
         self, registry: Registry, executor: Executor, approvals: Approvals | None,
         watches: Watches | None = None,
+        policy: LivePolicy | None = None,
+        reloads: PolicyReloads | None = None,
         pages: PageTokens | None = None,
     ) -> None:  # fmt: skip
         self._registry = registry
         self._executor = executor
         self._approvals = approvals
         self._watches = watches
+        self._policy = policy
+        self._reloads = reloads
         # Without the store's key (server.py passes it), tokens work on this server only.
         self._pages = pages or PageTokens.ephemeral()
         self._views = RegistryViews(registry, self._pages)
@@ -310,10 +316,18 @@ class ToolRegistryServicer(pb_grpc.ToolRegistryServicer):
     def ReloadPolicy(
         self, request: pb.ReloadPolicyRequest, context: grpc.ServicerContext
     ) -> pb.ServerInfo:
-        raise Unimplemented("ReloadPolicy is not implemented by this server yet")
+        if self._reloads is None:
+            raise Unimplemented("this server cannot reload its policy")
+        self._reloads.reload(current_principal().id, announce=True)
+        return self._server_info()
 
     @maps_errors
     def GetServerInfo(
         self, request: pb.GetServerInfoRequest, context: grpc.ServicerContext
     ) -> pb.ServerInfo:
-        raise Unimplemented("GetServerInfo is not implemented by this server yet")
+        return self._server_info()
+
+    def _server_info(self) -> pb.ServerInfo:
+        if self._policy is None:
+            raise Unimplemented("this server does not say which policy it enforces")
+        return convert.server_info_to_pb(self._policy.current, self._policy.loaded_at)

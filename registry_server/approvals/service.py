@@ -48,6 +48,7 @@ from registry_server.domain.models import ToolDefinition, parse_definition
 from registry_server.domain.outcome import ApprovalRequestView
 from registry_server.domain.pages import Page, PageQuery, PageTokens, page_size
 from registry_server.domain.text import checked_reason
+from registry_server.policy.live import PolicySource, source_of
 from registry_server.policy.model import EffectiveRule, Policy
 from registry_server.signing.tokens import (
     MAX_REQUEST_ID_CHARS,
@@ -141,10 +142,11 @@ class Call:
 
 class Approvals:
     def __init__(
-        self, store: Store, policy: Policy, registry: Registry, hub: EventHub | None = None
-    ) -> None:
+        self, store: Store, policy: Policy | PolicySource, registry: Registry,
+        hub: EventHub | None = None,
+    ) -> None:  # fmt: skip
         self._store = store
-        self.policy = policy
+        self._policy = source_of(policy)
         self._registry = registry
         self.hub = hub if hub is not None else EventHub(store)
         # run inside the unit of work of every approval event (webhook outbox)
@@ -153,6 +155,11 @@ class Approvals:
         # this server's watches hear of it once that is committed.
         registry.add_retire_hook(self.void_requests_for_tool)
         registry.add_listener(self._tool_changed)
+
+    @property
+    def policy(self) -> Policy:
+        """The policy in force now (a reload changes it between calls)."""
+        return self._policy()
 
     # -- token checks ------------------------------------------------------------
 

@@ -41,7 +41,7 @@ from registry_server.domain.models import (
     parse_definition,
 )
 from registry_server.domain.text import checked_reason
-from registry_server.policy.egress import egress_refusal
+from registry_server.policy.grants import grant_refusal
 from registry_server.policy.model import UNRESTRICTED, EgressPolicy, RegisterGrant
 from registry_server.store import audit_chain
 from registry_server.store.base import Store, StoredTool, UnitOfWork
@@ -88,11 +88,14 @@ class Registry:
         self,
         store: Store,
         image_check: ImageCheck | None = None,
-        egress: EgressPolicy | None = None,
+        egress: EgressPolicy | Callable[[], EgressPolicy] | None = None,
     ) -> None:
         self._store = store
         self._image_check = image_check
-        self._egress = egress or EgressPolicy()  # the policy's, or the built-in default
+        # The policy's (read at each registration: a reload changes it), or the
+        # built-in default.
+        fixed = egress or EgressPolicy()
+        self._egress = fixed if callable(fixed) else (lambda: fixed)
         self._write_lock = threading.Lock()
         self._tools: dict[str, ToolDefinition] = {}
         self._version = 0
@@ -189,7 +192,7 @@ class Registry:
         """Store ``tool`` as ``by``'s. Raises PermissionDenied when the grant
         or ownership forbids it, AlreadyExists without ``replace``, and what
         the image check raises (the image declares a VOLUME, no engine)."""
-        _check_grant(tool, by, self._egress)
+        _check_grant(tool, by, self._egress())
         if check_image and self._image_check is not None:
             self._image_check(tool)  # engine I/O: outside the write lock
         tool = dataclasses.replace(tool, owner=by.id)
@@ -355,17 +358,6 @@ def _change(old: ToolDefinition | None, new: ToolDefinition | None) -> str:
 
 
 def _check_grant(tool: ToolDefinition, by: Registrant, egress: EgressPolicy) -> None:
-    grant = by.grant
-    if not tool.safety_level.at_most(grant.max_level):
-        raise PermissionDenied(
-            f"client '{by.id}' may register tools up to level {grant.max_level.value};"
-            f" '{tool.name}' is {tool.safety_level.value}"
-        )
-    if not grant.allows_image(tool.sandbox.image):
-        raise PermissionDenied(
-            f"client '{by.id}' may not register tools from image '{tool.sandbox.image}'"
-            f" (allowed: {', '.join(grant.images) or 'none'})"
-        )
-    refusal = egress_refusal(tool, by.id, grant, egress)
+    refusal = grant_refusal(tool, by.id, by.grant, egress)
     if refusal is not None:
         raise PermissionDenied(refusal)

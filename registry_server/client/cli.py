@@ -42,6 +42,8 @@ keys_app = typer.Typer(help="Approver key pairs (Ed25519).", no_args_is_help=Tru
 app.add_typer(keys_app, name="keys")
 audit_app = typer.Typer(help="The hash-chained audit log.", no_args_is_help=True)
 app.add_typer(audit_app, name="audit")
+policy_app = typer.Typer(help="Check, reload and show the policy.", no_args_is_help=True)
+app.add_typer(policy_app, name="policy")
 
 
 @dataclass(frozen=True)
@@ -703,6 +705,55 @@ def keys_generate(
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(public_text + "\n")
         typer.echo(f"trusted in development mode as approver '{approver}': {target}")
+
+
+# ------------------------------------------------------------------ policy
+
+
+def _info_line(info: Any) -> str:
+    if not info.policy_digest:
+        return "development mode (no policy file)"
+    loaded = info.policy_loaded_at.ToDatetime().strftime("%Y-%m-%d %H:%M:%S")
+    return f"policy {info.policy_source} digest {info.policy_digest} loaded {loaded} UTC"
+
+
+@policy_app.command("check")
+def policy_check(file: Path) -> None:
+    """Validate a policy file offline, as the server would load it (exit 2 when not)."""
+    from registry_server.policy.loader import load_policy
+    from registry_server.policy.model import PolicyError
+
+    try:
+        policy = load_policy(file)
+    except PolicyError as exc:
+        fail("\n".join(exc.problems), 2)
+    typer.echo(
+        f"{file}: ok, digest {policy.digest}; {len(policy.clients)} client(s),"
+        f" {len(policy.approvers)} approver(s), {len(policy.rules)} rule(s)"
+    )
+
+
+@policy_app.command("reload")
+def policy_reload(ctx: typer.Context, address: AddressOpt = None) -> None:
+    """Make the server, and every server on its store, re-read its policy
+    file (admins). A file that does not load is refused; the old policy stays."""
+    with _client(ctx, address) as client:
+        try:
+            info = client.reload_policy()
+        except grpc.RpcError as err:
+            _rpc_failed(err, client.address)
+    typer.echo(f"reloaded: {_info_line(info)}")
+
+
+@policy_app.command("show")
+def policy_show(ctx: typer.Context, address: AddressOpt = None) -> None:
+    """Which policy the server enforces (compare digests across servers)."""
+    with _client(ctx, address) as client:
+        try:
+            info = client.server_info()
+        except grpc.RpcError as err:
+            _rpc_failed(err, client.address)
+    typer.echo(_info_line(info))
 
 
 # ------------------------------------------------------------------- audit

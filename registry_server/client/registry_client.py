@@ -503,6 +503,21 @@ class RegistryClient:
         result: pb.ToolResult = self.stub.ExecuteTool(request, timeout=timeout)
         return result
 
+    def reload_policy(self) -> pb.ServerInfo:
+        """ReloadPolicy (admins): this server and every server on its store
+        re-read their policy files. FAILED_PRECONDITION names every problem."""
+        info: pb.ServerInfo = self.stub.ReloadPolicy(
+            pb.ReloadPolicyRequest(), timeout=DEFAULT_TIMEOUT_S
+        )
+        return info
+
+    def server_info(self) -> pb.ServerInfo:
+        """GetServerInfo: the digest of the policy this server enforces."""
+        info: pb.ServerInfo = self.stub.GetServerInfo(
+            pb.GetServerInfoRequest(), timeout=DEFAULT_TIMEOUT_S
+        )
+        return info
+
     def approval_request(self, request_id: str) -> pb.ApprovalRequest:
         result: pb.ApprovalRequest = self.stub.GetApprovalRequest(
             pb.GetApprovalRequestRequest(id=request_id), timeout=DEFAULT_TIMEOUT_S

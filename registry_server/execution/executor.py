@@ -111,6 +111,10 @@ class Executor:
     def use_pools(self, pools: WarmPools) -> None:
         self._pools = pools
 
+    def use_sandbox_policy(self, policy: SandboxPolicy) -> None:
+        """A reloaded policy's ceilings, egress and grants, from the next call on."""
+        self._planner.policy = policy
+
     def warm_spec(self, tool: ToolDefinition) -> SandboxSpec | None:
         """What a warm container of ``tool`` is made from (None: it may not run here)."""
         return self._planner.warm_spec(tool)
@@ -177,12 +181,22 @@ class Executor:
 
     def _choose_runtime(self, record: AuditRecord, tool: ToolDefinition) -> Runtime:
         """The runtime ``tool`` runs under here (for runsc-net, with gVisor's
-        network mode): refused before the approval gate, so no approval request
-        is opened for a call the engine would not run."""
+        network mode), once its owner's grant is found to still cover it: both
+        refused before the approval gate, so no approval request is opened for
+        a call the engine or the policy would not run."""
         try:
-            return self._planner.runtime_for(tool)
+            runtime = self._planner.runtime_for(tool)
         except NoRuntime as exc:
             raise _refusal(record, Status.SANDBOX_ERROR, str(exc)) from None
+        try:
+            # Its owner's grant too (a reloaded policy may have narrowed it),
+            # before approvers are asked and before any secret is read.
+            self._planner.check_grant(tool)
+        except NotRunnable as exc:
+            raise _refusal(
+                record, Status.SANDBOX_ERROR, f"Tool '{tool.name}' cannot run: {exc}"
+            ) from None
+        return runtime
 
     def _approval_gate(
         self, record: AuditRecord, tool: ToolDefinition, arguments: ParsedArguments
@@ -219,10 +233,7 @@ class Executor:
         runtime: Runtime,
     ) -> SandboxSpec:
         try:
-            # Before the secrets are read: an owner the policy no longer lets
-            # grant them never causes a read.
-            self._planner.check_egress(tool)
-            values = self._planner.secret_values(tool)
+            values = self._planner.secret_values(tool)  # check_grant passed before the gate
             spec = self._planner.spec(tool, arguments.canonical, runtime.name, values)
         except NotRunnable as exc:
             raise _refusal(

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from registry_server.domain.models import SafetyLevel, ToolDefinition
 from registry_server.execution.secrets import SecretStore, SecretUnavailable
-from registry_server.policy.egress import egress_refusal
+from registry_server.policy.grants import grant_refusal
 from registry_server.policy.model import UNRESTRICTED, EgressPolicy, RegisterGrant
 from sandbox_runner import (
     EgressSpec,
@@ -194,7 +194,7 @@ class SandboxPlanner:
         ``input_bytes``: the RFC 8785 canonical arguments, the very bytes an
         approval's args_digest hashes (1 and 1.0 cannot differ on the way).
         ``secrets``: the tool's secret values (``secret_values``), read once per
-        call after ``check_egress`` passed; NotRunnable when they are not all
+        call after ``check_grant`` passed; NotRunnable when they are not all
         there."""
         requested = Limits(**tool.sandbox.limits.as_dict(), tmpfs_mb=0, nofile=0, fsize_mb=0)
         limits = self.policy.ceilings[tool.safety_level].tightest(requested)
@@ -221,11 +221,12 @@ class SandboxPlanner:
             secret_files=files,
         )
 
-    def check_egress(self, tool: ToolDefinition) -> None:
-        """NotRunnable when the policy no longer lets the tool's owner give it
-        its egress or secrets (or its level may not have egress)."""
+    def check_grant(self, tool: ToolDefinition) -> None:
+        """NotRunnable when the policy in force no longer lets the tool's owner
+        give it what it has: its level, its image, its egress or secrets (or
+        its level may not have egress). A narrowed grant stops stored tools."""
         policy = self.policy
-        refusal = egress_refusal(tool, tool.owner, policy.grant_of(tool.owner), policy.egress)
+        refusal = grant_refusal(tool, tool.owner, policy.grant_of(tool.owner), policy.egress)
         if refusal is not None:
             raise NotRunnable(refusal)
 
@@ -245,7 +246,7 @@ class SandboxPlanner:
     ) -> tuple[EgressSpec | None, tuple[SecretFile, ...]]:
         if not tool.egress and not tool.secrets:
             return None, ()
-        policy = self.policy  # the executor ran check_egress before reading the values
+        policy = self.policy  # the executor ran check_grant before reading the values
         if set(values) != {ref.name for ref in tool.secrets}:
             raise NotRunnable(f"the secrets of '{tool.name}' were not read for this call")
         files = tuple(

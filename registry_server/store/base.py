@@ -288,6 +288,11 @@ class UnitOfWork(StoreReads, Protocol):
         when it was not open."""
         ...
 
+    def announce_policy(self, digest: str) -> None:
+        """Ask every other server on the store, on commit, to re-read its
+        policy file (a store only one server uses does nothing)."""
+        ...
+
     def add_event(self, event: ApprovalEventRecord) -> None:
         """Store an approval event (approvals/events.py makes it, after the
         audit entry whose seq it takes). SQL stores announce it to the other
@@ -345,6 +350,12 @@ class Store(Protocol):
         """Call ``on_change()`` when another server stores an approval event
         (and after a reconnect, when some may have been missed). A store only
         one server uses never calls it."""
+        ...
+
+    def watch_policy(self, on_reload: Callable[[], None]) -> None:
+        """Call ``on_reload()`` when another server announces a policy reload
+        (``UnitOfWork.announce_policy``). A store only one server uses never
+        calls it."""
         ...
 
     def close(self) -> None: ...

@@ -240,6 +240,9 @@ class _Writes(_Reads):
     def add_event(self, event: ApprovalEventRecord) -> None:
         self._data.events.append(event)
 
+    def announce_policy(self, digest: str) -> None:
+        """One server: nobody to tell."""
+
     def add_webhook_delivery(self, delivery: WebhookDeliveryRecord) -> None:
         key = (delivery.event_seq, delivery.endpoint)
         if key in self._data.deliveries:
@@ -293,6 +296,9 @@ class MemoryStore:
 
     def watch_approvals(self, on_change: Callable[[], None]) -> None:
         """One server: its own events are the only ones."""
+
+    def watch_policy(self, on_reload: Callable[[], None]) -> None:
+        """One server: no other server to hear from."""
 
     @contextmanager
     def reading(self) -> Iterator[_Reads]:

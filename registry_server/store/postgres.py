@@ -19,9 +19,11 @@ Messages name the database by its URL without the password.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from urllib.parse import urlsplit, urlunsplit
@@ -38,6 +40,7 @@ CONNECT_TIMEOUT_S = 5  # seconds to reach the database before a call fails
 POOL_TIMEOUT_S = 5.0  # seconds a call waits for a pooled connection
 TOOLS_CHANNEL = "toolreg_tools"  # NOTIFY channel: payload = the changed tool's name
 APPROVALS_CHANNEL = "toolreg_approvals"  # NOTIFY channel: payload = an approval event's seq
+POLICY_CHANNEL = "toolreg_policy"  # NOTIFY channel: payload = "<announcing store>:<digest>"
 LISTEN_RETRY_S = 1.0  # seconds between reconnects of the listener
 _AUDIT_LOCK = 7_402_001  # advisory lock keys (any constants unique to toolreg)
 _MIGRATION_LOCK = 7_402_002
@@ -185,6 +188,12 @@ class PostgresStore:
     def __init__(self, url: str, *, max_connections: int = 16, must_exist: bool = False) -> None:
         self.url = url
         self._shown = redacted(url)
+        # Who announces a policy reload: this server hears its own NOTIFY too.
+        self._instance = uuid.uuid4().hex
+        self._dialect = dataclasses.replace(
+            POSTGRES,
+            announce_policy=f"SELECT pg_notify('{POLICY_CHANNEL}', '{self._instance}:' || %s)",
+        )
         self._closed = threading.Event()
         self._watchers: list[threading.Thread] = []
         try:
@@ -250,13 +259,13 @@ class PostgresStore:
     @contextmanager
     def reading(self) -> Iterator[SqlReads]:
         with self._connection() as conn:
-            yield SqlReads(conn, POSTGRES)
+            yield SqlReads(conn, self._dialect)
 
     @contextmanager
     def unit_of_work(self) -> Iterator[SqlWrites]:
         """One transaction: all of it is committed, or none of it."""
         with self._connection() as conn, conn.transaction():
-            yield SqlWrites(conn, POSTGRES)
+            yield SqlWrites(conn, self._dialect)
 
     def healthy(self) -> bool:
         return answers(self)
@@ -271,6 +280,16 @@ class PostgresStore:
         """Call ``on_change()`` when any server stores an approval event, and
         after every (re)connect (the watcher re-reads from its last seq)."""
         self._watch(APPROVALS_CHANNEL, lambda _seq: on_change())
+
+    def watch_policy(self, on_reload: Callable[[], None]) -> None:
+        """Call ``on_reload()`` when another server announces a policy reload
+        (not on reconnects: a server keeps the policy it has)."""
+
+        def heard(payload: str | None) -> None:
+            if payload is not None and payload.partition(":")[0] != self._instance:
+                on_reload()
+
+        self._watch(POLICY_CHANNEL, heard)
 
     def _watch(self, channel: str, on_change: Callable[[str | None], None]) -> None:
         thread = threading.Thread(

@@ -46,6 +46,8 @@ class Dialect:
     lock_request: str | None = None
     # run after an approval event is stored (PostgreSQL: NOTIFY the other servers)
     announce_event: str | None = None
+    # asks the other servers to re-read their policy (PostgreSQL: NOTIFY), or nothing
+    announce_policy: str | None = None
     # ends the select of rows to claim (PostgreSQL: FOR UPDATE SKIP LOCKED, so
     # servers claiming at once take different rows; SQLite has one writer)
     skip_locked: str = ""
@@ -426,6 +428,10 @@ class SqlWrites(SqlReads):
             (request_id, now),
         ).rowcount
         return bool(changed == 1)
+
+    def announce_policy(self, digest: str) -> None:
+        if self._dialect.announce_policy:
+            self._run(self._dialect.announce_policy, (digest,))
 
     def add_event(self, event: ApprovalEventRecord) -> None:
         e = event

@@ -246,6 +246,9 @@ class SqliteStore:
     def watch_approvals(self, on_change: Callable[[], None]) -> None:
         """One server per file: its own events are the only ones."""
 
+    def watch_policy(self, on_reload: Callable[[], None]) -> None:
+        """One server per file: no other server to hear from."""
+
     def close(self) -> None:
         with self._lock:
             self._db.close()

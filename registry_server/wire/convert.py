@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import json
-from datetime import UTC
+from datetime import UTC, datetime
 from typing import Any
 
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -38,6 +39,7 @@ from registry_server.domain.models import (
 )
 from registry_server.domain.outcome import ApprovalEventView, ApprovalRequestView, Outcome, Status
 from registry_server.domain.schemas import SchemaFormat
+from registry_server.policy.model import Policy
 from sandbox_runner.egress import rules
 
 _LEVEL_TO_PB = {
@@ -296,6 +298,23 @@ def approval_request_from_pb(msg: pb.ApprovalRequest) -> ApprovalRequestView:
         rejection_reason=msg.rejection_reason,
         voided_reason=msg.voided_reason,
     )
+
+
+def server_info_to_pb(policy: Policy, loaded_at: float) -> pb.ServerInfo:
+    info = pb.ServerInfo(
+        policy_digest=policy.digest,
+        policy_source=policy.source if policy.digest else "",
+        version=toolreg_version(),
+    )
+    info.policy_loaded_at.CopyFrom(_timestamp(datetime.fromtimestamp(loaded_at, UTC)))
+    return info
+
+
+def toolreg_version() -> str:
+    try:
+        return importlib.metadata.version("toolreg")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def approval_event_to_pb(item: ApprovalEventView) -> pb.ApprovalEvent:

@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 import pytest
+import yaml
 from grpc_health.v1 import health_pb2
 
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
@@ -212,6 +213,36 @@ def test_an_expiry_is_recorded_once_across_servers(start_cluster: StartCluster) 
     assert expired == [{"event": "expired", "request_id": request_id}]
     assert [e.type for e in events if e.request_id == request_id] == ["OPENED", "EXPIRED"]
     watch.cancel()
+
+
+def test_a_policy_reload_asked_of_one_server_is_done_by_all(start_cluster: StartCluster) -> None:
+    cluster = start_cluster(3)
+    before = [
+        cluster.stub(i, "agent2").GetServerInfo(pb.GetServerInfoRequest()).policy_digest
+        for i in range(3)
+    ]
+    assert len(set(before)) == 1 and before[0]
+    policy = yaml.safe_load(cluster.policy.read_text())
+    policy["clients"] = [c for c in policy["clients"] if c["id"] != "agent2"]
+    cluster.policy.write_text(yaml.safe_dump(policy, sort_keys=False))
+    info = cluster.stub(0, "admin").ReloadPolicy(pb.ReloadPolicyRequest())
+    assert info.policy_digest != before[0]
+
+    def revoked_everywhere() -> bool:
+        for index in range(3):
+            try:
+                cluster.stub(index, "agent2").GetServerInfo(pb.GetServerInfoRequest())
+                return False
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.UNAUTHENTICATED
+        return True
+
+    assert wait_for("agent2 revoked on every server", revoked_everywhere) < 1.0
+    digests = {
+        cluster.stub(i, "agent").GetServerInfo(pb.GetServerInfoRequest()).policy_digest
+        for i in range(3)
+    }
+    assert digests == {info.policy_digest}
 
 
 def test_one_approved_call_sent_to_three_servers_at_once_runs_exactly_once(

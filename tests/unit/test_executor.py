@@ -47,7 +47,7 @@ from registry_server.execution.executor import NOT_A_NAME, Executor
 from registry_server.execution.sandbox_plan import SandboxPolicy
 from registry_server.execution.warm_pool import WarmPools
 from registry_server.policy.loader import load_policy
-from registry_server.policy.model import Policy
+from registry_server.policy.model import Policy, RegisterGrant
 from registry_server.signing.keys import generate_keypair, load_private_key
 from registry_server.signing.tokens import mint, mint_for
 from registry_server.store.memory import MemoryStore
@@ -1058,3 +1058,17 @@ def test_a_store_that_cannot_write_fails_audited_calls_but_not_safe_ones(tmp_pat
 
     store.failing = False
     assert env.call("wipe", approval_tokens=tokens).status is Status.OK
+
+
+def test_a_narrowed_grant_refuses_the_call_before_any_approval_is_asked(env: Env) -> None:
+    # A reloaded policy that no longer lets the owner give the tool its level.
+    narrowed = RegisterGrant(SafetyLevel.CAUTIOUS, ("*",))
+    env.executor.use_sandbox_policy(
+        dataclasses.replace(env.executor._planner.policy, grant_of=lambda _owner: narrowed)
+    )
+    outcome = env.call("wipe")
+    assert outcome.status is Status.SANDBOX_ERROR
+    assert outcome.error.startswith("Tool 'wipe' cannot run: client ")
+    assert "may register tools up to level cautious; 'wipe' is dangerous" in outcome.error
+    assert env.kinds().count("approval") == 0  # the approvers were never asked
+    assert sandbox_calls(env) == []
