@@ -58,7 +58,12 @@ def create_server(config: ServerConfig, app: App | None = None) -> tuple[grpc.Se
     )
     pb_grpc.add_ToolRegistryServicer_to_server(
         ToolRegistryServicer(
-            app.registry, app.executor, app.approvals, app.watches, app.policy, app.reloads,
+            app.registry,
+            app.executor,
+            app.approvals,
+            app.watches,
+            app.policy,
+            app.reloads,
             pages=page_tokens(app.store),
         ),
         server,

@@ -119,6 +119,14 @@ LevelOpt = Annotated[
 CategoryOpt = Annotated[
     list[str] | None, typer.Option("--category", help="Only tools in any of these (repeatable).")
 ]
+PageSizeOpt = Annotated[
+    int,
+    typer.Option(
+        "--page-size",
+        min=0,
+        help="Items asked for per page (0 = the server's default); every page is shown.",
+    ),
+]
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
@@ -280,14 +288,16 @@ def tools_list(
     max_level: LevelOpt = None,
     category: CategoryOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    page_size: PageSizeOpt = 0,
     address: AddressOpt = None,
 ) -> None:
-    """List registered tools."""
+    """List registered tools (all of them, a page at a time)."""
     level = _level(max_level)
     with _client(ctx, address) as client:
         try:
             tools = [
-                client_mod.tool_from_message(t) for t in client.list_tools(level, category or ())
+                client_mod.tool_from_message(t)
+                for t in client.list_tools(level, category or (), page_size)
             ]
         except grpc.RpcError as err:
             _rpc_failed(err, client.address)
@@ -404,16 +414,17 @@ def tools_schemas(
     ] = "openai",
     max_level: LevelOpt = None,
     category: CategoryOpt = None,
+    page_size: PageSizeOpt = 0,
     address: AddressOpt = None,
 ) -> None:
-    """Export tool schemas for an LLM API."""
+    """Export tool schemas for an LLM API (all of them, a page at a time)."""
     level = _level(max_level)
     with _client(ctx, address) as client:
         try:
             if fmt.strip().lower() == "text":
                 tools = [
                     client_mod.tool_from_message(t)
-                    for t in client.list_tools(level, category or ())
+                    for t in client.list_tools(level, category or (), page_size)
                 ]
                 # as GetToolSchemas: a disabled tool is not offered to the model
                 typer.echo(tool_belt([t for t in tools if not t.disabled]), nl=False)
@@ -422,7 +433,7 @@ def tools_schemas(
                 schema_format = SchemaFormat.parse(fmt)
             except ValueError as exc:
                 fail(f"--format: {exc}", 2)
-            text = client.schemas(schema_format, level, category or ())
+            text = client.schemas(schema_format, level, category or (), page_size)
         except grpc.RpcError as err:
             _rpc_failed(err, client.address)
     typer.echo(json.dumps(json.loads(text), indent=2, ensure_ascii=False))
@@ -531,12 +542,13 @@ def approvals_list(
     state: Annotated[
         str, typer.Option("--state", help="PENDING, APPROVED, CONSUMED, REJECTED or EXPIRED.")
     ] = "",
+    page_size: PageSizeOpt = 0,
     address: AddressOpt = None,
 ) -> None:
-    """List approval requests, newest first."""
+    """List approval requests, newest first (all you may see, a page at a time)."""
     with _client(ctx, address) as client:
         try:
-            found = client.approval_requests(state)
+            found = client.approval_requests(state, page_size=page_size)
         except grpc.RpcError as err:
             _rpc_failed(err, client.address)
     if not found:

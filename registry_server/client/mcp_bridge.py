@@ -38,6 +38,11 @@ Mapping:
   the arguments before sending them and passes it as
   ``ExecuteToolRequest.approval_request_id``. It is deliberately not part of
   any ``inputSchema``.
+* ``tools/list`` answers a page at a time (the server's default page size):
+  MCP's ``cursor`` is sent as ListTools' ``page_token`` and its
+  ``next_page_token`` comes back as ``nextCursor`` (absent on the last page).
+  A cursor the server refuses (altered, or from a bridge with other filters)
+  is JSON-RPC error -32602 (invalid params), as the MCP spec asks.
 * gRPC failures (server down, permission denied, ...) become ``isError``
   results with a readable message on ``tools/call``, and JSON-RPC errors on
   ``tools/list``; the bridge itself keeps running.
@@ -186,21 +191,39 @@ class Bridge:
             )
         return describe_rpc_error(err)
 
-    def _visible(self, client: RegistryClient) -> list[pb.Tool]:
-        return client.list_tools(self.max_level, self.categories)
+    def _page(self, client: RegistryClient, cursor: str) -> pb.ListToolsResponse:
+        return client.list_tools_page(self.max_level, self.categories, page_token=cursor)
+
+    def _offered(self, client: RegistryClient, name: str) -> bool:
+        """Whether this bridge's filters let the tool through (as ListTools
+        filters: at or below the level, any of the categories). One GetTool,
+        not a walk through every page of the listing."""
+        try:
+            tool = convert.stored_tool_from_pb(client.get(name))
+        except grpc.RpcError as err:
+            if isinstance(err, grpc.Call) and err.code() == grpc.StatusCode.NOT_FOUND:
+                return False
+            raise
+        if self.max_level is not None and not tool.safety_level.at_most(self.max_level):
+            return False
+        return not self.categories or not set(self.categories).isdisjoint(tool.categories)
 
     async def list_tools(
         self, ctx: ServerRequestContext[Any], params: types.PaginatedRequestParams | None
     ) -> types.ListToolsResult:
         client = self.client_for(ctx)
+        cursor = (params.cursor if params is not None else None) or ""
         try:
-            tools = await anyio.to_thread.run_sync(self._visible, client)
+            page = await anyio.to_thread.run_sync(self._page, client, cursor)
         except grpc.RpcError as err:
             message = self._rpc_message(client, err)
+            if isinstance(err, grpc.Call) and err.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise MCPError(types.INVALID_PARAMS, f"invalid cursor: {message}") from None
             log.warning("ListTools failed: %s", message)
             raise MCPError(types.INTERNAL_ERROR, message) from None
         # A disabled tool is not offered to the model (every call would be refused).
-        return types.ListToolsResult(tools=[tool_to_mcp(t) for t in tools if not t.disabled])
+        offered = [tool_to_mcp(t) for t in page.tools if not t.disabled]
+        return types.ListToolsResult(tools=offered, next_cursor=page.next_page_token or None)
 
     async def call_tool(
         self, ctx: ServerRequestContext[Any], params: types.CallToolRequestParams
@@ -225,13 +248,12 @@ class Bridge:
         wants_progress = ctx.meta is not None and ctx.meta.get("progress_token") is not None
         try:
             # A filtered bridge must not run tools its listing hides.
-            if self.max_level is not None or self.categories:
-                visible = await anyio.to_thread.run_sync(self._visible, client)
-                if name not in {t.name for t in visible}:
-                    return types.CallToolResult(
-                        content=[_text(f"TOOL_NOT_FOUND: Tool {name!r} is not offered here")],
-                        is_error=True,
-                    )
+            filtered = self.max_level is not None or bool(self.categories)
+            if filtered and not await anyio.to_thread.run_sync(self._offered, client, name):
+                return types.CallToolResult(
+                    content=[_text(f"TOOL_NOT_FOUND: Tool {name!r} is not offered here")],
+                    is_error=True,
+                )
             args_json = arguments_text(arguments)
             if wants_progress:
                 request = pb.ExecuteToolRequest(

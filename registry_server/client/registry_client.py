@@ -24,11 +24,11 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from google.rpc import error_details_pb2
@@ -40,6 +40,7 @@ from registry_server.client.trace_context import TraceContext
 from registry_server.domain.files import read_credential
 from registry_server.domain.models import SafetyLevel, ToolDefinition
 from registry_server.domain.outcome import ApprovalEventView, ApprovalRequestView, Status
+from registry_server.domain.pages import Page
 from registry_server.domain.schemas import SchemaFormat
 from registry_server.wire import convert
 from registry_server.wire.endpoint import DEFAULT_HOST, DEFAULT_PORT
@@ -50,6 +51,8 @@ DEFAULT_TIMEOUT_S = 30.0  # seconds for registry calls; executions get their own
 DEFAULT_POLL_S = 1.0  # seconds between polls, against a server that cannot watch
 REWATCH_PAUSE_AFTER_S = 1.0  # seconds: a watch that ended sooner is retried after a pause
 REWATCH_PAUSE_S = 0.25  # seconds of that pause
+
+T = TypeVar("T")
 
 
 def _settled(request: ApprovalRequestView) -> bool:
@@ -63,6 +66,37 @@ def _still_waiting(request_id: str, last: ApprovalRequestView, timeout_s: float)
         f" {timeout_s:g}s ({len(last.approved_by)} of {last.approvals_required} approvals)",
         last,
     )
+
+
+def follow_pages(fetch: Callable[[str], tuple[Iterable[T], str]]) -> Iterator[T]:
+    """Every item of a paged listing (AIP-158): ``fetch(page_token)`` gives a
+    page's items and the next token, "" on the last page. A server that
+    answers a token it was given with the same token again is an error, not an
+    endless loop."""
+    token, seen = "", set()
+    while True:
+        items, token = fetch(token)
+        yield from items
+        if not token:
+            return
+        if token in seen:
+            raise RuntimeError("the server repeated a page token; the listing does not advance")
+        seen.add(token)
+
+
+def join_json_arrays(texts: list[str]) -> str:
+    """JSON array texts (pages of GetToolSchemas) as one JSON array text, each
+    element's text unchanged."""
+    if len(texts) == 1:
+        return texts[0]
+    inner = []
+    for text in texts:
+        text = text.strip()
+        if not (text.startswith("[") and text.endswith("]")):
+            raise ValueError("GetToolSchemas did not return a JSON array")
+        if body := text[1:-1].strip():
+            inner.append(body)
+    return "[" + ",".join(inner) + "]"
 
 
 def default_address() -> str:
@@ -292,22 +326,63 @@ class RegistryClient:
         return tool_from_message(msg)
 
     def list_tool_definitions(
-        self, max_level: SafetyLevel | None = None, categories: Iterable[str] = ()
+        self,
+        max_level: SafetyLevel | None = None,
+        categories: Iterable[str] = (),
+        *,
+        page_size: int = 0,
     ) -> list[ToolDefinition]:
-        """ListTools: tools at or below ``max_level`` with any of ``categories``."""
-        return [tool_from_message(t) for t in self.list_tools(max_level, categories)]
+        """ListTools: tools at or below ``max_level`` with any of ``categories``,
+        every page (``page_size`` tools a page; 0 = the server's default)."""
+        return [tool_from_message(t) for t in self.list_tools(max_level, categories, page_size)]
+
+    def tools_page(
+        self,
+        max_level: SafetyLevel | None = None,
+        categories: Iterable[str] = (),
+        *,
+        page_size: int = 0,
+        page_token: str = "",
+    ) -> Page[ToolDefinition]:
+        """One page of ListTools, and the token of the next ("" on the last);
+        pass the same filters with that token."""
+        msg = self.list_tools_page(max_level, categories, page_size, page_token)
+        return Page([tool_from_message(t) for t in msg.tools], msg.next_page_token)
 
     def tool_schemas(
         self,
         fmt: SchemaFormat = SchemaFormat.OPENAI,
         max_level: SafetyLevel | None = None,
         categories: Iterable[str] = (),
+        *,
+        page_size: int = 0,
     ) -> list[dict[str, Any]]:
-        """GetToolSchemas, parsed: the list to hand to a model as its tools."""
-        parsed = json.loads(self.schemas(fmt, max_level, categories))
+        """GetToolSchemas, parsed, every page: the list to hand to a model as its tools."""
+        categories = list(categories)
+
+        def fetch(token: str) -> tuple[list[dict[str, Any]], str]:
+            page = self.tool_schemas_page(
+                fmt, max_level, categories, page_size=page_size, page_token=token
+            )
+            return page.items, page.next_page_token
+
+        return list(follow_pages(fetch))
+
+    def tool_schemas_page(
+        self,
+        fmt: SchemaFormat = SchemaFormat.OPENAI,
+        max_level: SafetyLevel | None = None,
+        categories: Iterable[str] = (),
+        *,
+        page_size: int = 0,
+        page_token: str = "",
+    ) -> Page[dict[str, Any]]:
+        """One page of GetToolSchemas, parsed, and the token of the next."""
+        msg = self.schemas_page(fmt, max_level, categories, page_size, page_token)
+        parsed = json.loads(msg.schemas_json)
         if not isinstance(parsed, list):
             raise ValueError("GetToolSchemas did not return a JSON array")
-        return [dict(item) for item in parsed]
+        return Page([dict(item) for item in parsed], msg.next_page_token)
 
     def execute_tool(
         self,
@@ -356,10 +431,21 @@ class RegistryClient:
             elif kind == "result":
                 yield StreamEvent(result=result_from_message(event.result))
 
-    def list_approval_requests(self, state: str = "", limit: int = 0) -> list[ApprovalRequestView]:
-        """ListApprovalRequests (state: PENDING, APPROVED, CONSUMED, REJECTED, EXPIRED or
-        "" = all)."""
-        return [approval_from_message(r) for r in self.approval_requests(state, limit)]
+    def list_approval_requests(
+        self, state: str = "", limit: int = 0, *, page_size: int = 0
+    ) -> list[ApprovalRequestView]:
+        """ListApprovalRequests, newest first (state: PENDING, APPROVED, CONSUMED,
+        REJECTED, VOIDED, EXPIRED or "" = all), every page: at most ``limit``
+        (0 = all), ``page_size`` a page (0 = ``limit``, else the server's default)."""
+        found = self.approval_requests(state, limit, page_size=page_size)
+        return [approval_from_message(r) for r in found]
+
+    def approval_requests_page(
+        self, state: str = "", *, page_size: int = 0, page_token: str = ""
+    ) -> Page[ApprovalRequestView]:
+        """One page of ListApprovalRequests, and the token of the next ("" on the last)."""
+        msg = self.approval_requests_page_message(state, page_size, page_token)
+        return Page([approval_from_message(r) for r in msg.requests], msg.next_page_token)
 
     def get_approval_request(self, request_id: str) -> ApprovalRequestView:
         """GetApprovalRequest. Raises grpc.RpcError NOT_FOUND for an unknown id."""
@@ -469,25 +555,70 @@ class RegistryClient:
         return result
 
     def list_tools(
-        self, max_level: SafetyLevel | None = None, categories: Iterable[str] = ()
+        self,
+        max_level: SafetyLevel | None = None,
+        categories: Iterable[str] = (),
+        page_size: int = 0,
     ) -> list[pb.Tool]:
+        """ListTools, every page."""
+        categories = list(categories)
+
+        def fetch(token: str) -> tuple[list[pb.Tool], str]:
+            msg = self.list_tools_page(max_level, categories, page_size, token)
+            return list(msg.tools), msg.next_page_token
+
+        return list(follow_pages(fetch))
+
+    def list_tools_page(
+        self,
+        max_level: SafetyLevel | None = None,
+        categories: Iterable[str] = (),
+        page_size: int = 0,
+        page_token: str = "",
+    ) -> pb.ListToolsResponse:
         request = pb.ListToolsRequest(
-            max_safety_level=convert.max_level_to_pb(max_level), categories=list(categories)
+            max_safety_level=convert.max_level_to_pb(max_level),
+            categories=list(categories),
+            page_size=page_size,
+            page_token=page_token,
         )
-        return list(self.stub.ListTools(request, timeout=DEFAULT_TIMEOUT_S).tools)
+        result: pb.ListToolsResponse = self.stub.ListTools(request, timeout=DEFAULT_TIMEOUT_S)
+        return result
 
     def schemas(
         self,
         fmt: SchemaFormat,
         max_level: SafetyLevel | None = None,
         categories: Iterable[str] = (),
+        page_size: int = 0,
     ) -> str:
+        """GetToolSchemas, every page, as one JSON array text."""
+        categories = list(categories)
+
+        def fetch(token: str) -> tuple[list[str], str]:
+            msg = self.schemas_page(fmt, max_level, categories, page_size, token)
+            return [msg.schemas_json], msg.next_page_token
+
+        return join_json_arrays(list(follow_pages(fetch)))
+
+    def schemas_page(
+        self,
+        fmt: SchemaFormat,
+        max_level: SafetyLevel | None = None,
+        categories: Iterable[str] = (),
+        page_size: int = 0,
+        page_token: str = "",
+    ) -> pb.GetToolSchemasResponse:
         request = pb.GetToolSchemasRequest(
             format=convert.format_to_pb(fmt),
             max_safety_level=convert.max_level_to_pb(max_level),
             categories=list(categories),
+            page_size=page_size,
+            page_token=page_token,
         )
-        result: str = self.stub.GetToolSchemas(request, timeout=DEFAULT_TIMEOUT_S).schemas_json
+        result: pb.GetToolSchemasResponse = self.stub.GetToolSchemas(
+            request, timeout=DEFAULT_TIMEOUT_S
+        )
         return result
 
     def execute(
@@ -524,9 +655,33 @@ class RegistryClient:
         )
         return result
 
-    def approval_requests(self, state: str = "", limit: int = 0) -> list[pb.ApprovalRequest]:
-        request = pb.ListApprovalRequestsRequest(state=state, limit=limit)
-        return list(self.stub.ListApprovalRequests(request, timeout=DEFAULT_TIMEOUT_S).requests)
+    def approval_requests(
+        self, state: str = "", limit: int = 0, *, page_size: int = 0
+    ) -> list[pb.ApprovalRequest]:
+        """ListApprovalRequests, every page: at most ``limit`` (0 = all)."""
+        size = page_size or limit
+
+        def fetch(token: str) -> tuple[list[pb.ApprovalRequest], str]:
+            msg = self.approval_requests_page_message(state, size, token)
+            return list(msg.requests), msg.next_page_token
+
+        found = []
+        for request in follow_pages(fetch):
+            found.append(request)
+            if len(found) == limit:
+                break
+        return found
+
+    def approval_requests_page_message(
+        self, state: str = "", page_size: int = 0, page_token: str = ""
+    ) -> pb.ListApprovalRequestsResponse:
+        request = pb.ListApprovalRequestsRequest(
+            state=state, page_size=page_size, page_token=page_token
+        )
+        result: pb.ListApprovalRequestsResponse = self.stub.ListApprovalRequests(
+            request, timeout=DEFAULT_TIMEOUT_S
+        )
+        return result
 
     def submit_approval(self, request_id: str, token: str) -> pb.ApprovalRequest:
         result: pb.ApprovalRequest = self.stub.SubmitApproval(

@@ -42,19 +42,24 @@ class Running:
 StartServer = Callable[..., Running]
 
 
+def start_running(data_dir: Path, **settings: Any) -> Running:
+    """A server in this process on a free loopback port, started; stop() it."""
+    settings.setdefault("host", "127.0.0.1")
+    config = ServerConfig(port=0, data_dir=data_dir, **settings)
+    server, port, app = create_server(config)
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    if "tls_cert" not in settings:  # a TLS server never answers a plaintext channel
+        grpc.channel_ready_future(channel).result(timeout=10)
+    return Running(server, port, app, channel, pb_grpc.ToolRegistryStub(channel))
+
+
 @pytest.fixture
 def start_server(tmp_path: Path) -> Iterator[StartServer]:
     running: list[Running] = []
 
     def start(data_dir: Path | None = None, **settings: Any) -> Running:
-        settings.setdefault("host", "127.0.0.1")
-        config = ServerConfig(port=0, data_dir=data_dir or tmp_path / "data", **settings)
-        server, port, app = create_server(config)
-        server.start()
-        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-        if "tls_cert" not in settings:  # a TLS server never answers a plaintext channel
-            grpc.channel_ready_future(channel).result(timeout=10)
-        r = Running(server, port, app, channel, pb_grpc.ToolRegistryStub(channel))
+        r = start_running(data_dir or tmp_path / "data", **settings)
         running.append(r)
         return r
 

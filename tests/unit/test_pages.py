@@ -26,6 +26,7 @@ from registry_server.approvals.service import (
 )
 from registry_server.catalog.registry import Registry
 from registry_server.catalog.views import DEFAULT_TOOLS_PAGE, MAX_TOOLS_PAGE, RegistryViews
+from registry_server.client.registry_client import follow_pages, join_json_arrays
 from registry_server.domain import strict_json
 from registry_server.domain.errors import InvalidArgument
 from registry_server.domain.models import ToolDefinition
@@ -565,3 +566,23 @@ def test_the_deprecated_limit_is_the_page_size(tmp_path: Path) -> None:
     assert info.value.message == "page_size: must not be negative"
     with pytest.raises(InvalidArgument):
         approvals.page_requests("DONE", 0, "", ADMIN, tokens)
+
+
+# ------------------------------------------------------------- the client side
+
+
+def test_following_pages_stops_on_the_empty_token_and_on_a_repeated_one() -> None:
+    answers = {"": ([1, 2], "t1"), "t1": ([], "t2"), "t2": ([3], "")}
+    assert list(follow_pages(lambda token: answers[token])) == [1, 2, 3]
+    with pytest.raises(RuntimeError, match="repeated a page token"):
+        list(follow_pages(lambda token: ([1], "same")))
+
+
+def test_schema_pages_join_into_one_array_with_their_text_unchanged() -> None:
+    pages = ['[{"a":1.0}]', "[]", '[{"b":[]} , {"c":"]"}]']
+    joined = join_json_arrays(pages)
+    assert joined == '[{"a":1.0},{"b":[]} , {"c":"]"}]'
+    assert json.loads(joined) == [{"a": 1.0}, {"b": []}, {"c": "]"}]
+    assert join_json_arrays(["[]"]) == "[]" and join_json_arrays(["[]", "[]"]) == "[]"
+    with pytest.raises(ValueError):
+        join_json_arrays(["[]", "{}"])
