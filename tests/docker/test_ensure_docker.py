@@ -11,7 +11,11 @@ runtimes a fake `dockerd` process loaded, which reloads daemon.json on SIGHUP
 as dockerd does, and a fake `runsc` that says the version a test gives it.
 Nothing touches this machine's real engine or its files: every path the
 script writes or signals through is the test's own (checked by
-``untouched_host``)."""
+``untouched_host``).
+
+In the docker tier, not the unit tier: each test runs the script with fake
+docker, dockerd and runsc programs, dozens of processes, seconds each.
+"""
 
 from __future__ import annotations
 
