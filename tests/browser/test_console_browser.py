@@ -270,3 +270,28 @@ def test_a_rejection_with_its_reason_reaches_the_agent(
     result = deployment.call("deploy_note", note, request_id)
     assert result.status is Status.APPROVAL_DENIED, result
     assert "Not during the release freeze" in result.error
+
+
+def test_a_webhook_link_marks_the_request_it_names(
+    deployment: Deployment, browsers: Callable[[], Page]
+) -> None:
+    other = deployment.ask("deploy_note", "not the one the link names")
+    linked = deployment.ask("deploy_note", "the one a webhook linked to")
+    alice = browsers()
+    # As an approver arrives from a webhook's link: <console_url>/#/requests/<id>.
+    alice.driver.get(f"{alice.console.url.rstrip('/')}/#/requests/{linked}")
+    alice.wait("the sign-in form", lambda d: alice.by_id("token").is_displayed())
+    alice.by_id("token").send_keys(TOKENS["alice"])
+    alice.driver.find_element(By.CSS_SELECTOR, "#sign-in-form button").click()
+    card = alice.card(linked)
+    alice.wait("the linked request marked", lambda d: "linked" in str(card.get_attribute("class")))
+    assert "linked" not in str(alice.card(other).get_attribute("class"))
+    # Another link, as a second webhook would give, moves the mark.
+    alice.driver.execute_script(f"window.location.hash = '#/requests/{other}'")
+    alice.wait(
+        "the mark moved", lambda d: "linked" in str(alice.card(other).get_attribute("class"))
+    )
+    assert "linked" not in str(alice.card(linked).get_attribute("class"))
+    # Anything else in the hash marks nothing.
+    alice.driver.execute_script("window.location.hash = '#/requests/<img src=x>'")
+    alice.wait("no mark", lambda d: not d.find_elements(By.CSS_SELECTOR, "article.linked"))

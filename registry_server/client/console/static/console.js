@@ -145,8 +145,25 @@
     cards.set(id, card);
     $('requests').prepend(root);
     showEmpty();
+    showLinked();
     return card;
   }
+
+  // A webhook links to #/requests/<id>: that request is marked and scrolled to
+  // once it is on the page (only an id of the registry's own shape is read).
+  function linkedId() {
+    const match = /^#\/requests\/([0-9a-f]{32})$/.exec(window.location.hash);
+    return match ? match[1] : '';
+  }
+
+  function showLinked() {
+    const id = linkedId();
+    for (const card of cards.values()) card.root.classList.toggle('linked', card.id === id);
+    const card = cards.get(id);
+    if (card) card.root.scrollIntoView({ block: 'start' });
+  }
+
+  window.addEventListener('hashchange', showLinked);
 
   function showEmpty() {
     $('empty').hidden = cards.size > 0;
