@@ -25,6 +25,7 @@ import type {
   ApprovalState,
   CallResult,
   JsonValue,
+  Page,
   SafetyLevel,
   SchemaFormat,
   StreamEvent,
@@ -68,6 +69,14 @@ export interface ToolFilter {
   maxLevel?: SafetyLevel;
   /** Tools having at least one of these categories (default: all). */
   categories?: string[];
+}
+
+/** Which page of a listing (AIP-158). */
+export interface PageOptions {
+  /** Items per page; 0 or absent = the server's default (100 tools, 50 approval requests), above its maximum = the maximum. */
+  pageSize?: number;
+  /** A previous page's `nextPageToken`, with the same filters; absent = the first page. */
+  pageToken?: string;
 }
 
 export interface WaitOptions {
@@ -173,26 +182,45 @@ export class ToolregClient {
     return toolFromPb(await this.#call(() => this.stub.setToolEnabled(request, this.#opts(options))));
   }
 
-  /** ListTools, sorted by name; the filters are ANDed. */
-  async listTools(filter: ToolFilter & CallOptions = {}): Promise<ToolDefinition[]> {
-    const request = { maxSafetyLevel: levelToPb(filter.maxLevel), categories: filter.categories ?? [] };
-    const response = await this.#call(() => this.stub.listTools(request, this.#opts(filter)));
-    return response.tools.map(toolFromPb);
+  /** ListTools, every page, sorted by name; the filters are ANDed. `pageSize`: tools asked for per page. */
+  async listTools(filter: ToolFilter & CallOptions & { pageSize?: number } = {}): Promise<ToolDefinition[]> {
+    return follow((pageToken) => this.listToolsPage({ ...filter, pageToken }));
   }
 
-  /** GetToolSchemas, parsed: the list to hand to a model as its tools (default format openai). */
+  /** One page of ListTools, and the token of the next ("" on the last); pass the same filters with it. */
+  async listToolsPage(filter: ToolFilter & CallOptions & PageOptions = {}): Promise<Page<ToolDefinition>> {
+    const request = {
+      maxSafetyLevel: levelToPb(filter.maxLevel),
+      categories: filter.categories ?? [],
+      pageSize: filter.pageSize ?? 0,
+      pageToken: filter.pageToken ?? "",
+    };
+    const response = await this.#call(() => this.stub.listTools(request, this.#opts(filter)));
+    return { items: response.tools.map(toolFromPb), nextPageToken: response.nextPageToken };
+  }
+
+  /** GetToolSchemas, parsed, every page: the list to hand to a model as its tools (default format openai). */
   async toolSchemas(
-    options: ToolFilter & CallOptions & { format?: SchemaFormat } = {},
+    options: ToolFilter & CallOptions & { format?: SchemaFormat; pageSize?: number } = {},
   ): Promise<Array<{ [key: string]: JsonValue }>> {
+    return follow((pageToken) => this.toolSchemasPage({ ...options, pageToken }));
+  }
+
+  /** One page of GetToolSchemas, parsed, and the token of the next ("" on the last). */
+  async toolSchemasPage(
+    options: ToolFilter & CallOptions & PageOptions & { format?: SchemaFormat } = {},
+  ): Promise<Page<{ [key: string]: JsonValue }>> {
     const request = {
       format: formatToPb(options.format),
       maxSafetyLevel: levelToPb(options.maxLevel),
       categories: options.categories ?? [],
+      pageSize: options.pageSize ?? 0,
+      pageToken: options.pageToken ?? "",
     };
     const response = await this.#call(() => this.stub.getToolSchemas(request, this.#opts(options)));
     const parsed: unknown = JSON.parse(response.schemasJson);
     if (!Array.isArray(parsed)) throw new TypeError("GetToolSchemas did not return a JSON array");
-    return parsed as Array<{ [key: string]: JsonValue }>;
+    return { items: parsed as Array<{ [key: string]: JsonValue }>, nextPageToken: response.nextPageToken };
   }
 
   /**
@@ -232,13 +260,24 @@ export class ToolregClient {
     }
   }
 
-  /** ListApprovalRequests, newest first (state: PENDING, APPROVED, CONSUMED, REJECTED, VOIDED, EXPIRED; default all). */
+  /**
+   * ListApprovalRequests, newest first (state: PENDING, APPROVED, CONSUMED, REJECTED, VOIDED, EXPIRED; default all),
+   * every page: at most `limit` (default all), `pageSize` per page (default `limit`, else the server's).
+   */
   async listApprovalRequests(
-    options: CallOptions & { state?: ApprovalState; limit?: number } = {},
+    options: CallOptions & { state?: ApprovalState; limit?: number; pageSize?: number } = {},
   ): Promise<ApprovalRequestView[]> {
-    const request = { state: options.state ?? "", limit: options.limit ?? 0 };
+    const pageSize = options.pageSize || options.limit || 0;
+    return follow((pageToken) => this.listApprovalRequestsPage({ ...options, pageSize, pageToken }), options.limit);
+  }
+
+  /** One page of ListApprovalRequests, and the token of the next ("" on the last); pass the same state with it. */
+  async listApprovalRequestsPage(
+    options: CallOptions & PageOptions & { state?: ApprovalState } = {},
+  ): Promise<Page<ApprovalRequestView>> {
+    const request = { state: options.state ?? "", pageSize: options.pageSize ?? 0, pageToken: options.pageToken ?? "" };
     const response = await this.#call(() => this.stub.listApprovalRequests(request, this.#opts(options)));
-    return response.requests.map(approvalFromPb);
+    return { items: response.requests.map(approvalFromPb), nextPageToken: response.nextPageToken };
   }
 
   /** GetApprovalRequest, with the full arguments. Throws RpcError NOT_FOUND for an unknown id. */
@@ -432,6 +471,26 @@ export class ToolregClient {
     } catch (err) {
       throw toRpcError(err);
     }
+  }
+}
+
+/**
+ * Every item of a paged listing: `fetch(token)` gives a page ("" = the first).
+ * Stops on the empty token, or at `limit` items; a server that answers a
+ * token with the same token again is an error, not an endless loop.
+ */
+async function follow<T>(fetch: (pageToken: string) => Promise<Page<T>>, limit?: number): Promise<T[]> {
+  const items: T[] = [];
+  const seen = new Set<string>();
+  let token = "";
+  for (;;) {
+    const page = await fetch(token);
+    items.push(...page.items);
+    if (limit && items.length >= limit) return items.slice(0, limit);
+    token = page.nextPageToken;
+    if (!token) return items;
+    if (seen.has(token)) throw new Error("the server repeated a page token; the listing does not advance");
+    seen.add(token);
   }
 }
 

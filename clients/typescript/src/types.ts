@@ -48,6 +48,12 @@ export type ApprovalEventType =
 /** A JSON value as `JSON.parse` returns it. */
 export type JsonValue = null | boolean | number | string | JsonValue[] | { [key: string]: JsonValue };
 
+/** One page of a listing (AIP-158) and the token of the next: "" on the last page. */
+export interface Page<T> {
+  items: T[];
+  nextPageToken: string;
+}
+
 /** 0 = the profile default for the tool's level; never above the policy ceiling. */
 export interface ResourceLimits {
   memoryMb: number;
