@@ -260,12 +260,19 @@ class ToolRegistryServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListApprovalRequests(self, request, context):
-        """ListApprovalRequests lists approval requests for dangerous calls, newest
-        first, optionally only those in `state`. Listed requests carry their
+        """ListApprovalRequests lists the approval requests the caller may see for
+        dangerous calls, newest first, optionally only those in `state`, a page
+        at a time (AIP-158, as ListTools; `limit` is the page size when
+        `page_size` is 0). The next page starts after this one's last request,
+        so a request present throughout is listed once. A page may hold fewer
+        requests than asked for, even none, with a `next_page_token`: the server
+        reads a bounded number of requests per page. Listed requests carry their
         digests but not their full arguments (`arguments_json` is empty); read
         one with GetApprovalRequest.
         Errors:
-        - INVALID_ARGUMENT: an unknown state.
+        - INVALID_ARGUMENT: an unknown state, a negative `page_size` or `limit`,
+        or a `page_token` this server did not issue to this caller for this
+        `state`.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -151,12 +151,19 @@ class ToolRegistryStub:
     Errors: as ExecuteTool.
     """
     ListApprovalRequests: _grpc.UnaryUnaryMultiCallable[_registry_pb2.ListApprovalRequestsRequest, _registry_pb2.ListApprovalRequestsResponse]
-    """ListApprovalRequests lists approval requests for dangerous calls, newest
-    first, optionally only those in `state`. Listed requests carry their
+    """ListApprovalRequests lists the approval requests the caller may see for
+    dangerous calls, newest first, optionally only those in `state`, a page
+    at a time (AIP-158, as ListTools; `limit` is the page size when
+    `page_size` is 0). The next page starts after this one's last request,
+    so a request present throughout is listed once. A page may hold fewer
+    requests than asked for, even none, with a `next_page_token`: the server
+    reads a bounded number of requests per page. Listed requests carry their
     digests but not their full arguments (`arguments_json` is empty); read
     one with GetApprovalRequest.
     Errors:
-    - INVALID_ARGUMENT: an unknown state.
+    - INVALID_ARGUMENT: an unknown state, a negative `page_size` or `limit`,
+      or a `page_token` this server did not issue to this caller for this
+      `state`.
     """
     GetApprovalRequest: _grpc.UnaryUnaryMultiCallable[_registry_pb2.GetApprovalRequestRequest, _registry_pb2.ApprovalRequest]
     """GetApprovalRequest returns one approval request with its full arguments.
@@ -315,12 +322,19 @@ class ToolRegistryAsyncStub(ToolRegistryStub):
     Errors: as ExecuteTool.
     """
     ListApprovalRequests: _aio.UnaryUnaryMultiCallable[_registry_pb2.ListApprovalRequestsRequest, _registry_pb2.ListApprovalRequestsResponse]  # type: ignore[assignment]
-    """ListApprovalRequests lists approval requests for dangerous calls, newest
-    first, optionally only those in `state`. Listed requests carry their
+    """ListApprovalRequests lists the approval requests the caller may see for
+    dangerous calls, newest first, optionally only those in `state`, a page
+    at a time (AIP-158, as ListTools; `limit` is the page size when
+    `page_size` is 0). The next page starts after this one's last request,
+    so a request present throughout is listed once. A page may hold fewer
+    requests than asked for, even none, with a `next_page_token`: the server
+    reads a bounded number of requests per page. Listed requests carry their
     digests but not their full arguments (`arguments_json` is empty); read
     one with GetApprovalRequest.
     Errors:
-    - INVALID_ARGUMENT: an unknown state.
+    - INVALID_ARGUMENT: an unknown state, a negative `page_size` or `limit`,
+      or a `page_token` this server did not issue to this caller for this
+      `state`.
     """
     GetApprovalRequest: _aio.UnaryUnaryMultiCallable[_registry_pb2.GetApprovalRequestRequest, _registry_pb2.ApprovalRequest]  # type: ignore[assignment]
     """GetApprovalRequest returns one approval request with its full arguments.
@@ -542,12 +556,19 @@ class ToolRegistryServicer(metaclass=_abc_1.ABCMeta):
         request: _registry_pb2.ListApprovalRequestsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_registry_pb2.ListApprovalRequestsResponse, _abc.Awaitable[_registry_pb2.ListApprovalRequestsResponse]]:
-        """ListApprovalRequests lists approval requests for dangerous calls, newest
-        first, optionally only those in `state`. Listed requests carry their
+        """ListApprovalRequests lists the approval requests the caller may see for
+        dangerous calls, newest first, optionally only those in `state`, a page
+        at a time (AIP-158, as ListTools; `limit` is the page size when
+        `page_size` is 0). The next page starts after this one's last request,
+        so a request present throughout is listed once. A page may hold fewer
+        requests than asked for, even none, with a `next_page_token`: the server
+        reads a bounded number of requests per page. Listed requests carry their
         digests but not their full arguments (`arguments_json` is empty); read
         one with GetApprovalRequest.
         Errors:
-        - INVALID_ARGUMENT: an unknown state.
+        - INVALID_ARGUMENT: an unknown state, a negative `page_size` or `limit`,
+          or a `page_token` this server did not issue to this caller for this
+          `state`.
         """
 
     @_abc_1.abstractmethod
