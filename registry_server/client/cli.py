@@ -540,7 +540,8 @@ def _request_lines(req: Any) -> list[str]:
 def approvals_list(
     ctx: typer.Context,
     state: Annotated[
-        str, typer.Option("--state", help="PENDING, APPROVED, CONSUMED, REJECTED or EXPIRED.")
+        str,
+        typer.Option("--state", help="PENDING, APPROVED, CONSUMED, REJECTED, VOIDED or EXPIRED."),
     ] = "",
     page_size: PageSizeOpt = 0,
     address: AddressOpt = None,
