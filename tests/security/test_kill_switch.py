@@ -100,17 +100,12 @@ def write_policy(path: Path, public: dict[str, str]) -> None:
 def deployment(
     start_server: StartServer, tmp_path: Path, engine: docker.DockerClient
 ) -> Iterator[Deployment]:
-    private: dict[str, bytes] = {}
-    public: dict[str, str] = {}
-    for who in ("alice", "bob", "carol"):
-        private[who], public[who] = generate_keypair()
-    policy_file = tmp_path / "policy.yaml"
-    write_policy(policy_file, public)
+    pairs = {who: generate_keypair() for who in ("alice", "bob", "carol")}
+    write_policy(tmp_path / "policy.yaml", {who: pair[1] for who, pair in pairs.items()})
     data_dir = tmp_path / "data"
-    running = start_server(
-        data_dir=data_dir, policy_file=policy_file, max_warm=8, warm_max_age_s=120
-    )
-    yield Deployment(running, private, data_dir, engine)
+    running = start_server(data_dir=data_dir, policy_file=tmp_path / "policy.yaml", max_warm=8,
+                           warm_max_age_s=120)  # fmt: skip
+    yield Deployment(running, {who: pair[0] for who, pair in pairs.items()}, data_dir, engine)
     running.stop()
     assert wait_until_gone(engine, running) == [], "containers left behind"
 
