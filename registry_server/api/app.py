@@ -140,6 +140,9 @@ def build_app(config: ServerConfig) -> App:
     app.policy = live
     # What was derived from the policy is derived again on each reload.
     live.on_reload(lambda new: executor.use_sandbox_policy(sandboxes.of(new)))
+    # Open watches were authorised, and filtered, under the old policy: each
+    # client watches again (its clients do so by themselves) under the new one.
+    live.on_reload(lambda _new: watches.end_all("the policy was reloaded; watch again"))
     app.reloads = PolicyReloads(live, store)
     app.closers.append(backend.close)
     executor.observe(app.metrics.observe_execution)

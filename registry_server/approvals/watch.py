@@ -35,6 +35,7 @@ class Watches:
         self._max_per_client = max_per_client
         self._lock = threading.Lock()
         self._open: Counter[str] = Counter()
+        self._watches: set[Watch] = set()
 
     def open(self, viewer: Viewer, request_id: str = "") -> Watch:
         """Raises AtCapacity when the caller or the server has every watch it
@@ -54,13 +55,27 @@ class Watches:
                 )
             self._open[viewer.client_id] += 1
         try:
-            return Watch(self, self._approvals, viewer, request_id)
+            watch = Watch(self, self._approvals, viewer, request_id)
         except BaseException:
-            self._closed(viewer.client_id)
+            self._closed(viewer.client_id, None)
             raise
-
-    def _closed(self, client_id: str) -> None:
         with self._lock:
+            self._watches.add(watch)
+        return watch
+
+    def end_all(self, reason: str) -> None:
+        """End every open watch with ABORTED and ``reason``: after a policy
+        reload each client must watch again, and so be authenticated and
+        shown what it may see under the policy now in force (a revoked
+        client's open stream must not go on)."""
+        with self._lock:
+            ending = list(self._watches)
+        for watch in ending:
+            watch.end(reason)
+
+    def _closed(self, client_id: str, watch: Watch | None) -> None:
+        with self._lock:
+            self._watches.discard(watch)
             self._open[client_id] -= 1
             if self._open[client_id] <= 0:
                 del self._open[client_id]
@@ -79,6 +94,7 @@ class Watch:
             (lambda e: e.request_id == request_id) if request_id else (lambda e: True)
         )
         self._done = False
+        self._ended = ""  # why the server ended it, if it did
         try:
             self._current = self._read_current()
         except BaseException:
@@ -115,8 +131,15 @@ class Watch:
                 yield ApprovalEventView(event.type, now, event.actor, event.reason, at, event.seq)
             if self._sub.overflowed:
                 raise Aborted("this watch fell too far behind the events; watch again")
+            if self._ended:
+                raise Aborted(self._ended)
         finally:
             self.close()
+
+    def end(self, reason: str) -> None:
+        """End the stream with ABORTED and ``reason`` (the server's doing)."""
+        self._ended = reason
+        end_subscription(self._sub)
 
     def close(self) -> None:
         """Idempotent; also wakes a reader blocked on the queue."""
@@ -125,4 +148,4 @@ class Watch:
         self._done = True
         self._approvals.hub.unsubscribe(self._sub)
         end_subscription(self._sub)
-        self._watches._closed(self._viewer.client_id)
+        self._watches._closed(self._viewer.client_id, self)

@@ -236,3 +236,24 @@ def test_policy_check_validates_a_file_offline(tmp_path: Path) -> None:
     assert broken.returncode == 2
     assert f"{bad} line 1: audiences: unknown key" in broken.stderr
     assert json.dumps("audience") not in broken.stdout
+
+
+def test_a_reload_ends_open_watches_so_a_revoked_client_sees_no_more(
+    live: tuple[Deployment, Any],
+) -> None:
+    d, public = live
+    watch = d.stub("bob").WatchApprovalRequests(pb.WatchApprovalRequestsRequest(), timeout=30)
+    events = iter(watch)
+    assert next(events).type == pb.APPROVAL_EVENT_TYPE_SYNCED
+    text = yaml.safe_load(policy_text(public))
+    text["clients"] = [c for c in text["clients"] if c["id"] != "bob"]  # bob's client only
+    d.policy_file.write_text(yaml.safe_dump(text, sort_keys=False))
+    reload(d)
+    with pytest.raises(grpc.RpcError) as ended:
+        next(events)
+    assert rpc_code(ended.value) == grpc.StatusCode.ABORTED
+    assert "the policy was reloaded; watch again" in ended.value.details()  # type: ignore[attr-defined]
+    again = d.stub("bob").WatchApprovalRequests(pb.WatchApprovalRequestsRequest(), timeout=10)
+    with pytest.raises(grpc.RpcError) as refused:
+        next(iter(again))
+    assert rpc_code(refused.value) == grpc.StatusCode.UNAUTHENTICATED
