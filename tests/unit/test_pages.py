@@ -248,8 +248,12 @@ def test_pages_cover_the_listing_once(size: int) -> None:
     assert all(len(p) == expected for p in pages[:-1]) and 0 < len(pages[-1]) <= expected
 
 
-def test_no_size_is_the_default_page_and_large_sizes_are_cut() -> None:
-    registry = registry_with([f"tool_{i:04d}" for i in range(MAX_TOOLS_PAGE + 20)])
+def test_no_size_is_the_default_page_and_large_sizes_are_cut(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    maximum = DEFAULT_TOOLS_PAGE + 50  # the cap, lowered: fewer tools to make
+    monkeypatch.setattr("registry_server.catalog.views.MAX_TOOLS_PAGE", maximum)
+    registry = registry_with([f"tool_{i:04d}" for i in range(maximum + 20)])
     views = RegistryViews(registry, PageTokens(KEY))
 
     def first(size: int) -> tuple[list[str], str]:
@@ -260,8 +264,9 @@ def test_no_size_is_the_default_page_and_large_sizes_are_cut() -> None:
 
     names, token = first(0)
     assert len(names) == DEFAULT_TOOLS_PAGE and token
-    names, token = first(10 * MAX_TOOLS_PAGE)
-    assert len(names) == MAX_TOOLS_PAGE and token
+    names, token = first(10 * maximum)
+    assert len(names) == maximum and token
+    assert MAX_TOOLS_PAGE == 1_000  # the real cap
 
 
 def test_an_exact_last_page_has_no_token() -> None:
