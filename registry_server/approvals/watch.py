@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 
 from registry_server.approvals.events import Subscription, end_subscription
-from registry_server.approvals.service import Approvals, Viewer
+from registry_server.approvals.service import MAX_LISTED, Approvals, Viewer
 from registry_server.domain.errors import Aborted, AtCapacity, InvalidArgument
 from registry_server.domain.outcome import ApprovalEventView, ApprovalRequestView
 from registry_server.signing.tokens import MAX_REQUEST_ID_CHARS
@@ -109,8 +109,9 @@ class Watch:
             listed = self._approvals.listed(self._request_id)
             return [listed] if listed is not None else []
         found = [
-            *self._approvals.list_requests(PENDING, 0, self._viewer),
-            *self._approvals.list_requests(APPROVED, 0, self._viewer),
+            # Every open request it may see, up to the listing cap of each state.
+            *self._approvals.list_requests(PENDING, MAX_LISTED, self._viewer),
+            *self._approvals.list_requests(APPROVED, MAX_LISTED, self._viewer),
         ]
         return sorted(found, key=lambda r: r.created_at)
 
