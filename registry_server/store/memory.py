@@ -82,10 +82,16 @@ class _Reads:
         now: float,
     ) -> str | None:  # fmt: skip
         wanted = (tool_name, tool_digest, arguments_digest, requested_by)
+        return self._newest_for(wanted, lambda r: r.state_at(now) in (PENDING, APPROVED))
+
+    def _newest_for(
+        self, call: tuple[str, str, str, str], keep: Callable[[ApprovalRequestRecord], bool]
+    ) -> str | None:
+        """The newest request for exactly this call (tool, digests, caller) that ``keep`` keeps."""
         found = [
             r for r in self._data.requests.values()
-            if (r.tool_name, r.tool_digest, r.arguments_digest, r.requested_by) == wanted
-            and r.state_at(now) in (PENDING, APPROVED)
+            if (r.tool_name, r.tool_digest, r.arguments_digest, r.requested_by) == call
+            and keep(r)
         ]  # fmt: skip
         return max(found, key=lambda r: r.created_at).id if found else None
 
@@ -101,12 +107,7 @@ class _Reads:
         now: float,
     ) -> str | None:  # fmt: skip
         wanted = (tool_name, tool_digest, arguments_digest, requested_by)
-        found = [
-            r for r in self._data.requests.values()
-            if (r.tool_name, r.tool_digest, r.arguments_digest, r.requested_by) == wanted
-            and r.state == REJECTED and r.expires_at > now
-        ]  # fmt: skip
-        return max(found, key=lambda r: r.created_at).id if found else None
+        return self._newest_for(wanted, lambda r: r.state == REJECTED and r.expires_at > now)
 
     def open_requests_for_tool(self, tool_name: str, now: float) -> list[str]:
         found = [

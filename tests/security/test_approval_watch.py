@@ -30,6 +30,7 @@ from tests.security.test_approvals import (
     WRITE_ARGS,
     Deployment,
     ask,
+    deploy,
     write_policy,
 )
 
@@ -42,22 +43,15 @@ EVENT = pb.ApprovalEventType
 def deployment(
     start_server: StartServer, tmp_path: Path, engine: docker.DockerClient
 ) -> Iterator[Deployment]:
-    private: dict[str, bytes] = {}
-    public: dict[str, str] = {}
-    for who in ("alice", "bob", "carol"):
-        private[who], public[who] = generate_keypair()
-    policy_file = tmp_path / "policy.yaml"
     extra = [
         {"id": "agent2", "token_sha256": sha(TOKENS["agent2"]), "roles": ["execute"],
          "max_safety_level": "dangerous"},
         # carol approves for ops only: write_file needs security
         {"id": "carol", "token_sha256": sha(TOKENS["carol"]), "roles": ["approve"]},
     ]  # fmt: skip
-    write_policy(policy_file, public, extra)
-    data_dir = tmp_path / "data"
-    running = start_server(data_dir=data_dir, policy_file=policy_file, tools_dir=EXAMPLES)
-    yield Deployment(running, private, policy_file, data_dir, data_dir / "workspace")
-    assert wait_until_gone(engine, running) == []
+    d = deploy(start_server, tmp_path, extra)
+    yield d
+    assert wait_until_gone(engine, d.running) == []
 
 
 class Watcher:

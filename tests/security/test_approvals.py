@@ -111,20 +111,31 @@ def write_policy(
     path.write_text(yaml.safe_dump(policy, sort_keys=False))
 
 
-@pytest.fixture
-def deployment(
-    start_server: StartServer, tmp_path: Path, engine: docker.DockerClient
-) -> Iterator[Deployment]:
+def deploy(
+    start_server: StartServer,
+    tmp_path: Path,
+    extra_clients: list[dict[str, Any]] = (),  # type: ignore[assignment]
+) -> Deployment:
+    """A real server with the tests' policy (alice, bob, carol as approvers;
+    ``extra_clients`` added) and the example tools."""
     private: dict[str, bytes] = {}
     public: dict[str, str] = {}
     for who in ("alice", "bob", "carol"):
         private[who], public[who] = generate_keypair()
     policy_file = tmp_path / "policy.yaml"
-    write_policy(policy_file, public)
+    write_policy(policy_file, public, extra_clients)
     data_dir = tmp_path / "data"
     running = start_server(data_dir=data_dir, policy_file=policy_file, tools_dir=EXAMPLES)
-    yield Deployment(running, private, policy_file, data_dir, data_dir / "workspace")
-    assert wait_until_gone(engine, running) == []
+    return Deployment(running, private, policy_file, data_dir, data_dir / "workspace")
+
+
+@pytest.fixture
+def deployment(
+    start_server: StartServer, tmp_path: Path, engine: docker.DockerClient
+) -> Iterator[Deployment]:
+    d = deploy(start_server, tmp_path)
+    yield d
+    assert wait_until_gone(engine, d.running) == []
 
 
 WRITE_ARGS = json.dumps({"path": "notes/today.txt", "content": "approved text"})
