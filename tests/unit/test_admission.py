@@ -356,10 +356,13 @@ def test_a_freed_slot_goes_to_the_client_running_the_fewest_calls() -> None:
     assert [quiet] == ENTERED
     busy[1].finish()
     assert flood_waiting[0].entered.wait(JOIN_S)
+    # One slot at a time from here, so the order entered is the order granted:
+    # within one client, first come, first served.
     quiet.finish()
+    assert flood_waiting[1].entered.wait(JOIN_S)
     flood_waiting[0].finish()
-    for caller in flood_waiting[1:]:  # within one client: first come, first served
-        assert caller.entered.wait(JOIN_S)
+    assert flood_waiting[2].entered.wait(JOIN_S)
+    for caller in flood_waiting[1:]:
         caller.finish()
     assert [quiet, *flood_waiting] == ENTERED
     assert counters(admission) == (0, 0, 0, 0)
