@@ -463,3 +463,17 @@ def test_several_executing_clients_each_get_a_share_by_default(tmp_path: Path) -
 )
 def test_bad_quotas_are_refused_with_the_field(tmp_path: Path, line: str, message: str) -> None:
     assert message in error(tmp_path, BASE + line + "\n")
+
+
+def test_the_examples_commented_quotas_load_when_uncommented(tmp_path: Path) -> None:
+    text = EXAMPLE.read_text()
+    start = text.index("# quotas:\n")
+    block = text[start:text.index("\n\n", start)]
+    opened = "\n".join(line[2:] for line in block.splitlines())  # drop "# "
+    text = text.replace(block, opened).replace(
+        "    # quotas: {max_concurrent: 2", "    quotas: {max_concurrent: 2"
+    )
+    policy = load_policy(write(tmp_path, text))
+    assert policy.quotas.servers == 3
+    assert policy.quota_for("agent-1") == Quota(2, 8, 1.0, 20, 32)
+    assert policy.quota_for("alice") == Quota(4, 8, 10.0, 20, 32)
