@@ -63,10 +63,11 @@ def record(
     seq = audit_seq or audit.append(uow, "approval", audit_record or {})
     event = ApprovalEventRecord(seq, request_id, type_, actor, reason, round(time.time(), 6))
     uow.add_event(event)
-    request = uow.request(request_id)
-    if request is not None:
-        for hook in hooks:
-            hook(uow, event, request)
+    if hooks:  # read the request only for those who need it (webhooks)
+        request = uow.request(request_id)
+        if request is not None:
+            for hook in hooks:
+                hook(uow, event, request)
     return event
 
 
