@@ -1,5 +1,5 @@
-"""Every test carries the marker of its folder (unit, integration, docker,
-security, robustness, cluster, browser), so `-m` and the folders always agree. Files add only
+"""Every test carries the marker of its folder (unit, adapters, integration,
+docker, security, robustness, cluster, browser), so `-m` and the folders always agree. Files add only
 finer markers (load, fault)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-TIERS = ("unit", "integration", "docker", "security", "robustness", "cluster", "browser")
+TIERS = ("unit", "adapters", "integration", "docker", "security", "robustness", "cluster", "browser")
 HERE = Path(__file__).resolve().parent
 
 

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import copy
 import hashlib
+from dataclasses import replace
+from datetime import UTC, datetime
 from typing import Any
 
+from registry_server.client.registry_client import CallResult, Status
 from registry_server.domain.models import ToolDefinition, parse_definition
+from registry_server.domain.outcome import ApprovalRequestView
 
 
 def sha(token: str) -> str:
@@ -35,6 +39,34 @@ def manifest(**overrides: Any) -> dict[str, Any]:
 
 def tool(**overrides: Any) -> ToolDefinition:
     return parse_definition(manifest(**overrides))
+
+
+def approval_request(**overrides: Any) -> ApprovalRequestView:
+    """An approval request for write_file, 1 of 2 approvals, pending."""
+    base = ApprovalRequestView(
+        id="r1",
+        tool_name="write_file",
+        tool_digest="t" * 64,
+        arguments_json='{"content":"hi","path":"a.txt"}',
+        arguments_digest="a" * 64,
+        requested_by="agent",
+        approvals_required=2,
+        approved_by=("alice",),
+        state="PENDING",
+        created_at=datetime(2026, 1, 1, tzinfo=UTC),
+        expires_at=datetime(2026, 1, 1, 1, tzinfo=UTC),
+    )
+    return replace(base, **overrides)
+
+
+def call_result(status: Status, **overrides: Any) -> CallResult:
+    """What the client's ExecuteTool returns with ``status``; empty otherwise."""
+    base = CallResult(
+        success=status is Status.OK, status=status, content="", data=None, error="",
+        exit_code=0, stderr="", duration_ms=1, output_truncated=False, execution_id="e1",
+        approval_request=None,
+    )  # fmt: skip
+    return replace(base, **overrides)
 
 
 def example_tools_policy(
