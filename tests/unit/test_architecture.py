@@ -28,18 +28,23 @@ LAYERS = [
 COMPOSITION_ROOT = "registry_server/api/app.py"
 
 
-def _sources() -> list[Path]:
-    return sorted(
-        p
-        for top in ("registry_server", "sandbox_runner")
-        for p in (ROOT / top).rglob("*.py")
-        if "_proto" not in p.parts
+# The sources are parsed and walked once per run; every test reads the same nodes.
+@functools.cache
+def _sources() -> tuple[Path, ...]:
+    return tuple(
+        sorted(
+            p
+            for top in ("registry_server", "sandbox_runner")
+            for p in (ROOT / top).rglob("*.py")
+            if "_proto" not in p.parts
+        )
     )
 
 
 @functools.cache
-def _tree(path: Path) -> ast.Module:
-    return ast.parse(path.read_text())
+def _nodes(path: Path) -> tuple[ast.AST, ...]:
+    """Every node of the module at ``path`` (ast.walk order)."""
+    return tuple(ast.walk(ast.parse(path.read_text())))
 
 
 def _module(path: Path) -> str:
@@ -50,7 +55,7 @@ def _module(path: Path) -> str:
 def _imports(path: Path) -> Iterator[str]:
     """Every module ``path`` imports, anywhere in it (function-level included)."""
     package = _module(path).rsplit(".", 1)[0] if path.name != "__init__.py" else _module(path)
-    for node in ast.walk(_tree(path)):
+    for node in _nodes(path):
         if isinstance(node, ast.Import):
             yield from (alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -62,9 +67,12 @@ def _imports(path: Path) -> Iterator[str]:
             yield from (f"{base}.{alias.name}" for alias in node.names)
 
 
-def _graph() -> dict[str, set[str]]:
+@functools.cache
+def _graph() -> dict[str, frozenset[str]]:
     modules = {_module(p): p for p in _sources()}
-    return {name: {m for m in _imports(path) if m in modules} for name, path in modules.items()}
+    return {
+        name: frozenset(m for m in _imports(path) if m in modules) for name, path in modules.items()
+    }
 
 
 def _layer(module: str) -> str | None:
@@ -120,12 +128,13 @@ def _names(node: ast.AST) -> Iterator[str]:
         yield node.name
 
 
+@functools.cache
+def _names_in(path: Path) -> frozenset[str]:
+    return frozenset(name for node in _nodes(path) for name in _names(node))
+
+
 def _files_mentioning(word: str) -> list[str]:
-    return sorted(
-        str(p.relative_to(ROOT))
-        for p in _sources()
-        if any(word in _names(n) for n in ast.walk(_tree(p)))
-    )
+    return sorted(str(p.relative_to(ROOT)) for p in _sources() if word in _names_in(p))
 
 
 def test_only_the_sqlite_store_speaks_sql() -> None:
@@ -133,7 +142,7 @@ def test_only_the_sqlite_store_speaks_sql() -> None:
     sql = [
         str(p.relative_to(ROOT))
         for p in _sources()
-        for n in ast.walk(_tree(p))
+        for n in _nodes(p)
         if isinstance(n, ast.Constant)
         and isinstance(n.value, str)
         and any(k in n.value for k in ("SELECT ", "INSERT INTO", "UPDATE ", "DELETE FROM"))
