@@ -40,6 +40,7 @@ import docker.errors
 import docker.types
 import requests.exceptions
 
+from . import after_call
 from .backend import OutputSink
 from .egress.gateway import EgressCall, EgressConfig, EgressGateway
 from .framing import (
@@ -235,9 +236,10 @@ def _overlaps_init(target: str) -> bool:
     return norm == _INIT_DIR or norm.startswith(_INIT_DIR + "/") or _INIT_DIR.startswith(norm + "/")
 
 
-# A container to remove: the caller's context, the engine's API, the container
-# and the call's egress (network, secret files) to release after it.
-_Removal = tuple[contextvars.Context, Any, str, "EgressCall | None"]
+# A container to remove: when it was asked for (monotonic), the caller's context,
+# the engine's API, the container and the call's egress (network, secret files)
+# to release after it.
+_Removal = tuple[float, contextvars.Context, Any, str, "EgressCall | None"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -1015,10 +1017,16 @@ class DockerBackend:
         """``egress``: the call's network and secret files, released once the
         container is gone (a network cannot go while a container is on it)."""
         api = self._client().api
-        if self._removals is None:
+        removals = self._removals
+        if removals is None:
             self._traced_remove(api, container_id, egress)
         else:
-            self._removals.put((contextvars.copy_context(), api, container_id, egress))
+            # After the call's answer (after_call.py): its audit fsync must not wait
+            # behind the engine's own writes for this removal.
+            context = contextvars.copy_context()
+            after_call.later(
+                lambda: removals.put((time.monotonic(), context, api, container_id, egress))
+            )
 
     def _remove_loop(self) -> None:
         assert self._removals is not None
@@ -1027,7 +1035,8 @@ class DockerBackend:
             try:
                 if job is None:
                     return
-                context, *args = job
+                asked_at, context, *args = job
+                after_call.yield_to_calls(asked_at)  # calls in flight go first
                 context.run(self._traced_remove, *args)
             finally:
                 self._removals.task_done()

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from registry_server.domain.models import ToolDefinition
 from registry_server.execution.admission import Admission, Reservation
-from sandbox_runner import PreparedSandbox, SandboxBackend, SandboxSpec
+from sandbox_runner import PreparedSandbox, SandboxBackend, SandboxSpec, after_call
 
 log = logging.getLogger(__name__)
 
@@ -262,6 +262,7 @@ class WarmPools:
         return out
 
     def _refill_one(self, pool: _Pool) -> None:
+        after_call.yield_to_calls(time.monotonic())  # calls in flight go first
         reservation = self._admission.reserve(pool.spec.limits.memory_mb)
         if reservation is None:
             with self._cond:  # calls come first; try again shortly
