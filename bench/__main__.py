@@ -23,6 +23,7 @@ from bench import (
     fairness,
     latency,
     memory,
+    phases,
     registry_ops,
     report,
     throughput,
@@ -47,6 +48,7 @@ from bench.common import (
 
 SECTIONS = (
     "latency",
+    "phases",
     "throughput",
     "registry",
     "memory",
@@ -128,6 +130,8 @@ def main() -> None:
     try:
         if "latency" in args.sections:
             section("latency", lambda: latency.run(args.runs, args.warmup, run_id, engine))
+        if "phases" in args.sections:
+            section("phases", lambda: phases.run(max(10, args.runs // 2), engine))
         if "throughput" in args.sections:
             section("throughput", lambda: throughput.run(args.cell_seconds, run_id, engine))
         if "registry" in args.sections or "memory" in args.sections:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bench import egress_cost, fairness, latency, registry_ops, throughput
+from bench import egress_cost, fairness, latency, phases, registry_ops, throughput
 
 MS_LIST_TARGET = 5.0  # ms: ListTools / GetToolSchemas p50 with 1,000 tools
 
@@ -290,7 +290,8 @@ def webhooks_md(sec: dict[str, Any]) -> list[str]:
 
 
 def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issue 13's targets, as ratios of medians measured in this one run."""
+    """The speed targets (issues 13 and 23), as ratios of medians measured in
+    this one run."""
     lat = {r["method"]: r["p50_ms"] for r in res.get("latency", {}).get("rows", [])}
     out: list[dict[str, Any]] = []
 
@@ -326,6 +327,22 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     )
     burst = res.get("latency", {}).get("burst") or {}
     ratio("burst of pool-size calls, p95 / warm p50", burst.get("p95_ms"), warm, 3.0)
+    eg = res.get("egress", {}).get("targets") or {}
+    for prefix, where in (("", "runc"), ("gvisor_", "gVisor")):
+        if prefix and not any(k.startswith(prefix) for k in eg):
+            continue
+        ratio(
+            f"cold call with egress / without ({where}), p50",
+            eg.get(f"{prefix}cold_egress_p50_ms"),
+            eg.get(f"{prefix}cold_plain_p50_ms"),
+            1.3,
+        )
+        ratio(
+            f"warm call with egress / without ({where}), p50",
+            eg.get(f"{prefix}warm_egress_p50_ms"),
+            eg.get(f"{prefix}warm_plain_p50_ms"),
+            2.0,
+        )
     reg = res.get("registry", {})
     for rpc in ("ListTools", "GetToolSchemas (OpenAI)"):
         v = registry_ops.p50(reg, rpc)
@@ -340,7 +357,7 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
 def targets_md(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
         "",
-        "## Targets (issue 13), ratios of medians from this run",
+        "## Targets (issues 13 and 23), ratios of medians from this run",
         "",
         "| target | measured | threshold | result |",
         "|---|---|---|---|",
@@ -357,6 +374,8 @@ def markdown(res: dict[str, Any]) -> str:
     lines = header(res)
     if "latency" in res:
         lines += latency_md(res["latency"])
+    if "phases" in res:
+        lines += phases.markdown(res["phases"])
     if "throughput" in res:
         lines += throughput_md(res["throughput"])
     if "registry" in res:

@@ -121,13 +121,20 @@ class OtlpReceiver:
 def main() -> None:
     """Serve in a process of its own (the bench: decoding spans must not share
     the timing process's interpreter). Prints the endpoint, then, on stdin's
-    end, how many spans arrived."""
+    end, how many spans arrived; with ``--dump``, first each span as a line of
+    JSON (name, ids, times, attributes) for the bench's phase tables."""
+    import json
     import sys
 
     receiver = OtlpReceiver()
     print(receiver.endpoint, flush=True)
     sys.stdin.read()
-    print(len(receiver.spans()), flush=True)
+    spans = receiver.spans()
+    if "--dump" in sys.argv[1:]:
+        for s in spans:
+            fields = {k: v for k, v in s.__dict__.items() if k != "raw"}
+            print(json.dumps(fields, default=str), flush=False)
+    print(len(spans), flush=True)
     receiver.stop()
 
 
