@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -619,7 +620,11 @@ class Prepared:
             with within_call(TOOL_RUN):
                 return self._see_through(spec, started, deadline, on_output, cancel)
         finally:
-            self._backend.remove(self.container_id, self._egress)
+            # After the call's answer (after_call.py): its audit fsync must not
+            # wait behind the engine's own writes for this removal.
+            after_call.later(
+                functools.partial(self._backend.remove, self.container_id, self._egress)
+            )
 
     def _see_through(
         self,
@@ -1021,12 +1026,7 @@ class DockerBackend:
         if removals is None:
             self._traced_remove(api, container_id, egress)
         else:
-            # After the call's answer (after_call.py): its audit fsync must not wait
-            # behind the engine's own writes for this removal.
-            context = contextvars.copy_context()
-            after_call.later(
-                lambda: removals.put((time.monotonic(), context, api, container_id, egress))
-            )
+            removals.put((time.monotonic(), contextvars.copy_context(), api, container_id, egress))
 
     def _remove_loop(self) -> None:
         assert self._removals is not None
