@@ -171,6 +171,9 @@ def test_a_call_continues_the_callers_trace_with_a_span_per_step(
     starts = [steps[name].start_ns for name in STEPS_OF_A_COLD_CALL]
     assert starts == sorted(starts)
     assert steps["toolreg.tool.run"].end_ns <= steps["toolreg.sandbox.remove"].start_ns
+    # The engine's work for the removal starts once the record is durable: its
+    # writes would otherwise land on the record's fsync (sandbox_runner/after_call.py).
+    assert steps["toolreg.audit.write"].end_ns <= steps["toolreg.sandbox.remove"].start_ns
     for name in STEPS_OF_A_COLD_CALL[:-1]:
         assert server.start_ns <= steps[name].start_ns <= steps[name].end_ns <= server.end_ns
 
