@@ -76,7 +76,10 @@ from .spec import (
 from .tracing import SANDBOX_REMOVE, TOOL_RUN, within_call
 
 __all__ = [
+    "EXIT_FRAME",
+    "FIRST_OUTPUT",
     "GO_BYTE",
+    "GO_SENT",
     "INIT_BINARY",
     "INIT_NOT_RELEASED_EXIT",
     "INIT_PROTOCOL",
@@ -115,6 +118,11 @@ GO_BYTE: Final = b"G"  # the first stdin byte; it lets the init run the tool
 HELLO_TIMEOUT_S: Final = 10.0  # seconds for a started init to say which protocol it speaks
 SIGKILL_NUMBER: Final = 9  # a tool killed so may have met the memory limit: ask the engine
 INIT_NOT_RELEASED_EXIT: Final = 125  # exit code: the init got EOF/another byte, ran nothing
+# Prepared.marks: the go byte and input sent, the first output frame and the exit
+# frame received (the last two only with an init).
+GO_SENT: Final = "go_sent"
+FIRST_OUTPUT: Final = "first_output"
+EXIT_FRAME: Final = "exit_frame"
 _INIT_DIR: Final = posixpath.dirname(INIT_TARGET)  # reserved: no spec mount may touch it
 # The image config is read before each create (VOLUME refusal, ENTRYPOINT); one
 # inspect_image costs ~1.3 ms on a local engine (median of 200; 20.10, unix socket).
@@ -340,6 +348,9 @@ class _Pump:
         # With the init: its frames, and how the tool ended once the exit frame came.
         self.init: InitDecoder | None = InitDecoder() if framed else None
         self.exited: InitExit | None = None
+        # When the hand-off's steps happened (time.monotonic()): GO_SENT, FIRST_OUTPUT
+        # and EXIT_FRAME, for benchmarks (bench/handoff.py).
+        self.marks: dict[str, float] = {}
         self._kill_deadline = math.inf
         self._killer: threading.Thread | None = None
 
@@ -425,6 +436,7 @@ class _Pump:
                     try:
                         sent = sock.send(pending[:SEND_BYTES])
                         pending = pending[sent:]
+                        self.marks.setdefault(GO_SENT, time.monotonic())
                     except BlockingIOError:
                         pass
                     except OSError:
@@ -483,9 +495,11 @@ class _Pump:
                 if kind == INIT_EXIT:
                     assert isinstance(value, InitExit)
                     self.exited = value
+                    self.marks[EXIT_FRAME] = time.monotonic()
                 elif kind in (STDOUT, STDERR):
                     assert isinstance(value, bytes)
                     out.append((kind, value))
+                    self.marks.setdefault(FIRST_OUTPUT, time.monotonic())
         return out
 
     def _close_stdin(self) -> None:
@@ -578,6 +592,9 @@ class Prepared:
         self._release = release  # sent ahead of the input: GO_BYTE with an init, else b""
         self._egress = egress  # the call's network and secret files, if any
         self.created = time.monotonic()
+        # After finish: when its hand-off's steps happened (GO_SENT, FIRST_OUTPUT,
+        # EXIT_FRAME; time.monotonic()), for benchmarks.
+        self.marks: Mapping[str, float] = {}
         self._used = False
         self._lock = threading.Lock()
 
@@ -641,6 +658,7 @@ class Prepared:
             check_pids=spec.runtime not in NO_PIDS_LIMIT_RUNTIMES,
             framed=bool(self._release),
         )  # fmt: skip
+        self.marks = pump.marks
         try:
             pump.run()  # handles its own socket errors; the sink's exceptions propagate
         finally:

@@ -18,6 +18,13 @@
  * the rest of the stream (the call's input, then EOF). EOF, any other byte or a read
  * error: exit 125 without running anything.
  *
+ * The tool's process is forked while the call is awaited, so that only the execve is
+ * left once the go byte comes (a fork costs ~2 ms under gVisor's ptrace platform). Until
+ * then that process is still this program: it has its pipes in place and its signal
+ * mask restored, and blocks reading the go byte from stdin itself; any other byte or
+ * EOF, and it exits 125 without exec. It tells the init the call was released before
+ * it execs, so the init sends no frame but the hello unless the go byte came.
+ *
  * The tool's stdout and stderr are pipes the init reads, so every byte of the tool
  * travels inside a frame: it cannot forge one. The init is not dumpable, so a tool
  * running as the same user can neither open /proc/1/fd/1 nor ptrace it. Limits stay
@@ -27,7 +34,9 @@
  * executable (EACCES), 127 PROG could not be run otherwise, as a shell; otherwise the
  * tool's status, or 128 + the signal that killed it.
  *
- * Build: gcc -static -Os -s -Wall -Wextra -Werror (make init).
+ * Build: gcc -static -Os -s -Wall -Wextra -Werror (make init). -DTOOLREG_INIT_TIMING
+ * builds a variant for benchmarks (bench/handoff.py) that also sends the times of the
+ * hand-off's steps as an 'E' frame just before the exit frame; never deployed.
  */
 #define _GNU_SOURCE /* pipe2(2) */
 
@@ -39,29 +48,52 @@
 #include <stdio.h>
 #include <string.h>
 #include <sys/prctl.h>
+#include <sys/signalfd.h>
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#ifdef TOOLREG_INIT_TIMING
+#include <time.h>
+#endif
 
 #define PROTOCOL_VERSION 2    /* docker_backend.INIT_PROTOCOL */
 #define GO_BYTE 'G'           /* releases the tool (docker_backend.GO_BYTE) */
 #define EXIT_NOT_RELEASED 125 /* no go byte: the tool was never run */
 #define EXIT_NOT_EXECUTABLE 126
 #define EXIT_CANNOT_RUN 127
+#define HEADER 5               /* frame header: type byte + big-endian uint32 length */
 #define CHUNK 65536            /* bytes per output frame at most */
 #define DRAIN_READS 64         /* reads per pipe after the tool ended (a grandchild may go on) */
 
-static int chld_pipe[2] = {-1, -1}; /* SIGCHLD -> poll(2) (the self-pipe trick) */
+/* What the held process tells the init over its report pipe (close-on-exec: EOF after
+ * RELEASED means the exec succeeded). */
+enum { REPORT_RELEASED = 1, REPORT_NOT_RELEASED, REPORT_EXEC_FAILED, REPORT_SETUP_FAILED };
 
-static void on_sigchld(int sig)
+struct report {
+    int kind;
+    int value;      /* NOT_RELEASED: the byte read, -1 for EOF; *_FAILED: errno */
+    long long usec; /* timing builds only: when the go byte was read */
+};
+
+#ifdef TOOLREG_INIT_TIMING
+static long long now_usec(void) /* CLOCK_REALTIME: gVisor's monotonic clock is its own */
 {
-    int saved = errno;
+    struct timespec t;
 
-    (void)sig;
-    if (write(chld_pipe[1], "c", 1) < 0) { /* full: a wake-up is pending anyway */
-    }
-    errno = saved;
+    if (clock_gettime(CLOCK_REALTIME, &t) < 0)
+        return 0;
+    return (long long)t.tv_sec * 1000000 + t.tv_nsec / 1000;
 }
+enum { T_FORK, T_HELD, T_GO, T_EXEC, T_OUT1, T_EOF, T_REAPED, T_COUNT };
+static long long stamps[T_COUNT];
+#define STAMP(i) (stamps[i] = now_usec())
+#define STAMP_ONCE(i) (stamps[i] ? 0 : STAMP(i))
+#else
+#define STAMP(i) ((void)0)
+#define STAMP_ONCE(i) ((void)0)
+#endif
+
+static unsigned char frame[HEADER + CHUNK]; /* a frame is built here and written at once */
 
 static int write_all(int fd, const void *buf, size_t len)
 {
@@ -88,15 +120,21 @@ static void put_be32(unsigned char *out, uint32_t value)
     out[3] = (unsigned char)value;
 }
 
-/* A failed write means the server is gone: nobody is left to tell, so carry on. */
+/* The payload (at most CHUNK bytes) is already at frame + HEADER. A failed write means
+ * the server is gone: nobody is left to tell, so carry on. */
+static void send_built(char type, uint32_t len)
+{
+    frame[0] = (unsigned char)type;
+    put_be32(frame + 1, len);
+    (void)write_all(STDOUT_FILENO, frame, HEADER + (size_t)len);
+}
+
 static void send_frame(char type, const void *payload, uint32_t len)
 {
-    unsigned char header[5];
-
-    header[0] = (unsigned char)type;
-    put_be32(header + 1, len);
-    if (write_all(STDOUT_FILENO, header, sizeof header) == 0 && len > 0)
-        (void)write_all(STDOUT_FILENO, payload, len);
+    if (len > CHUNK)
+        len = CHUNK;
+    memcpy(frame + HEADER, payload, len);
+    send_built(type, len);
 }
 
 static void send_exit(int how, uint32_t value)
@@ -105,6 +143,16 @@ static void send_exit(int how, uint32_t value)
 
     payload[0] = (unsigned char)how;
     put_be32(payload + 1, value);
+#ifdef TOOLREG_INIT_TIMING
+    char msg[256];
+    int len = snprintf(msg, sizeof msg,
+                       "toolreg-init-timing fork=%lld held=%lld go=%lld exec=%lld out1=%lld "
+                       "eof=%lld reaped=%lld exit=%lld\n",
+                       stamps[T_FORK], stamps[T_HELD], stamps[T_GO], stamps[T_EXEC],
+                       stamps[T_OUT1], stamps[T_EOF], stamps[T_REAPED], now_usec());
+    if (len > 0 && len < (int)sizeof msg)
+        send_frame('E', msg, (uint32_t)len);
+#endif
     send_frame('X', payload, sizeof payload);
 }
 
@@ -120,19 +168,93 @@ static int read_one_byte(void)
     return n == 1 ? byte : -1; /* -1: EOF or a read error */
 }
 
-enum { RELAY_EOF, RELAY_DATA, RELAY_EMPTY };
-
-/* Relay one read of a pipe as one frame. */
-static int relay(int fd, char type)
+/* A whole report, or 0 at EOF (the held process exec'd or died). */
+static int read_report(int fd, struct report *rep)
 {
-    static char buf[CHUNK];
     ssize_t n;
 
     do {
-        n = read(fd, buf, sizeof buf);
+        n = read(fd, rep, sizeof *rep);
+    } while (n < 0 && errno == EINTR);
+    return n == (ssize_t)sizeof *rep;
+}
+
+static void not_released_message(int byte)
+{
+    if (byte >= 0) /* EOF is the normal discard: silent */
+        fprintf(stderr, "toolreg-init: protocol v%d: expected the go byte, got 0x%02x\n",
+                PROTOCOL_VERSION, (unsigned)byte);
+}
+
+static void wait_for(pid_t child)
+{
+    while (waitpid(child, NULL, 0) < 0 && errno == EINTR)
+        ;
+}
+
+/* The tool's process could not be made ready: say so, but only to a released call. */
+static int cannot_prepare(const char *prog, int err)
+{
+    char msg[512];
+    int byte = read_one_byte(), len;
+
+    if (byte != GO_BYTE) {
+        not_released_message(byte);
+        return EXIT_NOT_RELEASED;
+    }
+    len = snprintf(msg, sizeof msg, "toolreg-init: cannot run %s: %s\n", prog,
+                   err ? strerror(err) : "its process died before its call");
+    if (len > 0)
+        send_frame('E', msg, (uint32_t)(len < (int)sizeof msg ? len : (int)sizeof msg - 1));
+    send_exit(0, EXIT_CANNOT_RUN);
+    return EXIT_CANNOT_RUN;
+}
+
+static void report(int fd, int kind, int value)
+{
+    struct report rep = {.kind = kind, .value = value, .usec = 0};
+
+#ifdef TOOLREG_INIT_TIMING
+    rep.usec = now_usec();
+#endif
+    if (write_all(fd, &rep, sizeof rep) < 0) { /* the init then sees EOF */
+    }
+}
+
+/* The tool's process until the go byte: nothing here runs any of the tool. */
+static void held(int out, int err, int rep, const sigset_t *mask, char *argv[])
+{
+    int byte;
+
+    if (sigprocmask(SIG_SETMASK, mask, NULL) < 0 || dup2(out, STDOUT_FILENO) < 0 ||
+        dup2(err, STDERR_FILENO) < 0) {
+        report(rep, REPORT_SETUP_FAILED, errno);
+        _exit(EXIT_CANNOT_RUN);
+    }
+    byte = read_one_byte();
+    if (byte != GO_BYTE) {
+        report(rep, REPORT_NOT_RELEASED, byte);
+        _exit(EXIT_NOT_RELEASED);
+    }
+    report(rep, REPORT_RELEASED, 0);
+    execvp(argv[0], argv);
+    report(rep, REPORT_EXEC_FAILED, errno);
+    _exit(EXIT_CANNOT_RUN);
+}
+
+enum { RELAY_EOF, RELAY_DATA, RELAY_EMPTY };
+
+/* Relay one read of a pipe as one frame, in one write. */
+static int relay(int fd, char type)
+{
+    ssize_t n;
+
+    do {
+        n = read(fd, frame + HEADER, CHUNK);
     } while (n < 0 && errno == EINTR);
     if (n > 0) {
-        send_frame(type, buf, (uint32_t)n);
+        send_built(type, (uint32_t)n);
+        STAMP_ONCE(T_OUT1);
         return RELAY_DATA;
     }
     if (n < 0 && errno == EAGAIN)
@@ -145,31 +267,37 @@ static void drain(int fd, char type)
 {
     int i;
 
-    if (fd < 0)
+    if (fd < 0 || fcntl(fd, F_SETFL, O_NONBLOCK) < 0)
         return;
-    (void)fcntl(fd, F_SETFL, O_NONBLOCK);
     for (i = 0; i < DRAIN_READS && relay(fd, type) == RELAY_DATA; i++)
         ;
 }
 
-static void run_exec(int errp, char *argv[])
+/* Reap what has ended (as PID 1 we also reap orphans); 1 once the tool is among them. */
+static int reap(pid_t child, int options, int *status)
 {
-    int err;
-
-    execvp(argv[0], argv);
-    err = errno;
-    if (write_all(errp, &err, sizeof err) < 0) { /* the parent then sees EOF: 127 */
+    for (;;) {
+        int st;
+        pid_t reaped = waitpid(-1, &st, options);
+        if (reaped < 0 && errno == EINTR)
+            continue;
+        if (reaped <= 0)
+            return 0;
+        if (reaped == child) {
+            *status = st;
+            STAMP(T_REAPED);
+            return 1;
+        }
     }
-    _exit(EXIT_CANNOT_RUN);
 }
 
 int main(int argc, char *argv[])
 {
-    int out[2], err[2], errp[2], byte, exec_errno = 0, status = 0, done = 0;
+    int out[2], err[2], rep[2], sfd, status = 0, done = 0;
     unsigned char version = PROTOCOL_VERSION;
-    struct sigaction sa;
+    sigset_t chld, orig;
+    struct report r;
     pid_t child;
-    ssize_t n;
 
     /* Not dumpable: the tool (same uid) cannot reach our stdout through /proc or ptrace. */
     (void)prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
@@ -178,67 +306,77 @@ int main(int argc, char *argv[])
         fputs("toolreg-init: usage: toolreg-init PROG [ARG...]\n", stderr);
         return EXIT_NOT_RELEASED;
     }
-    byte = read_one_byte();
-    if (byte != GO_BYTE) {
-        if (byte >= 0) /* EOF is the normal discard: silent */
-            fprintf(stderr, "toolreg-init: protocol v%d: expected the go byte, got 0x%02x\n",
-                    PROTOCOL_VERSION, (unsigned)byte);
-        return EXIT_NOT_RELEASED;
-    }
-    if (pipe2(out, O_CLOEXEC) < 0 || pipe2(err, O_CLOEXEC) < 0 || pipe2(errp, O_CLOEXEC) < 0 ||
-        pipe2(chld_pipe, O_CLOEXEC | O_NONBLOCK) < 0) {
-        perror("toolreg-init: pipe");
-        send_exit(0, EXIT_CANNOT_RUN);
-        return EXIT_CANNOT_RUN;
-    }
-    memset(&sa, 0, sizeof sa);
-    sa.sa_handler = on_sigchld;
-    sa.sa_flags = SA_RESTART | SA_NOCLDSTOP;
-    sigemptyset(&sa.sa_mask);
-    sigaction(SIGCHLD, &sa, NULL);
-
+    /* SIGCHLD is read from a signalfd, never handled: no handler to run, no EINTR. */
+    if (sigemptyset(&chld) < 0 || sigaddset(&chld, SIGCHLD) < 0 ||
+        sigprocmask(SIG_BLOCK, &chld, &orig) < 0)
+        return cannot_prepare(argv[1], errno);
+    if (pipe2(out, O_CLOEXEC) < 0 || pipe2(err, O_CLOEXEC) < 0 || pipe2(rep, O_CLOEXEC) < 0)
+        return cannot_prepare(argv[1], errno);
+    sfd = signalfd(-1, &chld, SFD_CLOEXEC | SFD_NONBLOCK);
+    if (sfd < 0)
+        return cannot_prepare(argv[1], errno);
+    STAMP(T_FORK);
     child = fork();
-    if (child < 0) {
-        perror("toolreg-init: fork");
-        send_exit(0, EXIT_CANNOT_RUN);
-        return EXIT_CANNOT_RUN;
-    }
-    if (child == 0) {
-        signal(SIGCHLD, SIG_DFL);
-        if (dup2(out[1], STDOUT_FILENO) < 0 || dup2(err[1], STDERR_FILENO) < 0)
-            _exit(EXIT_CANNOT_RUN);
-        run_exec(errp[1], argv + 1);
-    }
+    if (child < 0)
+        return cannot_prepare(argv[1], errno);
+    if (child == 0)
+        held(out[1], err[1], rep[1], &orig, argv + 1); /* never returns */
+    STAMP(T_HELD);
     close(out[1]);
     close(err[1]);
-    close(errp[1]);
-    do { /* EOF: the exec succeeded (close-on-exec); an int: it failed with that errno */
-        n = read(errp[0], &exec_errno, sizeof exec_errno);
-    } while (n < 0 && errno == EINTR);
-    close(errp[0]);
-    if (n == (ssize_t)sizeof exec_errno) {
+    close(rep[1]);
+
+    /* The call: the go byte, or nothing ever runs. */
+    if (!read_report(rep[0], &r)) {
+        wait_for(child);
+        return cannot_prepare(argv[1], 0);
+    }
+    if (r.kind == REPORT_NOT_RELEASED) {
+        wait_for(child);
+        not_released_message(r.value);
+        return EXIT_NOT_RELEASED;
+    }
+    if (r.kind != REPORT_RELEASED) {
+        wait_for(child);
+        return cannot_prepare(argv[1], r.value);
+    }
+#ifdef TOOLREG_INIT_TIMING
+    stamps[T_GO] = r.usec;
+#endif
+    if (read_report(rep[0], &r)) { /* the exec failed (EOF: it succeeded) */
         char msg[512];
         int len = snprintf(msg, sizeof msg, "toolreg-init: cannot run %s: %s\n", argv[1],
-                           strerror(exec_errno));
-        int code = exec_errno == EACCES ? EXIT_NOT_EXECUTABLE : EXIT_CANNOT_RUN;
-        send_frame('E', msg, (uint32_t)(len < (int)sizeof msg ? len : (int)sizeof msg - 1));
-        while (waitpid(child, NULL, 0) < 0 && errno == EINTR)
-            ;
+                           strerror(r.value));
+        int code = r.value == EACCES ? EXIT_NOT_EXECUTABLE : EXIT_CANNOT_RUN;
+        if (len > 0)
+            send_frame('E', msg, (uint32_t)(len < (int)sizeof msg ? len : (int)sizeof msg - 1));
+        wait_for(child);
         send_exit(0, (uint32_t)code);
         return code;
     }
+    STAMP(T_EXEC);
+    close(rep[0]);
 
     int fds[2] = {out[0], err[0]};
     const char types[2] = {'O', 'E'};
     while (!done) {
         struct pollfd polled[3];
-        int count = 0, i;
+        int i;
 
-        polled[count++] = (struct pollfd){.fd = chld_pipe[0], .events = POLLIN};
-        for (i = 0; i < 2; i++)
-            polled[count++] = (struct pollfd){.fd = fds[i], .events = POLLIN}; /* -1: ignored */
-        if (poll(polled, (nfds_t)count, -1) < 0 && errno != EINTR)
+        if (fds[0] < 0 && fds[1] < 0) {
+            /* Both pipes at EOF: only the tool's exit is left to wait for. */
+            STAMP(T_EOF);
+            done = reap(child, 0, &status);
             break;
+        }
+        polled[0] = (struct pollfd){.fd = sfd, .events = POLLIN};
+        for (i = 0; i < 2; i++)
+            polled[i + 1] = (struct pollfd){.fd = fds[i], .events = POLLIN}; /* -1: ignored */
+        if (poll(polled, 3, -1) < 0) {
+            if (errno == EINTR)
+                continue;
+            break;
+        }
         for (i = 0; i < 2; i++) {
             if (fds[i] >= 0 && (polled[i + 1].revents & (POLLIN | POLLHUP | POLLERR))) {
                 if (relay(fds[i], types[i]) == RELAY_EOF) {
@@ -248,25 +386,21 @@ int main(int argc, char *argv[])
             }
         }
         if (polled[0].revents & POLLIN) {
-            char sink[64];
-            while (read(chld_pipe[0], sink, sizeof sink) > 0)
+            struct signalfd_siginfo info[8];
+            while (read(sfd, info, sizeof info) > 0)
                 ;
-        }
-        for (;;) { /* as PID 1 we also reap orphans; only the tool's status counts */
-            int st;
-            pid_t reaped = waitpid(-1, &st, WNOHANG);
-            if (reaped <= 0)
-                break;
-            if (reaped == child) {
-                status = st;
-                done = 1;
-            }
+            done = reap(child, WNOHANG, &status);
         }
     }
     /* The tool ended: what it wrote before is in the pipes; a grandchild that keeps a
      * pipe open must not delay the answer. */
     drain(fds[0], 'O');
     drain(fds[1], 'E');
+    if (!done) { /* poll failed: nothing sure to report but that the tool is gone */
+        wait_for(child);
+        send_exit(0, EXIT_CANNOT_RUN);
+        return EXIT_CANNOT_RUN;
+    }
     if (WIFSIGNALED(status)) {
         send_exit(1, (uint32_t)WTERMSIG(status));
         return 128 + WTERMSIG(status);

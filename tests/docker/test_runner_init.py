@@ -8,9 +8,12 @@ import dataclasses
 import hashlib
 import io
 import json
+import os
 import re
+import socket
 import subprocess
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -19,7 +22,7 @@ import docker.errors
 import docker.types
 import pytest
 
-from sandbox_runner import Mount, SandboxError, SandboxSpec
+from sandbox_runner import Mount, SandboxError, SandboxResult, SandboxSpec
 from sandbox_runner.docker_backend import (
     GO_BYTE,
     INIT_NOT_RELEASED_EXIT,
@@ -61,6 +64,16 @@ def marking_spec(make_spec: SpecFactory, shared: Path, runtime: str) -> SandboxS
 
 def with_command(spec: SandboxSpec, *command: str) -> SandboxSpec:
     return dataclasses.replace(spec, command=command)
+
+
+def warm_run(runner: DockerBackend, spec: SandboxSpec) -> SandboxResult:
+    """A call handed to a container prepared ahead of it, as a warm pool's are."""
+    prepared = runner.prepare(spec, execution_id=f"t-{uuid.uuid4().hex[:16]}", lifetime_s=30)
+    try:
+        time.sleep(HOLD_S / 4)
+        return prepared.finish(b"")
+    finally:
+        prepared.discard()  # no-op after finish
 
 
 # -- held until finish ---------------------------------------------------------------------
@@ -113,6 +126,53 @@ def test_without_init_prepare_starts_the_tool_at_once(
             prepared.discard()
     finally:
         bare.close()
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_a_warm_container_given_eof_exits_125_having_run_nothing(
+    runner: DockerBackend,
+    docker_client: docker.DockerClient,
+    make_spec: SpecFactory,
+    eid: Eid,
+    shared_dir: Path,
+    runtime: str,
+) -> None:
+    """The tool's process is forked while the call is awaited: it is still the init's
+    code, and without the go byte it exits without exec (the container's code 125)."""
+    prepared = runner.prepare(
+        marking_spec(make_spec, shared_dir, runtime), execution_id=eid(), lifetime_s=30
+    )
+    try:
+        time.sleep(HOLD_S / 2)
+        prepared._sock.shutdown(socket.SHUT_WR)  # EOF on the init's stdin, as discard gives
+        status = docker_client.api.wait(prepared.container_id, timeout=30)["StatusCode"]
+    finally:
+        prepared.discard()
+    assert status == INIT_NOT_RELEASED_EXIT
+    assert not (shared_dir / "ran").exists(), "the held process ran the tool"
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_the_tool_is_the_inits_only_child_as_before(
+    runner: DockerBackend, make_spec: SpecFactory, runtime: str
+) -> None:
+    """Forked ahead of its call or not, the tool is the init's child, and sees only
+    the init besides itself and what it started."""
+    res = warm_run(runner, make_spec("echo $PPID; ls /proc | grep -c '^[0-9]'", runtime=runtime))
+    parent, count = res.stdout.decode().splitlines()
+    assert parent == "1"
+    assert int(count) <= 4  # init, sh, ls and grep (ls may be gone already)
+
+
+def test_a_warm_tool_that_forks_many_processes_meets_the_pids_limit(
+    runner: DockerBackend, make_spec: SpecFactory
+) -> None:
+    """The held process counts against the pids limit from the start, as the tool it
+    becomes: a fork storm gets no more processes than a cold run's."""
+    res = warm_run(runner, make_spec("for i in $(seq 40); do sleep 5 & done; echo x", pids=16))
+    # The shell gives up at its first failed fork, well before its 40th sleep.
+    assert (res.exit_code, res.stdout) == (2, b""), res.stderr
+    assert b"can't fork" in res.stderr
 
 
 def test_cold_run_holds_too(
@@ -273,6 +333,52 @@ def test_anything_but_the_go_byte_runs_nothing(
     assert not marker.exists()
     if stdin:
         assert b"expected the go byte" in done.stderr
+
+
+def _children(pid: int) -> list[tuple[int, str]]:
+    """(pid, comm) of the processes whose parent is `pid`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+        if int(stat[stat.rindex(")") + 2 :].split()[1]) == pid:
+            found.append((int(entry), comm))
+    return found
+
+
+@pytest.mark.parametrize("stdin", [b"", b"X{}", GO_BYTE + b"{}"], ids=["eof", "other", "go"])
+def test_the_held_process_is_the_init_until_the_go_byte(
+    init_path: str, tmp_path: Path, stdin: bytes
+) -> None:
+    marker = tmp_path / "ran"
+    proc = subprocess.Popen(
+        [init_path, "sh", "-c", f"touch {marker}; cat"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stdout.read(len(HELLO)) == HELLO
+        deadline = time.monotonic() + 5
+        while not (held := _children(proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # Forked while waiting, and still the init: it has not exec'd anything.
+        assert [comm for _, comm in held] == [Path(init_path).name[:15]]
+        time.sleep(0.3)
+        assert not marker.exists()
+        out, _ = proc.communicate(stdin, timeout=10)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not _children(proc.pid)
+    if stdin.startswith(GO_BYTE):
+        assert (proc.returncode, marker.exists()) == (0, True)
+        assert frames(out)[-2:] == [(STDOUT, b"{}"), (INIT_EXIT, InitExit(0, 0))]
+    else:
+        assert (proc.returncode, marker.exists(), out) == (INIT_NOT_RELEASED_EXIT, False, b"")
 
 
 def test_no_program_runs_nothing(init_path: str) -> None:
