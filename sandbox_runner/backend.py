@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Protocol, runtime_checkable
 
-from .spec import SandboxResult, SandboxSpec
+from .spec import EgressSpec, SandboxResult, SandboxSpec
 
 __all__ = ["OutputSink", "PreparedSandbox", "SandboxBackend"]
 
@@ -38,6 +38,11 @@ class PreparedSandbox(Protocol):
 
     def alive(self) -> bool:
         """True while it still waits for its call."""
+        ...
+
+    def bind_egress(self, egress: EgressSpec | None) -> None:
+        """Made ahead of its call (with a network): the call's egress grants,
+        told to the egress proxy by ``finish`` right before the tool starts."""
         ...
 
     def finish(

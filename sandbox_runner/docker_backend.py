@@ -43,7 +43,13 @@ import requests.exceptions
 
 from . import after_call
 from .backend import OutputSink
-from .egress.gateway import EgressCall, EgressConfig, EgressGateway
+from .egress.gateway import (
+    LABEL_EGRESS_NETWORK,
+    UNROUTABLE_DNS,
+    EgressCall,
+    EgressConfig,
+    EgressGateway,
+)
 from .framing import (
     INIT_EXIT,
     INIT_HELLO,
@@ -68,6 +74,7 @@ from .profiles import GVISOR_NET, GVISOR_RUNTIMES
 from .spec import (
     INIT_BINARY,
     EgressConnection,
+    EgressSpec,
     EngineUnavailable,
     SandboxError,
     SandboxResult,
@@ -98,7 +105,6 @@ CANCEL_POLL_S: Final = 0.05  # seconds between checks of the caller's cancel eve
 KILL_GRACE_S: Final = 5.0  # seconds to wait for the stream to end after SIGKILL
 API_TIMEOUT_S: Final = 60  # seconds: HTTP timeout of one engine call (not the tool's)
 UNPRIVILEGED_USER: Final = "65534:65534"  # nobody:nogroup
-UNROUTABLE_DNS: Final = "192.0.2.1"  # TEST-NET-1 (RFC 5737): a resolver nobody answers for
 # Runtimes known to reject a pids limit (gVisor enforces its own, and errors on ours):
 # both of its runtimes, with and without a network.
 NO_PIDS_LIMIT_RUNTIMES: Final = GVISOR_RUNTIMES
@@ -604,6 +610,13 @@ class Prepared:
                 raise RuntimeError(f"container {self.container_id[:12]} was already used")
             self._used = True
 
+    def bind_egress(self, egress: EgressSpec | None) -> None:
+        """Made ahead of its call: the call's egress grants (allow-list, headers,
+        caps as the policy says now), registered at the proxy by ``finish``
+        right before the tool is released. Until then the proxy refuses the
+        sandbox's token."""
+        self._backend.bind_egress(self._egress, egress)
+
     def alive(self) -> bool:
         """True while the tool still waits for its input (no engine round trip:
         a container that died has closed its end of the attach stream)."""
@@ -652,6 +665,13 @@ class Prepared:
         cancel: threading.Event | None,
     ) -> SandboxResult:
         """The tool's run, from the go byte to its final state (and its egress record)."""
+        # The proxy learns of the call's token and grants now, not before: a
+        # container made ahead of its call could not use its network until here.
+        try:
+            self._backend.register_egress(self._egress)
+        except BaseException:
+            _close_attached(self._attached)  # the init gets EOF: its tool never runs
+            raise
         pump = _Pump(
             self._api, self.container_id, self._sock, spec, self._release + spec.input,
             deadline, cancel, on_output,
@@ -828,7 +848,8 @@ class DockerBackend:
         memory = lim.memory_mb * 1024 * 1024
         fsize = lim.fsize_mb * 1024 * 1024
         host_config: dict[str, Any] = api.create_host_config(
-            network_mode=network or "none",  # a call's own egress network, else none
+            # A call's own egress network (through its holder's namespace), else none.
+            network_mode=network or "none",
             read_only=True,
             tmpfs={"/tmp": f"rw,noexec,nosuid,nodev,size={lim.tmpfs_mb}m"},
             cap_drop=["ALL"],
@@ -848,11 +869,9 @@ class DockerBackend:
             mounts=self._mounts(spec) or None,
             runtime=spec.runtime,
             auto_remove=False,  # we read the state first, then remove
-            # On a call's egress network Docker's embedded DNS answers in the
-            # sandbox; an unroutable upstream keeps it from forwarding anything
-            # (older engines forwarded via the host for a loopback resolver:
-            # CVE-2024-29018). Names are the proxy's to resolve.
-            dns=[UNROUTABLE_DNS] if network else None,
+            # In a holder's namespace the sandbox has the holder's resolver
+            # settings (egress/gateway.py: UNROUTABLE_DNS); Docker allows none here.
+            dns=[UNROUTABLE_DNS] if network and not network.startswith("container:") else None,
         )
         return host_config
 
@@ -969,13 +988,16 @@ class DockerBackend:
             LABEL_EXECUTION_ID: execution_id,
             LABEL_DEADLINE: str(int(expires * 1000)),
         }
-        call = self._open_egress(api, spec, execution_id)
+        call = self._open_egress(api, spec, execution_id, int(expires * 1000))
         if call is not None:
             # The server's proxy and CA settings replace any the tool's env names.
             ours = dict(call.env)
             env = [(k, v) for k, v in spec.env if k not in ours] + list(call.env)
             spec = dataclasses.replace(spec, env=tuple(env), mounts=spec.mounts + call.mounts)
-        network = call.network if call is not None else ""
+            if call.network:
+                labels[LABEL_EGRESS_NETWORK] = call.network
+        # The call's network, joined through its holder's namespace (egress/gateway.py).
+        network = f"container:{call.holder}" if call is not None and call.holder else ""
         container_id = ""
         try:
             with _engine_call("container create", image=spec.image):
@@ -1020,16 +1042,34 @@ class DockerBackend:
             if call is not None and self._egress is not None:
                 self._egress.release(api, call)
             raise
+        if call is not None and self._egress is not None:
+            self._egress.made(call)  # started: the network pool may refill now
         release = GO_BYTE if self.init_path is not None else b""
         return Prepared(self, api, container_id, attached, sock, spec, release, call)
 
-    def _open_egress(self, api: Any, spec: SandboxSpec, execution_id: str) -> EgressCall | None:
+    def _open_egress(
+        self, api: Any, spec: SandboxSpec, execution_id: str, deadline_ms: int
+    ) -> EgressCall | None:
         if spec.egress is None and not spec.secret_files:
             return None
         if self._egress is None:
             raise SandboxError("this server runs no egress proxy; tools with egress cannot run")
         files = {f.name: f.value for f in spec.secret_files}
-        return self._egress.open(api, execution_id, spec.egress, files)
+        return self._egress.open(api, execution_id, spec.egress, files, deadline_ms=deadline_ms)
+
+    def bind_egress(self, call: EgressCall | None, egress: EgressSpec | None) -> None:
+        """A container made ahead of its call now serves one: its grants, for
+        ``register_egress``. SandboxError when they do not fit the container."""
+        if call is None and egress is None:
+            return
+        if call is None or egress is None or self._egress is None:
+            raise SandboxError("egress: the call's network does not match its sandbox's")
+        self._egress.bind(call, egress)
+
+    def register_egress(self, call: EgressCall | None) -> None:
+        """The proxy learns of the call's token and grants: right before the go byte."""
+        if call is not None and self._egress is not None:
+            self._egress.register(call)
 
     def finish_egress(self, call: EgressCall | None) -> tuple[tuple[EgressConnection, ...], int]:
         if call is None or self._egress is None:

@@ -170,12 +170,16 @@ def cross_check(
                     " a secret goes only to a host the tool may reach",
                 )
             )
-    if warm_pool and (network.egress or secrets):
+    # A file secret is bind-mounted into the container: it must not exist
+    # before the call, so such a tool is never made ahead of one. Egress and
+    # header secrets are bound to a warm container only when its call is
+    # released (registry_server/execution/warm_pool.py).
+    if warm_pool and any(s.deliver == "file" for s in secrets):
         problems.append(
             (
                 "warm_pool",
-                "not available for tools with egress or secrets"
-                " (each call gets its own network and secrets)",
+                "not available for tools with deliver: file secrets"
+                " (the secret file is made for each call)",
             )
         )
     return problems

@@ -173,15 +173,25 @@ class SandboxPlanner:
 
     def warm_spec(self, tool: ToolDefinition) -> SandboxSpec | None:
         """What a warm container of ``tool`` is made from (None: it may not run
-        here, or not warm: a call with egress or secrets gets its own network
-        and secret files, made for it)."""
-        if tool.egress or tool.secrets:
+        here, or not warm). A tool with egress is made on a network of its own
+        with its proxy settings, but ``unbound``: its allow-list, injected
+        headers and caps reach the proxy only when a call is released, from
+        the policy in force then. A ``deliver: file`` secret is bind-mounted
+        into the container, so such a tool stays cold: the secret must not
+        exist before its call."""
+        if any(ref.deliver == "file" for ref in tool.secrets):
             return None
         try:
             runtime = self.runtime_for(tool)
         except NoRuntime:
             return None
-        return self.spec(tool, b"{}", runtime.name)
+        # No secret is read for a container made ahead of its call: the
+        # injected values are the call's (``spec``), and ``unbound`` drops them.
+        placeholders = {ref.name: b"" for ref in tool.secrets}
+        try:
+            return unbound(self.spec(tool, b"{}", runtime.name, placeholders))
+        except NotRunnable:
+            return None
 
     def spec(
         self,
@@ -279,6 +289,25 @@ class SandboxPlanner:
             inject=tuple(inject),
         )
         return spec, files
+
+
+def unbound(spec: SandboxSpec) -> SandboxSpec:
+    """``spec`` as a container made ahead of its call is: its egress kept to
+    what shapes the container (a network, and the injected hosts, for which
+    the sandbox trusts the server's CA), without the grants (allow-list,
+    header values, caps), which are the call's. An empty allow-list is never
+    registered at the proxy: such a container reaches nothing until a call
+    is bound to it (``PreparedSandbox.bind_egress``)."""
+    egress = spec.egress
+    if egress is None:
+        return spec
+    shape = EgressSpec(
+        allow=(),
+        max_bytes=0,
+        max_connections=0,
+        inject=tuple(HeaderInjection(i.host, i.port, i.header, "") for i in egress.inject),
+    )
+    return dataclasses.replace(spec, egress=shape)
 
 
 def within_deadline(spec: SandboxSpec, deadline: float | None) -> SandboxSpec:

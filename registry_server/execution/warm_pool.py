@@ -12,7 +12,15 @@ Every warm container holds a reservation in the server's sandbox budget
 (``Admission``), taken only when no call waits; a call that needs room while
 warm containers hold it gets one back (``evict_one``). Tools whose sandbox
 gets host mounts (the workspace) are never pooled: a mount is given only to a
-call that was approved. A background worker refills each pool, recycles
+call that was approved.
+
+A tool with egress is pooled on networks of its own (one per container,
+removed with it), each container holding a proxy token the egress proxy does
+not know: the call's grants (allow-list, injected headers, caps, from the
+policy in force at the call) are bound to the container it takes and told to
+the proxy only when the call is released (``SandboxPlanner.warm_spec``,
+``unbound``). A container discarded unused was never registered at all.
+A background worker refills each pool, recycles
 containers older than the maximum age, and backs off when the engine cannot
 make more; callers then take the cold path, and the log and counters say so.
 """
@@ -30,7 +38,8 @@ from dataclasses import dataclass, field
 
 from registry_server.domain.models import ToolDefinition
 from registry_server.execution.admission import Admission, Reservation
-from sandbox_runner import PreparedSandbox, SandboxBackend, SandboxSpec, after_call
+from registry_server.execution.sandbox_plan import unbound
+from sandbox_runner import PreparedSandbox, SandboxBackend, SandboxError, SandboxSpec, after_call
 
 log = logging.getLogger(__name__)
 
@@ -149,8 +158,11 @@ class WarmPools:
 
     def take(self, tool: ToolDefinition, spec: SandboxSpec) -> WarmSandbox | None:
         """A warm container made from exactly this tool and spec, or None. The
-        caller claims its reservation (``Admission.claim``) for the call."""
-        wanted = _without_input(spec)
+        caller claims its reservation (``Admission.claim``) for the call. With
+        egress, the containers are made ``unbound`` and compared so; the one
+        taken is bound to this call's grants (registered at the proxy when
+        the call releases it)."""
+        wanted = unbound(_without_input(spec))
         stale: list[WarmSandbox] = []
         found: WarmSandbox | None = None
         with self._cond:
@@ -175,6 +187,13 @@ class WarmPools:
             if found is None:
                 self._cond.notify_all()  # nothing to compete with: refill now
         self._discard_all(stale)
+        if found is not None and spec.egress is not None:
+            try:
+                found.prepared.bind_egress(spec.egress)
+            except SandboxError as exc:
+                log.warning("warm container of %s does not fit its call: %s", tool.name, exc)
+                self._discard_all([found])
+                return None
         return found
 
     def discard(self, warm: WarmSandbox) -> None:

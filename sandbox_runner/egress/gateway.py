@@ -8,23 +8,42 @@ operator's upstream networks. Each call has its own network, so two
 sandboxes never share a link, and its own proxy token, so a call's
 connections are recorded under its execution id.
 
+Attaching a container to a bridge network when it starts is the dearest part
+of a call with egress (the engine sets up a veth pair and its firewall rules:
+~0.5 s more than a start without a network, on a loaded 2-core machine). So
+each call network gets a *holder*: a container that does nothing (``sleep``,
+unprivileged, read-only, no capabilities) but hold a network namespace on
+it, and the call's sandbox joins that namespace (``container:<holder>``),
+which starts as fast as no network at all. Making a network costs the create,
+connecting the proxy, inspecting it for its address there, and creating and
+starting the holder, so a few are made ahead of calls (``NetworkPool``): a
+call takes one, and network and holder are removed after that call, never
+handed to another. A call that finds none makes its own. The token goes into
+the sandbox's environment when its container is made, but the proxy learns
+of it (``register``: the allow-list, the injected headers, the caps) only when
+the call is released, right before its tool starts: a container made ahead
+of its call (a warm pool's) holds a token the proxy refuses until then.
+
 Engine calls go through the low-level Docker API client handed in by
 docker_backend.py (the one module that imports ``docker``).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
 import secrets as token_source
 import threading
 import time
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from ..ownership import LABEL_DEADLINE
 from ..spec import EgressConnection, EgressSpec, Mount, SandboxError
 from . import control
 from .ca import EgressCA
@@ -39,6 +58,25 @@ PROXY_START_TIMEOUT_S: Final = 20.0  # seconds for a new proxy to answer its con
 CA_TARGET: Final = "/etc/toolreg/egress-ca.pem"  # where a sandbox finds the CA it trusts
 SECRETS_TARGET: Final = "/run/secrets"  # where deliver: file secrets appear
 PROXY_USER: Final = "65534:65534"
+NETWORK_POOL_SIZE: Final = 3  # networks made ahead of calls (0: every call makes its own)
+NETWORK_MAX_AGE_S: Final = 600.0  # seconds a network waits in the pool before it is replaced
+# Seconds a pooled network's deadline label lies beyond its maximum age: room for
+# the longest wait of a warm container (warm_pool.MAX_AGE_LIMIT_S) and its call.
+# The reaper of another server removes a network past its deadline whoever owns it,
+# so a call takes a pooled network only when its own deadline is within this one's.
+NETWORK_LEASE_S: Final = 3600.0 + 600.0
+NETWORK_REFILL_BACKOFF_S: Final = (0.5, 30.0)  # seconds: first and longest wait after a failure
+NETWORK_REFILL_QUIET_S: Final = 0.2  # seconds between checks while calls are making containers
+LABEL_EGRESS_NETWORK: Final = "io.toolreg.egress-network"  # on a sandbox: its call network
+HOLDER_IMAGE: Final = "toolreg/base"  # busybox: the holder only sleeps
+HOLDER_COMMAND: Final = ("sleep", "2147483647")  # seconds: as long as busybox sleeps
+HOLDER_MEMORY_MB: Final = 16  # MiB for a holder
+HOLDER_PIDS: Final = 4  # processes of a holder
+# On a call network Docker's embedded DNS answers in the sandbox (which shares
+# the holder's resolver settings); an unroutable upstream keeps it from
+# forwarding anything (older engines forwarded via the host for a loopback
+# resolver: CVE-2024-29018). Names are the proxy's to resolve.
+UNROUTABLE_DNS: Final = "192.0.2.1"  # TEST-NET-1 (RFC 5737): a resolver nobody answers for
 _CONTROL_TARGET: Final = "/run/toolreg"
 _UPSTREAM_CA_TARGET: Final = "/etc/toolreg/upstream-ca.pem"
 # Names every common HTTP stack reads: urllib/requests/curl read the proxy ones,
@@ -57,6 +95,19 @@ class EgressConfig:
     upstream_networks: tuple[str, ...] = ("bridge",)
     dns: tuple[str, ...] = ()  # resolvers for the proxy (empty: the engine's default)
     upstream_ca_file: Path = Path("/etc/ssl/certs/ca-certificates.crt")
+    network_pool: int = NETWORK_POOL_SIZE  # networks kept made ahead of calls
+
+
+@dataclass(frozen=True)
+class CallNetwork:
+    """A network made for one call, the proxy joined to it."""
+
+    name: str
+    proxy_id: str  # the proxy container that joined it
+    proxy_ip: str  # the proxy's address on it
+    holder_id: str  # the container holding the call's network namespace on it
+    deadline_ms: int  # its deadline label (unix epoch milliseconds)
+    made: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -66,10 +117,18 @@ class EgressCall:
     execution_id: str
     network: str
     token: str = field(repr=False)
+    holder: str = ""  # the holder container: the sandbox runs in its network namespace
     env: tuple[tuple[str, str], ...] = field(repr=False, default=())
     mounts: tuple[Mount, ...] = ()
     secret_dir: Path | None = None
+    # What the proxy is told at ``register``: the call's allow-list, injected
+    # headers and caps. Empty ``allow``: the container was made ahead of its call
+    # and no call is bound to it yet (``bind``): it cannot be registered.
+    spec: EgressSpec | None = field(repr=False, default=None)
+    pooled: bool = False  # its network came from the pool
+    registered: bool = False  # the proxy knows its token
     closed: bool = False
+    making: bool = False  # its container is being made (the pool's refill waits)
 
 
 class EgressGateway:
@@ -84,6 +143,7 @@ class EgressGateway:
         self._lock = threading.Lock()
         self._proxy_id: str | None = None
         self._bundle: Path | None = None  # _trust_bundle, once written
+        self.networks = NetworkPool(self, config.network_pool)
 
     @property
     def control_path(self) -> Path:
@@ -188,32 +248,71 @@ class EgressGateway:
         return proxy_id
 
     def close(self, api: Any) -> None:
+        """Stop the pool's refills, remove the proxy, then the pool's networks
+        (with the proxy gone, nothing is attached to them)."""
+        left = self.networks.close()
         with self._lock:
             if self._proxy_id is not None:
                 with contextlib.suppress(Exception):
                     api.remove_container(self._proxy_id, force=True)
                 self._proxy_id = None
+        for network in left:
+            self._remove_network(api, network.name, None, network.holder_id)
+
+    @property
+    def proxy_id(self) -> str | None:
+        return self._proxy_id
 
     # -- one call ---------------------------------------------------------------------
 
     def open(self, api: Any, execution_id: str, spec: EgressSpec | None,
-             secret_files: Mapping[str, bytes]) -> EgressCall:  # fmt: skip
-        """Prepare a call: its network and proxy registration (with egress), and
-        its secret files. Undone by ``finish`` + ``release``."""
-        call = EgressCall(execution_id, network="", token=token_source.token_urlsafe(32))
+             secret_files: Mapping[str, bytes], *, deadline_ms: int = 0) -> EgressCall:  # fmt: skip
+        """Prepare a call: its network (with egress: one from the pool, else
+        made now) and its secret files, and the sandbox's proxy settings
+        (a fresh token the proxy does not know yet: ``register``).
+        ``deadline_ms``: the container's deadline label; its network's is never
+        earlier. Undone by ``finish`` + ``release``; ``made`` once its container
+        is started (or failed to be)."""
+        call = EgressCall(execution_id, network="", token=token_source.token_urlsafe(32), spec=spec)
         try:
             if secret_files:
                 call.secret_dir, call.mounts = self._write_secret_files(execution_id, secret_files)
             if spec is not None:
-                self._open_network(api, call, spec)
+                self._take_network(api, call, spec, deadline_ms)
         except BaseException:
+            self.made(call)
             self.release(api, call)
             raise
         return call
 
-    def _open_network(self, api: Any, call: EgressCall, spec: EgressSpec) -> None:
+    def made(self, call: EgressCall) -> None:
+        """The call's container is started (or could not be): the pool may refill."""
+        if call.making:
+            call.making = False
+            self.networks.call_made()
+
+    def _take_network(self, api: Any, call: EgressCall, spec: EgressSpec, deadline_ms: int) -> None:
         proxy_id = self._ensure_proxy(api)
-        name = f"{self._name_prefix}net-{call.execution_id}"
+        network = self.networks.take(api, proxy_id, deadline_ms)
+        call.making = True
+        self.networks.call_making()
+        if network is None:
+            network = self._make_network(
+                api, proxy_id, f"{self._name_prefix}net-{call.execution_id}", deadline_ms
+            )
+        else:
+            call.pooled = True
+        call.network, call.holder = network.name, network.holder_id
+        url = f"http://toolreg:{call.token}@{network.proxy_ip}:{PROXY_PORT}"
+        env = [(k, url) for k in _PROXY_ENV] + [("NO_PROXY", ""), ("no_proxy", "")]
+        if spec.inject:
+            env += [(k, CA_TARGET) for k in _CA_ENV]
+            call.mounts += (Mount(str(self._trust_bundle()), CA_TARGET, read_only=True),)
+        call.env = tuple(env)
+
+    def _make_network(self, api: Any, proxy_id: str, name: str, deadline_ms: int) -> CallNetwork:
+        """A new internal network, the proxy joined to it (removed again on failure)."""
+        labels = {**self._labels, LABEL_DEADLINE: str(deadline_ms)} if deadline_ms else self._labels
         try:
             api.create_network(
                 name,
@@ -223,14 +322,93 @@ class EgressGateway:
                     "com.docker.network.bridge.inhibit_ipv4": "true",
                     "com.docker.network.bridge.enable_ip_masquerade": "false",
                 },
-                labels=self._labels,
+                labels=labels,
             )
-            call.network = name
-            api.connect_container_to_network(proxy_id, name)
-            info = api.inspect_container(proxy_id)
-            proxy_ip = info["NetworkSettings"]["Networks"][name]["IPAddress"]
         except Exception as exc:
             raise SandboxError(f"egress: could not set up the call's network: {exc}") from exc
+        try:
+            api.connect_container_to_network(proxy_id, name)
+            info = api.inspect_container(proxy_id)
+            proxy_ip = str(info["NetworkSettings"]["Networks"][name]["IPAddress"])
+            if not proxy_ip:
+                raise SandboxError("the proxy has no address on it")
+            holder = self._start_holder(api, name, labels)
+        except Exception as exc:
+            self._remove_network(api, name, proxy_id, f"{name}-holder")
+            raise SandboxError(f"egress: could not set up the call's network: {exc}") from exc
+        return CallNetwork(name, proxy_id, proxy_ip, holder, deadline_ms)
+
+    def _start_holder(self, api: Any, network: str, labels: Mapping[str, str]) -> str:
+        host_config = api.create_host_config(
+            network_mode=network,
+            read_only=True,
+            cap_drop=["ALL"],
+            security_opt=["no-new-privileges"],
+            mem_limit=HOLDER_MEMORY_MB * 1024 * 1024,
+            memswap_limit=HOLDER_MEMORY_MB * 1024 * 1024,
+            pids_limit=HOLDER_PIDS,
+            ipc_mode="none",
+            dns=[UNROUTABLE_DNS],
+            log_config={"Type": "none", "Config": {}},
+            restart_policy={"Name": "no"},
+        )
+        created = api.create_container(
+            image=HOLDER_IMAGE,
+            command=list(HOLDER_COMMAND),
+            user=PROXY_USER,
+            name=f"{network}-holder",
+            labels=dict(labels),
+            host_config=host_config,
+            use_config_proxy=False,
+        )
+        holder_id: str = created["Id"]
+        api.start(holder_id)
+        return holder_id
+
+    def _make_pooled_network(self, api: Any) -> CallNetwork:
+        proxy_id = self._ensure_proxy(api)
+        deadline_ms = int((time.time() + NETWORK_MAX_AGE_S + NETWORK_LEASE_S) * 1000)
+        name = f"{self._name_prefix}net-pool-{uuid.uuid4().hex}"
+        return self._make_network(api, proxy_id, name, deadline_ms)
+
+    def _remove_network(self, api: Any, name: str, proxy_id: str | None, holder: str = "") -> None:
+        if holder:
+            try:
+                api.remove_container(holder, force=True)
+            except Exception as exc:
+                if getattr(exc, "status_code", None) != 404:
+                    log.warning("egress: could not remove holder %s: %s", holder[:12], exc)
+        if proxy_id is not None:
+            with contextlib.suppress(Exception):
+                api.disconnect_container_from_network(proxy_id, name, force=True)
+        try:
+            api.remove_network(name)
+        except Exception as exc:
+            if getattr(exc, "status_code", None) != 404:
+                log.warning("egress: could not remove network %s: %s", name, exc)
+
+    @staticmethod
+    def bind(call: EgressCall, spec: EgressSpec) -> None:
+        """The grants of the call a container made ahead of it now serves (its
+        allow-list, headers and caps as the policy says at this call), to be
+        registered by ``register``. Its injected hosts must be those the
+        container was made for (the CA bundle is mounted for them)."""
+        if call.registered or call.closed:
+            raise SandboxError("egress: this sandbox's call was already registered")
+        made_for = {(i.host, i.port) for i in (call.spec.inject if call.spec else ())}
+        if {(i.host, i.port) for i in spec.inject} != made_for:
+            raise SandboxError("egress: the call's secrets are not those the sandbox was made for")
+        call.spec = spec
+
+    def register(self, call: EgressCall) -> None:
+        """Tell the proxy of the call's token, allow-list, headers and caps:
+        the last step before the tool is released. Fails closed: a container
+        made ahead of its call and never bound to one is refused."""
+        spec = call.spec
+        if not call.network or call.registered:
+            return
+        if spec is None or not spec.allow:
+            raise SandboxError("egress: no call is bound to this sandbox; it was not released")
         inject = []
         for inj in spec.inject:
             cert_pem, key_pem = self.ca.leaf(inj.host)
@@ -248,12 +426,7 @@ class EgressGateway:
             )  # fmt: skip
         except control.ControlError as exc:
             raise SandboxError(f"egress: {exc}") from exc
-        url = f"http://toolreg:{call.token}@{proxy_ip}:{PROXY_PORT}"
-        env = [(k, url) for k in _PROXY_ENV] + [("NO_PROXY", ""), ("no_proxy", "")]
-        if spec.inject:
-            env += [(k, CA_TARGET) for k in _CA_ENV]
-            call.mounts += (Mount(str(self._trust_bundle()), CA_TARGET, read_only=True),)
-        call.env = tuple(env)
+        call.registered = True
 
     def _trust_bundle(self) -> Path:
         """What a sandbox with header-delivered secrets trusts: the upstream CAs
@@ -301,6 +474,8 @@ class EgressGateway:
         if call.closed or not call.network:
             return (), 0
         call.closed = True
+        if not call.registered:
+            return (), 0  # the proxy never knew it: nothing to end, nothing recorded
         try:
             answer = control.request(self.control_path, {"op": "close", "token": call.token})
         except control.ControlError as exc:
@@ -318,14 +493,159 @@ class EgressGateway:
                     path.unlink()
             with contextlib.suppress(OSError):
                 call.secret_dir.rmdir()
+        self.made(call)
         if call.network:
-            with contextlib.suppress(Exception):
-                if self._proxy_id is not None:
-                    api.disconnect_container_from_network(self._proxy_id, call.network, force=True)
+            # Never back into the pool: a network serves one call.
+            self._remove_network(api, call.network, self._proxy_id, call.holder)
+            call.network = call.holder = ""
+
+
+class NetworkPool:
+    """Call networks made ahead of calls, the proxy already joined to each.
+
+    A call takes one (``take``); it is removed after that call like a network
+    made for it, never handed back. One thread refills the pool up to ``size``,
+    and only while no call is making its container (calls come first: it
+    refills once the call's container is started), backing off when the engine
+    fails. Networks older than NETWORK_MAX_AGE_S, or joined to a proxy that has
+    since been replaced, are removed unused. Each carries the server's labels
+    and a deadline, so the reaper removes those of a dead server."""
+
+    def __init__(self, gateway: EgressGateway, size: int) -> None:
+        self._gateway = gateway
+        self.size = max(0, size)
+        self._ready: collections.deque[CallNetwork] = collections.deque()
+        self._stale: list[CallNetwork] = []  # to remove when no call is being made
+        self._cond = threading.Condition()
+        self._making = 0  # calls between taking a network and their container's start
+        self._api: Any = None
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._retry_at = 0.0  # monotonic time before which no refill is tried
+        self._backoff = 0.0  # seconds waited after the last failure
+        self.taken = 0  # calls that got a pooled network
+        self.missed = 0  # calls that found none and made their own
+        self.failures = 0  # refills the engine refused
+
+    def ready(self) -> list[str]:
+        """Names of the networks waiting for a call."""
+        with self._cond:
+            return [n.name for n in self._ready]
+
+    def take(self, api: Any, proxy_id: str, deadline_ms: int) -> CallNetwork | None:
+        """A network joined to this proxy whose deadline covers ``deadline_ms``,
+        or None (the caller makes its own)."""
+        if self.size == 0:
+            return None
+        now = time.monotonic()
+        with self._cond:
+            if self._closed:
+                return None
+            self._start(api)
+            found = None
+            keep: collections.deque[CallNetwork] = collections.deque()
+            while self._ready:
+                network = self._ready.popleft()
+                if network.proxy_id != proxy_id or now - network.made > NETWORK_MAX_AGE_S:
+                    self._stale.append(network)
+                elif found is None and network.deadline_ms >= deadline_ms:
+                    found = network
+                else:
+                    keep.append(network)
+            self._ready = keep
+            if found is None:
+                self.missed += 1
+            else:
+                self.taken += 1
+            self._cond.notify_all()
+            return found
+
+    def call_making(self) -> None:
+        with self._cond:
+            self._making += 1
+
+    def call_made(self) -> None:
+        with self._cond:
+            self._making = max(0, self._making - 1)
+            self._cond.notify_all()
+
+    def close(self) -> list[CallNetwork]:
+        """Stop refilling; the networks left unused, for the caller to remove."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout=60)
+        with self._cond:
+            left = [*self._ready, *self._stale]
+            self._ready.clear()
+            self._stale.clear()
+        return left
+
+    def _start(self, api: Any) -> None:
+        if self._thread is None:
+            self._api = api
+            self._thread = threading.Thread(target=self._work, name="egress-networks", daemon=True)
+            self._thread.start()
+
+    def _next(self) -> tuple[list[CallNetwork], bool] | None:
+        """(stale networks to remove, whether to make one), waiting until there
+        is something to do and no call is making its container; None: closed."""
+        with self._cond:
+            while not self._closed:
+                now = time.monotonic()
+                expired = [n for n in self._ready if now - n.made > NETWORK_MAX_AGE_S]
+                if expired:
+                    self._ready = collections.deque(n for n in self._ready if n not in expired)
+                    self._stale += expired
+                need = len(self._ready) < self.size and now >= self._retry_at
+                if self._making == 0 and (self._stale or need):
+                    stale, self._stale = self._stale, []
+                    return stale, need
+                if self._making:
+                    wait = NETWORK_REFILL_QUIET_S
+                elif now < self._retry_at:
+                    wait = self._retry_at - now
+                else:
+                    wait = 1.0  # the next expiry is at least this far (checked again then)
+                self._cond.wait(wait)
+            return None
+
+    def _work(self) -> None:
+        gateway, api = self._gateway, self._api
+        while True:
+            job = self._next()
+            if job is None:
+                return
+            stale, need = job
+            for network in stale:
+                gateway._remove_network(api, network.name, network.proxy_id, network.holder_id)
+            if not need:
+                continue
             try:
-                api.remove_network(call.network)
-            except Exception as exc:
-                log.warning("egress: could not remove network %s: %s", call.network, exc)
+                network = gateway._make_pooled_network(api)
+            except Exception as exc:  # whatever it is, the refiller lives on
+                with self._cond:
+                    self.failures += 1
+                    self._backoff = min(
+                        max(NETWORK_REFILL_BACKOFF_S[0], self._backoff * 2),
+                        NETWORK_REFILL_BACKOFF_S[1],
+                    )
+                    self._retry_at = time.monotonic() + self._backoff
+                log.warning(
+                    "egress: could not make a network ahead of calls (calls make their own"
+                    " meanwhile; again in %.1f s): %s",
+                    self._backoff,
+                    exc,
+                )
+                continue
+            with self._cond:
+                if not self._closed:
+                    self._ready.append(network)
+                    self._backoff = 0.0
+                    continue
+            gateway._remove_network(api, network.name, network.proxy_id, network.holder_id)
 
 
 def _connection(raw: Mapping[str, Any]) -> EgressConnection:

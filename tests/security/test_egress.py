@@ -560,7 +560,7 @@ def sandbox_during(deployment: Deployment, name: str) -> tuple[dict[str, Any], p
     deadline = time.monotonic() + 30
     while not host_config and call.is_alive() and time.monotonic() < deadline:
         for c in deployment.engine.api.containers(filters={"label": instance}):
-            if not any("egress-proxy" in n for n in c["Names"]):
+            if not any("egress-proxy" in n or n.endswith("-holder") for n in c["Names"]):
                 host_config = deployment.engine.api.inspect_container(c["Id"])["HostConfig"]
         time.sleep(0.05)
     call.join(60)
@@ -586,7 +586,12 @@ def test_a_call_with_egress_runs_under_its_levels_runtime_on_its_own_network(
     host_config, result = sandbox_during(deployment, fetcher)
     assert result.status == pb.EXECUTION_STATUS_OK, result.error
     assert host_config["Runtime"] == WITH_EGRESS[deployment.level]
-    assert host_config["NetworkMode"].endswith(f"net-{result.execution_id}")
+    # Its own network, through its holder's namespace (made for it, or taken
+    # from those made ahead of calls): the holder goes with the call.
+    mode = host_config["NetworkMode"]
+    assert mode.startswith("container:"), mode
+    deployment.app.backend.flush()
+    assert deployment.engine.api.containers(all=True, filters={"id": mode[10:]}) == []
     interfaces = results(deployment.run(fetcher, {"kind": "interfaces"}))[0]["names"]
     assert len(interfaces) == 2 and "lo" in interfaces  # lo and the call's own link
 
@@ -677,3 +682,157 @@ def test_a_server_that_refuses_hostinet_runs_such_calls_only_with_the_netstack(
             ("SANDBOX_ERROR", [], "")] * 2  # fmt: skip
     path = "/refused-hostinet"
     assert [r for r in deployment.world.requests("api.world.test") if r["path"] == path] == []
+
+
+# ---------------------------------------------------------------- warm pools and networks
+
+WARM_FETCHER = "warm_fetcher"
+WAIT_FOR_POOL_S = 60.0  # seconds a pool may take to fill on this machine (gVisor is slower)
+# The attacker: holds a warm sandbox's token (read from the engine) and asks the
+# proxy, from the upstream network, to fetch an allowed host with it.
+WITH_STOLEN_TOKEN = r"""
+import base64, socket, sys
+proxy, token = sys.argv[1], sys.argv[2]
+auth = base64.b64encode(f"toolreg:{token}".encode()).decode()
+s = socket.create_connection((proxy, 3128), timeout=10)
+s.sendall(f"GET http://plain.world.test/stolen HTTP/1.1\r\nHost: plain.world.test\r\n"
+          f"Proxy-Authorization: Basic {auth}\r\nConnection: close\r\n\r\n".encode())
+print(s.recv(200).split(b"\r\n")[0].decode())
+"""
+
+
+def warm_sandboxes(deployment: Deployment, name: str) -> list[str]:
+    pools = deployment.app.pools
+    assert pools is not None
+    return [w.container_id for w in pools._pools[name].ready] if name in pools._pools else []
+
+
+def wait_warm(deployment: Deployment, name: str, count: int) -> list[str]:
+    deadline = time.monotonic() + WAIT_FOR_POOL_S
+    while len(ready := warm_sandboxes(deployment, name)) < count:
+        assert time.monotonic() < deadline, f"the pool of {name} never reached {count}"
+        time.sleep(0.1)
+    return ready
+
+
+def proxy_token(deployment: Deployment, container_id: str) -> tuple[str, str]:
+    """(token, proxy address on the sandbox's network) from its environment."""
+    env = deployment.engine.api.inspect_container(container_id)["Config"]["Env"]
+    url = next(v.partition("=")[2] for v in env if v.startswith("HTTPS_PROXY="))
+    credentials, _, where = url.removeprefix("http://").partition("@")
+    return credentials.partition(":")[2], where.partition(":")[0]
+
+
+def proxy_knows(deployment: Deployment, token: str) -> bool:
+    """Whether the proxy has a registration for ``token`` (asking it to close
+    one it does not know changes nothing)."""
+    from sandbox_runner.egress import control
+
+    path = deployment.data / "egress" / "control" / "control.sock"
+    try:
+        control.request(path, {"op": "close", "token": token})
+    except control.ControlError as exc:
+        assert "unknown token" in str(exc), exc
+        return False
+    return True
+
+
+def register_warm_fetcher(deployment: Deployment, pool: int) -> None:
+    deployment.register(
+        name=WARM_FETCHER, warm_pool=pool,
+        network={"egress": ["api.world.test:443", "plain.world.test:80"]},
+        secrets=[{"name": "CANARY", "inject": {"host": "api.world.test"}}],
+    )  # fmt: skip
+
+
+def test_a_warm_call_reaches_its_upstream_and_its_token_was_refused_before(
+    deployment: Deployment,
+) -> None:
+    """A warm container of a tool with egress holds a proxy token the proxy
+    does not know until its call is released: the token, stolen from the
+    engine, gets 407 from the upstream network. The call then reaches its
+    allowed hosts (the header secret injected), nothing else, and its token
+    is closed at the end."""
+    world, engine = deployment.world, deployment.engine
+    register_warm_fetcher(deployment, 1)
+    (container,) = wait_warm(deployment, WARM_FETCHER, 1)
+    token, _ = proxy_token(deployment, container)
+    assert not proxy_knows(deployment, token)
+    proxies = engine.api.containers(
+        filters={"label": f"io.toolreg.instance={deployment.app.backend.instance_id}",  # type: ignore[attr-defined]
+                 "name": "egress-proxy"})  # fmt: skip
+    proxy_ip = proxies[0]["NetworkSettings"]["Networks"][world.network_name]["IPAddress"]
+    status = engine.containers.run(
+        "toolreg/python", ["python3", "-c", WITH_STOLEN_TOKEN, proxy_ip, token],
+        network=world.network_name, remove=True, labels=world.labels, user="65534:65534",
+    ).decode().strip()  # fmt: skip
+    assert status.startswith("HTTP/1.1 407"), status
+    assert [r for r in world.requests("plain.world.test") if r["path"] == "/stolen"] == []
+    r = deployment.run(
+        WARM_FETCHER,
+        {"kind": "fetch", "url": "https://api.world.test/warm-hello"},
+        {"kind": "fetch", "url": "https://forbidden.world.test/"},
+        {"kind": "fetch", "url": "http://plain.world.test/warm-plain"},
+    )
+    got = results(r)
+    assert [g["ok"] for g in got] == [True, False, True], got
+    record = deployment.audit(r.execution_id)
+    assert record["warm"] is True and record["container_id"] == container
+    seen = {(c["host"], c["port"]): c for c in record["egress"]}
+    assert seen[("api.world.test", 443)]["injected"] is True
+    assert "not in the allow-list" in seen[("forbidden.world.test", 443)]["reason"]
+    sent = [q for q in world.requests("api.world.test") if q["path"] == "/warm-hello"]
+    assert [q["headers"]["Authorization"] for q in sent] == [f"Bearer {CANARY}"]
+    assert not proxy_knows(deployment, token)  # closed with its call
+    register_warm_fetcher(deployment, 0)  # drained: its replacement is never registered
+
+
+def test_calls_never_share_a_network_and_each_is_removed_after_its_call(
+    deployment: Deployment, fetcher: str
+) -> None:
+    """Warm and cold calls with egress, some at once: every call's container
+    was connected to exactly one network, no two calls to the same one,
+    nothing but the proxy joined it, and it is gone after the call."""
+    engine = deployment.engine
+    since = int(time.time()) - 1  # before the warm containers are made (and joined)
+    register_warm_fetcher(deployment, 2)
+    wait_warm(deployment, WARM_FETCHER, 2)
+    op = {"kind": "fetch", "url": "http://plain.world.test/shared"}
+    with ThreadPoolExecutor(3) as pool:
+        done = [pool.submit(deployment.run, name, op) for name in [WARM_FETCHER, fetcher] * 3]
+        calls = [f.result() for f in done]
+    deployment.app.backend.flush()
+    until = int(time.time()) + 1
+    register_warm_fetcher(deployment, 0)
+    records = [deployment.audit(r.execution_id) for r in calls]
+    assert all(results(r)[0]["ok"] for r in calls)
+    assert any(rec["warm"] for rec in records) and not all(rec["warm"] for rec in records)
+    events = list(engine.api.events(since=since, until=until, decode=True,
+                                    filters={"type": ["network", "container"]}))  # fmt: skip
+    network_of = {  # call container -> its network, as labelled at create
+        e["Actor"]["ID"]: e["Actor"]["Attributes"].get("io.toolreg.egress-network")
+        for e in events
+        if e["Type"] == "container" and e["Action"] == "create"
+    }
+    names = {e["Actor"]["Attributes"]["name"]: e["Actor"]["ID"] for e in events
+             if e["Type"] == "network"}  # fmt: skip
+    joined: dict[str, set[str]] = {}  # network name -> containers connected to it
+    for e in events:
+        if e["Type"] == "network" and e["Action"] == "connect":
+            joined.setdefault(e["Actor"]["Attributes"]["name"], set()).add(
+                e["Actor"]["Attributes"]["container"]
+            )
+    destroyed = {e["Actor"]["ID"] for e in events
+                 if e["Type"] == "network" and e["Action"] == "destroy"}  # fmt: skip
+    proxy = deployment.app.backend._egress.proxy_id  # type: ignore[attr-defined]
+    used = [network_of[rec["container_id"]] for rec in records]
+    assert all(used) and len(set(used)) == len(calls), used  # no two calls on one network
+    for network in used:
+        # Only the proxy and the call's holder (whose namespace the call's
+        # sandbox joined) were ever on it; it is gone after the call.
+        # (a pooled network's holder may have joined before the calls began)
+        holders = joined.get(network, set()) - {proxy}
+        assert len(holders) <= 1, joined.get(network)
+        assert list(network_of.values()).count(network) == 1  # one sandbox ever labelled so
+        assert not holders & {rec["container_id"] for rec in records}  # no sandbox directly
+        assert names[network] in destroyed

@@ -149,6 +149,55 @@ def test_sigkilled_server_leaves_containers_the_next_start_removes(
         successor.wait(timeout=30)
 
 
+def _networks_owned_by(engine: docker.DockerClient, pid: int) -> list[str]:
+    return [
+        n["Name"] for n in engine.api.networks(filters={"label": f"io.toolreg.owner-pid={pid}"})
+    ]
+
+
+def test_sigkilled_server_leaves_egress_networks_the_next_start_removes(
+    engine: docker.DockerClient, tmp_path: Path
+) -> None:
+    """The networks a server makes ahead of calls with egress (and its proxy)
+    carry its labels: after a SIGKILL, the next server's start removes them."""
+    proc, address = _spawn_server(tmp_path / "a")
+    try:
+        with grpc.insecure_channel(address) as channel:
+            stub = pb_grpc.ToolRegistryStub(channel)
+            tool = parse_definition(
+                {
+                    "name": "offline_egress",
+                    "description": "d",
+                    "parameters": {"type": "object"},
+                    "safety_level": "cautious",
+                    "network": {"egress": ["example.com:443"]},
+                    "sandbox": {"image": "toolreg/base", "command": ["cat"]},
+                }
+            )
+            stub.RegisterTool(pb.RegisterToolRequest(tool=convert.tool_to_pb(tool)))
+            result = stub.ExecuteTool(pb.ExecuteToolRequest(name="offline_egress"), timeout=60)
+            assert result.success, result.error
+            deadline = time.monotonic() + 30  # the pool fills after the call
+            while time.monotonic() < deadline:
+                pooled = [n for n in _networks_owned_by(engine, proc.pid) if "net-pool-" in n]
+                if len(pooled) >= 2:
+                    break
+                time.sleep(0.2)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    left = _networks_owned_by(engine, proc.pid)
+    assert len([n for n in left if "net-pool-" in n]) >= 2, left
+    assert _owned_by(engine, proc.pid), "the killed server's proxy should be left"
+    successor, _ = _spawn_server(tmp_path / "b")
+    try:
+        assert _owned_by(engine, proc.pid) == []
+        assert _networks_owned_by(engine, proc.pid) == []
+    finally:
+        successor.send_signal(signal.SIGTERM)
+        successor.wait(timeout=30)
+
+
 def test_two_servers_never_remove_each_others_live_containers(
     engine: docker.DockerClient, tmp_path: Path
 ) -> None:

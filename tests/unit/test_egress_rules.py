@@ -98,7 +98,7 @@ def test_egress_and_secrets_are_part_of_the_digest_only_when_set() -> None:
          "secrets.0.inject.format"),
         ({"secrets": [{"name": "T", "deliver": "file"}] * 2}, "secrets"),
         ({"secrets": [{"name": f"S{i}", "deliver": "file"} for i in range(17)]}, "secrets"),
-        ({"warm_pool": 1}, "warm_pool"),
+        ({"warm_pool": 1, "secrets": [{"name": "T", "deliver": "file"}]}, "warm_pool"),
         ({"secrets": [{"name": "T", "inject": {"host": "api.example.com",
                                                "header": "Proxy-Token"}}]},
          "secrets.0.inject.header"),
