@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import hashlib
 import json
 import re
@@ -46,6 +47,7 @@ CATEGORY_PATTERN = r"^[a-z][a-z0-9_-]{0,31}$"
 ENV_KEY_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"
 MAX_DESCRIPTION_CHARS = 8_192  # characters; longer descriptions waste the model's context
 MAX_PARAMETERS_BYTES = 65_536  # bytes of JSON; a schema is a contract, not a data store
+MAX_CACHED_SCHEMA_CHECKS = 256  # parameters schemas whose checks' answer is kept, by JSON text
 MAX_CATEGORIES = 16  # per tool
 MAX_COMMAND_ARGS = 64  # argv entries
 MAX_ENV_VARS = 64  # per tool
@@ -329,8 +331,24 @@ def parameter_schema_problems(schema: Mapping[str, Any]) -> list[str]:
     problem = strict_json.structure_problem(schema)
     if problem:
         return [problem]
-    if len(strict_json.dumps(schema).encode()) > MAX_PARAMETERS_BYTES:
+    text = strict_json.dumps(schema)
+    if len(text.encode()) > MAX_PARAMETERS_BYTES:
         return [f"at most {MAX_PARAMETERS_BYTES} bytes of JSON"]
+    return list(_schema_text_problems(text))
+
+
+@functools.lru_cache(maxsize=MAX_CACHED_SCHEMA_CHECKS)
+def _schema_text_problems(text: str) -> tuple[str, ...]:
+    """The rest of ``parameter_schema_problems``, for a schema that passed its
+    shape and size checks, given as its JSON text. The answer depends on that
+    text alone, and checking it against the metaschema costs about a
+    millisecond, so it is kept: the same schema is checked again each time its
+    tool is loaded or re-registered and for every approval request shown (its
+    snapshot is parsed)."""
+    return tuple(_evaluated_schema_problems(json.loads(text)))
+
+
+def _evaluated_schema_problems(schema: Mapping[str, Any]) -> list[str]:
     if schema.get("type") != "object":
         return ['must be an object schema ("type": "object")']
     declared = schema.get("$schema")
