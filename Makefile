@@ -89,9 +89,10 @@ ts-client: ## Install and build the TypeScript client (clients/typescript)
 interop-deps: ts-client ## Install the Node.js interop test dependencies (tests/interop; they use the TypeScript client)
 	cd tests/interop && npm ci --no-audit --no-fund --silent
 
-# No unit test uses hypothesis: its plugin's start-up is left out here.
+# No unit test uses hypothesis or anyio's pytest plugin (which imports trio):
+# their start-up is left out here.
 unit: install ## The unit tier alone: decision logic, no engine, in seconds
-	$(BIN)/pytest tests/unit -q -p no:hypothesispytest $(PYTEST_ARGS)
+	$(BIN)/pytest tests/unit -q -p no:hypothesispytest -p no:anyio $(PYTEST_ARGS)
 
 test: install init check-proto images ts-client interop-deps postgres haproxy chromium ## Set up everything, then run the whole test suite
 	$(BIN)/pytest $(PYTEST_ARGS)
