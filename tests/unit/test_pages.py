@@ -237,10 +237,16 @@ def pages_of(
         between(names)
 
 
+@pytest.fixture(scope="module")
+def listing() -> tuple[list[str], Registry]:
+    """Tools for two default pages, in a registry the tests only read."""
+    names = [f"tool_{i:04d}" for i in range(DEFAULT_TOOLS_PAGE + 30)]
+    return names, registry_with(names)
+
+
 @pytest.mark.parametrize("size", [1, 7, 0, 100, 1_000])
-def test_pages_cover_the_listing_once(size: int) -> None:
-    names = [f"tool_{i:04d}" for i in range(DEFAULT_TOOLS_PAGE + 30)]  # the default: two pages
-    registry = registry_with(names)
+def test_pages_cover_the_listing_once(listing: tuple[list[str], Registry], size: int) -> None:
+    names, registry = listing
     pages = pages_of(RegistryViews(registry, PageTokens(KEY)), size, registry=registry)
     flat = [n for page in pages for n in page]
     assert flat == names
@@ -434,21 +440,27 @@ def all_pages(
 
 
 ADMIN = Viewer("admin", sees_all=True, admin=True)
+Requests = tuple[Approvals, list[ApprovalRequestRecord]]
+
+
+@pytest.fixture(scope="module")
+def requests(tmp_path_factory: pytest.TempPathFactory) -> Requests:
+    """120 requests (add_requests) that the tests using them only page through."""
+    store, registry, approvals = approvals_env(tmp_path_factory.mktemp("requests"))
+    return approvals, add_requests(store, registry, 120)
 
 
 @pytest.mark.parametrize("size", [1, 7, 0, 50, 120, 500])
-def test_approval_requests_page_newest_first_with_ties(tmp_path: Path, size: int) -> None:
-    store, registry, approvals = approvals_env(tmp_path)
-    records = add_requests(store, registry, 120)
+def test_approval_requests_page_newest_first_with_ties(requests: Requests, size: int) -> None:
+    approvals, records = requests
     pages = all_pages(approvals, ADMIN, size)
     assert [i for p in pages for i in p] == newest_first(records)
     expected = size or DEFAULT_REQUESTS_PAGE
     assert all(len(p) == expected for p in pages[:-1])
 
 
-def test_approval_requests_page_within_a_state(tmp_path: Path) -> None:
-    store, registry, approvals = approvals_env(tmp_path)
-    records = add_requests(store, registry, 120)
+def test_approval_requests_page_within_a_state(requests: Requests) -> None:
+    approvals, records = requests
     for state in (PENDING, APPROVED):
         want = newest_first([r for r in records if r.state == state])
         assert [i for p in all_pages(approvals, ADMIN, 7, state.lower()) for i in p] == want
@@ -493,19 +505,17 @@ def test_expiry_between_pages_moves_a_request_out_of_pending(tmp_path: Path) -> 
     assert [r.id for r in approvals.page_requests(EXPIRED, 0, "", ADMIN, tokens).items] == [later]
 
 
-def test_an_agent_pages_through_its_own_requests_only(tmp_path: Path) -> None:
-    store, registry, approvals = approvals_env(tmp_path)
-    records = add_requests(store, registry, 120)
+def test_an_agent_pages_through_its_own_requests_only(requests: Requests) -> None:
+    approvals, records = requests
     own = newest_first([r for r in records if r.requested_by == "agent-2"])
     pages = all_pages(approvals, Viewer("agent-2"), 5)
     assert [i for p in pages for i in p] == own and all(len(p) == 5 for p in pages[:-1])
 
 
-def test_an_approver_pages_through_what_it_may_approve(tmp_path: Path) -> None:
+def test_an_approver_pages_through_what_it_may_approve(requests: Requests) -> None:
     """bob (security) may approve run_shell (any approver) but not tidy_files
     (ops only): its pages are full pages of what it may see."""
-    store, registry, approvals = approvals_env(tmp_path)
-    records = add_requests(store, registry, 120)
+    approvals, records = requests
     bobs = newest_first([r for r in records if r.tool_name == "run_shell"])
     pages = all_pages(approvals, Viewer("bob-cli", approver="bob"), 7)
     assert [i for p in pages for i in p] == bobs
