@@ -40,9 +40,9 @@ class PreparedSandbox(Protocol):
         """True while it still waits for its call."""
         ...
 
-    def bind_egress(self, egress: EgressSpec | None) -> None:
-        """Made ahead of its call (with a network): the call's egress grants,
-        told to the egress proxy by ``finish`` right before the tool starts."""
+    def bind_egress(self, egress: EgressSpec | None, execution_id: str) -> None:
+        """Made ahead of its call (with a network): the call's egress grants and
+        id, told to the egress proxy by ``finish`` right before the tool starts."""
         ...
 
     def finish(

@@ -610,12 +610,12 @@ class Prepared:
                 raise RuntimeError(f"container {self.container_id[:12]} was already used")
             self._used = True
 
-    def bind_egress(self, egress: EgressSpec | None) -> None:
+    def bind_egress(self, egress: EgressSpec | None, execution_id: str) -> None:
         """Made ahead of its call: the call's egress grants (allow-list, headers,
-        caps as the policy says now), registered at the proxy by ``finish``
-        right before the tool is released. Until then the proxy refuses the
-        sandbox's token."""
-        self._backend.bind_egress(self._egress, egress)
+        caps as the policy says now) and its id (the proxy's records name it),
+        registered at the proxy by ``finish`` right before the tool is released.
+        Until then the proxy refuses the sandbox's token."""
+        self._backend.bind_egress(self._egress, egress, execution_id)
 
     def alive(self) -> bool:
         """True while the tool still waits for its input (no engine round trip:
@@ -1057,14 +1057,16 @@ class DockerBackend:
         files = {f.name: f.value for f in spec.secret_files}
         return self._egress.open(api, execution_id, spec.egress, files, deadline_ms=deadline_ms)
 
-    def bind_egress(self, call: EgressCall | None, egress: EgressSpec | None) -> None:
-        """A container made ahead of its call now serves one: its grants, for
-        ``register_egress``. SandboxError when they do not fit the container."""
+    def bind_egress(
+        self, call: EgressCall | None, egress: EgressSpec | None, execution_id: str
+    ) -> None:
+        """A container made ahead of its call now serves one: its grants and id,
+        for ``register_egress``. SandboxError when they do not fit the container."""
         if call is None and egress is None:
             return
         if call is None or egress is None or self._egress is None:
             raise SandboxError("egress: the call's network does not match its sandbox's")
-        self._egress.bind(call, egress)
+        self._egress.bind(call, egress, execution_id)
 
     def register_egress(self, call: EgressCall | None) -> None:
         """The proxy learns of the call's token and grants: right before the go byte."""

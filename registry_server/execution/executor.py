@@ -315,7 +315,7 @@ class Executor:
         caller = record.call.caller
         warm = None
         if pools is not None and self._admission.may_take_warm(caller):
-            warm = pools.take(tool, spec)
+            warm = pools.take(tool, spec, record.execution_id)
         if warm is not None:
             assert pools is not None
             with ExitStack() as held:

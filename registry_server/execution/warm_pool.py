@@ -156,7 +156,9 @@ class WarmPools:
 
     # -- the call's side ---------------------------------------------------------------
 
-    def take(self, tool: ToolDefinition, spec: SandboxSpec) -> WarmSandbox | None:
+    def take(
+        self, tool: ToolDefinition, spec: SandboxSpec, execution_id: str = ""
+    ) -> WarmSandbox | None:
         """A warm container made from exactly this tool and spec, or None. The
         caller claims its reservation (``Admission.claim``) for the call. With
         egress, the containers are made ``unbound`` and compared so; the one
@@ -189,7 +191,7 @@ class WarmPools:
         self._discard_all(stale)
         if found is not None and spec.egress is not None:
             try:
-                found.prepared.bind_egress(spec.egress)
+                found.prepared.bind_egress(spec.egress, execution_id or found.container_id)
             except SandboxError as exc:
                 log.warning("warm container of %s does not fit its call: %s", tool.name, exc)
                 self._discard_all([found])

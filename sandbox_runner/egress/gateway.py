@@ -388,9 +388,10 @@ class EgressGateway:
                 log.warning("egress: could not remove network %s: %s", name, exc)
 
     @staticmethod
-    def bind(call: EgressCall, spec: EgressSpec) -> None:
+    def bind(call: EgressCall, spec: EgressSpec, execution_id: str) -> None:
         """The grants of the call a container made ahead of it now serves (its
-        allow-list, headers and caps as the policy says at this call), to be
+        allow-list, headers and caps as the policy says at this call) and the
+        call's id (the proxy records its connections under it), to be
         registered by ``register``. Its injected hosts must be those the
         container was made for (the CA bundle is mounted for them)."""
         if call.registered or call.closed:
@@ -398,7 +399,7 @@ class EgressGateway:
         made_for = {(i.host, i.port) for i in (call.spec.inject if call.spec else ())}
         if {(i.host, i.port) for i in spec.inject} != made_for:
             raise SandboxError("egress: the call's secrets are not those the sandbox was made for")
-        call.spec = spec
+        call.spec, call.execution_id = spec, execution_id
 
     def register(self, call: EgressCall) -> None:
         """Tell the proxy of the call's token, allow-list, headers and caps:

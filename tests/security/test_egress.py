@@ -784,6 +784,9 @@ def test_a_warm_call_reaches_its_upstream_and_its_token_was_refused_before(
     sent = [q for q in world.requests("api.world.test") if q["path"] == "/warm-hello"]
     assert [q["headers"]["Authorization"] for q in sent] == [f"Bearer {CANARY}"]
     assert not proxy_knows(deployment, token)  # closed with its call
+    # The proxy knew the container by the call it served, not by the container.
+    proxy_log = engine.api.logs(proxies[0]["Id"]).decode(errors="replace")
+    assert f"refused forbidden.world.test:443 for  ({r.execution_id})" in proxy_log, proxy_log
     register_warm_fetcher(deployment, 0)  # drained: its replacement is never registered
 
 
