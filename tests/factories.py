@@ -3,19 +3,35 @@
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
+import tempfile
 from dataclasses import replace
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from registry_server.client.registry_client import CallResult, Status
 from registry_server.domain.models import ToolDefinition, parse_definition
 from registry_server.domain.outcome import ApprovalRequestView
+from registry_server.policy.loader import load_policy
+from registry_server.policy.model import Policy
 
 
 def sha(token: str) -> str:
     """The ``token_sha256`` a policy holds for the bearer token ``token``."""
     return hashlib.sha256(token.encode()).hexdigest()
+
+
+@functools.cache
+def policy_of(text: str) -> Policy:
+    """What a policy file holding ``text`` loads to, loaded once per run: a
+    Policy is immutable, so tests that only use one share it (tests of the
+    loading itself call load_policy)."""
+    with tempfile.TemporaryDirectory() as directory:
+        path = Path(directory, "policy.yaml")
+        path.write_text(text)
+        return load_policy(path)
 
 
 def manifest(**overrides: Any) -> dict[str, Any]:

@@ -16,7 +16,6 @@ import re
 import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -47,7 +46,6 @@ from registry_server.domain.errors import (
 )
 from registry_server.domain.models import ToolDefinition
 from registry_server.domain.outcome import ApprovalRequestView
-from registry_server.policy.loader import load_policy
 from registry_server.policy.model import Policy
 from registry_server.signing.keys import generate_keypair, load_private_key
 from registry_server.signing.tokens import mint, mint_for
@@ -59,7 +57,7 @@ from registry_server.store.base import (
     ApprovalEventRecord,
 )
 from registry_server.store.memory import MemoryStore
-from tests.factories import sha
+from tests.factories import policy_of, sha
 from tests.factories import tool as make_tool
 
 AUDIENCE = "toolreg-test"
@@ -194,10 +192,8 @@ class Env:
 
 
 @pytest.fixture
-def env(tmp_path: Path) -> Env:
-    path = tmp_path / "policy.yaml"
-    path.write_text(POLICY)
-    policy = load_policy(path)
+def env() -> Env:
+    policy = policy_of(POLICY)
     store = MemoryStore()
     registry = Registry(store)
     registry.register(dangerous("write_file", ["files"]))

@@ -22,7 +22,6 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import jwt
@@ -46,7 +45,6 @@ from registry_server.execution.call_request import CallRequest
 from registry_server.execution.executor import NOT_A_NAME, Executor
 from registry_server.execution.sandbox_plan import SandboxPolicy
 from registry_server.execution.warm_pool import WarmPools
-from registry_server.policy.loader import load_policy
 from registry_server.policy.model import Policy, RegisterGrant
 from registry_server.signing.keys import generate_keypair, load_private_key
 from registry_server.signing.tokens import mint, mint_for
@@ -61,6 +59,7 @@ from sandbox_runner import (
     SandboxSpec,
 )
 from sandbox_runner.profiles import CAUTIOUS_LIMITS, SAFE_LIMITS, profile_for
+from tests.factories import policy_of
 from tests.factories import tool as make_tool
 from tests.unit.fakes import FakeBackend, FakePrepared, result
 
@@ -240,7 +239,6 @@ def ceilings(policy: Policy) -> dict[SafetyLevel, Limits]:
 
 
 def build(
-    tmp_path: Path,
     *,
     store: MemoryStore | None = None,
     runtimes: frozenset[str] = frozenset({"runc"}),
@@ -248,9 +246,7 @@ def build(
     max_running: int = 4,
     allow_hostinet: bool = True,
 ) -> Env:
-    path = tmp_path / "policy.yaml"
-    path.write_text(POLICY)
-    policy = load_policy(path)
+    policy = policy_of(POLICY)
     store = store if store is not None else MemoryStore()
     registry = Registry(store)
     for tool in TOOLS:
@@ -274,8 +270,8 @@ def build(
 
 
 @pytest.fixture
-def env(tmp_path: Path) -> Env:
-    return build(tmp_path)
+def env() -> Env:
+    return build()
 
 
 def sandbox_calls(env: Env) -> list[str]:
@@ -522,11 +518,9 @@ def test_a_dangerous_call_without_tokens_needs_approval_and_prepares_nothing(env
     assert env.kinds().count("approval") == 1
 
 
-def test_enough_tokens_run_the_call_and_are_spent_with_the_starting_record(
-    tmp_path: Path,
-) -> None:
+def test_enough_tokens_run_the_call_and_are_spent_with_the_starting_record() -> None:
     store = RecordingStore()
-    env = build(tmp_path, store=store)
+    env = build(store=store)
     tokens = env.tokens(WIPE)
     store.watched.update(jtis(tokens))
     at_finish: list[tuple[bool, str]] = []
@@ -632,8 +626,8 @@ def test_tokens_spent_by_a_racing_call_deny_the_other_and_discard_its_sandbox(en
 # ---------------------------------------------------------------- gVisor
 
 
-def test_a_dangerous_tool_that_requires_gvisor_is_refused_without_runsc(tmp_path: Path) -> None:
-    env = build(tmp_path, require_gvisor=True, runtimes=frozenset({"runc"}))
+def test_a_dangerous_tool_that_requires_gvisor_is_refused_without_runsc() -> None:
+    env = build(require_gvisor=True, runtimes=frozenset({"runc"}))
     tokens = env.tokens(WIPE)
     outcome = env.call("wipe", approval_tokens=tokens)
     assert outcome.status is Status.SANDBOX_ERROR
@@ -647,8 +641,8 @@ def test_a_dangerous_tool_that_requires_gvisor_is_refused_without_runsc(tmp_path
     assert [s.runtime for s in env.backend.prepared_specs] == ["runc"]
 
 
-def test_a_dangerous_tool_runs_under_runsc_when_the_engine_has_it(tmp_path: Path) -> None:
-    env = build(tmp_path, require_gvisor=True, runtimes=frozenset({"runc", "runsc"}))
+def test_a_dangerous_tool_runs_under_runsc_when_the_engine_has_it() -> None:
+    env = build(require_gvisor=True, runtimes=frozenset({"runc", "runsc"}))
     assert env.call("wipe", approval_tokens=env.tokens(WIPE)).status is Status.OK
     assert env.call("echo").status is Status.OK
     assert [s.runtime for s in env.backend.prepared_specs] == ["runsc", "runc"]
@@ -676,9 +670,9 @@ def with_fetch(env: Env) -> Env:
     return env
 
 
-def test_a_dangerous_tool_with_egress_runs_under_runsc_net_and_no_other(tmp_path: Path) -> None:
+def test_a_dangerous_tool_with_egress_runs_under_runsc_net_and_no_other() -> None:
     gvisor = frozenset({"runc", "runsc", "runsc-net"})
-    env = with_fetch(build(tmp_path, require_gvisor=True, runtimes=gvisor))
+    env = with_fetch(build(require_gvisor=True, runtimes=gvisor))
     assert env.call("fetch", approval_tokens=env.tokens(FETCH)).status is Status.OK
     assert env.call("wipe", approval_tokens=env.tokens(WIPE)).status is Status.OK
     assert env.call("shell").status is Status.OK
@@ -694,11 +688,11 @@ def test_a_dangerous_tool_with_egress_runs_under_runsc_net_and_no_other(tmp_path
 @pytest.mark.parametrize("require_gvisor", [True, False], ids=["policy", "development"])
 @pytest.mark.parametrize("runtimes", [{"runc", "runsc"}, {"runc"}], ids=["runsc-only", "no-gvisor"])
 def test_an_engine_without_runsc_net_refuses_a_dangerous_tool_with_egress(
-    tmp_path: Path, require_gvisor: bool, runtimes: set[str]
+    require_gvisor: bool, runtimes: set[str]
 ) -> None:
     """Never runc, never runsc without a network, whatever the fallback setting:
     the development-mode fallback covers dangerous tools without egress only."""
-    env = with_fetch(build(tmp_path, require_gvisor=require_gvisor, runtimes=frozenset(runtimes)))
+    env = with_fetch(build(require_gvisor=require_gvisor, runtimes=frozenset(runtimes)))
     tokens = env.tokens(FETCH)
     outcome = env.call("fetch", approval_tokens=tokens)
     assert (outcome.status, outcome.error) == (Status.SANDBOX_ERROR, NO_NET_FIX)
@@ -718,11 +712,11 @@ HOSTINET_ARGS = ("--network=host",)  # what scripts/ensure_docker.sh registers w
 
 
 def test_no_approval_is_asked_for_a_call_the_engine_cannot_run(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Without runsc-net, a dangerous call with egress is refused before the
     approval gate: no request opens for approvers to sign in vain."""
-    env = with_fetch(build(tmp_path, require_gvisor=True, runtimes=frozenset({"runc", "runsc"})))
+    env = with_fetch(build(require_gvisor=True, runtimes=frozenset({"runc", "runsc"})))
     outcome = env.call("fetch")  # no tokens: this would open an approval request
     assert (outcome.status, outcome.error) == (Status.SANDBOX_ERROR, NO_NET_FIX)
     assert outcome.approval_request is None
@@ -742,9 +736,9 @@ def test_no_approval_is_asked_for_a_call_the_engine_cannot_run(
                        (HOSTINET_ARGS, "hostinet")],
 )  # fmt: skip
 def test_the_audit_record_says_which_gvisor_network_ran_the_call(
-    tmp_path: Path, args: tuple[str, ...], mode: str
+    args: tuple[str, ...], mode: str
 ) -> None:
-    env = with_fetch(build(tmp_path, require_gvisor=True, runtimes=GVISOR_ALL))
+    env = with_fetch(build(require_gvisor=True, runtimes=GVISOR_ALL))
     env.backend.runtime_args["runsc-net"] = args
     assert env.call("fetch", approval_tokens=env.tokens(FETCH)).status is Status.OK
     assert env.call("wipe", approval_tokens=env.tokens(WIPE)).status is Status.OK
@@ -765,11 +759,9 @@ HOSTINET_REFUSED = (
 
 
 def test_a_server_that_refuses_hostinet_fails_closed_before_any_approval(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    env = with_fetch(
-        build(tmp_path, require_gvisor=True, runtimes=GVISOR_ALL, allow_hostinet=False)
-    )
+    env = with_fetch(build(require_gvisor=True, runtimes=GVISOR_ALL, allow_hostinet=False))
     env.backend.runtime_args["runsc-net"] = HOSTINET_ARGS
     asked = env.call("fetch")
     assert (asked.status, asked.error) == (Status.SANDBOX_ERROR, HOSTINET_REFUSED)
@@ -787,8 +779,8 @@ def test_a_server_that_refuses_hostinet_fails_closed_before_any_approval(
     assert env.call("fetch", approval_tokens=tokens).status is Status.OK
 
 
-def test_runsc_net_without_a_network_is_refused(tmp_path: Path) -> None:
-    env = with_fetch(build(tmp_path, require_gvisor=True, runtimes=GVISOR_ALL))
+def test_runsc_net_without_a_network_is_refused() -> None:
+    env = with_fetch(build(require_gvisor=True, runtimes=GVISOR_ALL))
     env.backend.runtime_args["runsc-net"] = ("--network=none",)
     outcome = env.call("fetch", approval_tokens=env.tokens(FETCH))
     assert outcome.status is Status.SANDBOX_ERROR
@@ -797,14 +789,12 @@ def test_runsc_net_without_a_network_is_refused(tmp_path: Path) -> None:
 
 
 def test_a_switch_to_hostinet_is_seen_within_the_recheck_interval(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """scripts/ensure_docker.sh may switch runsc-net's mode with a reload while
     the server runs: the mode a call runs under is never older than
     RUNTIMES_RECHECK_S, even though runsc-net was there all along."""
-    env = with_fetch(
-        build(tmp_path, require_gvisor=True, runtimes=GVISOR_ALL, allow_hostinet=False)
-    )
+    env = with_fetch(build(require_gvisor=True, runtimes=GVISOR_ALL, allow_hostinet=False))
     tokens = env.tokens(FETCH)
     assert env.call("wipe", approval_tokens=env.tokens(WIPE)).status is Status.OK
     env.backend.runtime_args["runsc-net"] = HOSTINET_ARGS
@@ -820,9 +810,9 @@ def test_a_switch_to_hostinet_is_seen_within_the_recheck_interval(
 
 
 def test_runsc_net_registered_while_the_server_runs_is_found_without_a_restart(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    env = with_fetch(build(tmp_path, require_gvisor=True, runtimes=frozenset({"runc", "runsc"})))
+    env = with_fetch(build(require_gvisor=True, runtimes=frozenset({"runc", "runsc"})))
     tokens = env.tokens(FETCH)
     assert env.call("fetch", approval_tokens=tokens).status is Status.SANDBOX_ERROR
     env.backend.available_runtimes = frozenset({"runc", "runsc", "runsc-net"})
@@ -1037,9 +1027,9 @@ def test_a_cancelled_call_gives_its_warm_sandbox_back_unused(env: Env, pools: Wa
 # ---------------------------------------------------------------- a store that cannot write
 
 
-def test_a_store_that_cannot_write_fails_audited_calls_but_not_safe_ones(tmp_path: Path) -> None:
+def test_a_store_that_cannot_write_fails_audited_calls_but_not_safe_ones() -> None:
     store = FailingStore()
-    env = build(tmp_path, store=store)
+    env = build(store=store)
     tokens = env.tokens(WIPE)
     store.failing = True
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -201,8 +200,8 @@ def test_another_server_sees_a_deletion_and_a_disabling_on_reload() -> None:
 
 
 @pytest.fixture
-def env(tmp_path: Path) -> Env:
-    return build(tmp_path)
+def env() -> Env:
+    return build()
 
 
 def admin_switch(env: Env, name: str, enabled: bool, reason: str = "") -> ToolDefinition:
