@@ -930,7 +930,7 @@ def mcp_serve(
 def _serve_mcp_http(
     ctx: typer.Context, address: str | None, endpoint: str, *, policy: Path | None, **options: Any
 ) -> None:
-    from registry_server.client import mcp_http
+    from registry_server.client import mcp_http, mcp_http_settings
 
     conn = ctx.find_root().obj
     if policy is not None and isinstance(conn, Connection) and conn.token:
@@ -941,7 +941,7 @@ def _serve_mcp_http(
             2,
         )
     try:
-        settings = mcp_http.http_settings(endpoint, policy_file=policy, **options)
+        settings = mcp_http_settings.http_settings(endpoint, policy_file=policy, **options)
     except ToolregError as exc:
         fail(exc.message, 2)
     _client(ctx, address).close()  # the TLS files are read now, not at the first request

@@ -29,7 +29,7 @@ from mcp.shared._httpx_utils import create_mcp_http_client
 from mcp.shared.exceptions import MCPError
 
 from registry_server.client.launcher import ServerProcess, spawn_server, spawn_until
-from registry_server.client.mcp_http import DEFAULT_MAX_BODY_BYTES
+from registry_server.client.mcp_http_settings import DEFAULT_MAX_BODY_BYTES
 from registry_server.signing.keys import generate_keypair
 from tests.certs import CertificateAuthority
 from tests.factories import sha

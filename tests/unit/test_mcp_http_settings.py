@@ -1,21 +1,19 @@
-"""What `toolreg mcp --http` accepts before anything listens (client/mcp_http.py):
-the endpoint, fail-closed refusals, the Host/Origin allow-lists, and the token
-check over the policy."""
+"""What `toolreg mcp --http` accepts before anything listens
+(client/mcp_http_settings.py): the endpoint and the fail-closed refusals. The
+Host/Origin allow-lists and the token check, made of the MCP SDK's objects:
+tests/adapters/test_mcp_sdk_mapping.py."""
 
 from __future__ import annotations
 
 import dataclasses
 
-import anyio
 import pytest
 
-from registry_server.client.mcp_http import (
+from registry_server.client.http_listener import parse_endpoint
+from registry_server.client.mcp_http_settings import (
     DEFAULT_MAX_BODY_BYTES,
     HttpSettings,
-    PolicyTokenVerifier,
     check_settings,
-    parse_endpoint,
-    transport_security,
 )
 from registry_server.domain.arguments import MAX_ARGUMENTS_BYTES
 from registry_server.domain.errors import ConfigError
@@ -95,34 +93,3 @@ def test_development_mode_on_loopback_and_tls_beyond_it_are_fine() -> None:
 
 def test_the_body_cap_leaves_room_for_the_largest_arguments() -> None:
     assert DEFAULT_MAX_BODY_BYTES > MAX_ARGUMENTS_BYTES
-
-
-def test_hosts_and_origins_allowed() -> None:
-    loopback = transport_security(settings(), 8765)
-    assert loopback.enable_dns_rebinding_protection
-    assert set(loopback.allowed_hosts) == {"127.0.0.1:8765", "localhost:8765", "[::1]:8765"}
-    assert loopback.allowed_origins == []  # browsers only when named
-
-    remote = transport_security(
-        settings(
-            host="10.0.0.5", tls_cert="c.pem", tls_key="k.pem",
-            allowed_hosts=("mcp.example.com",), allowed_origins=("https://app.example.com",),
-        ),
-        443,
-    )  # fmt: skip
-    assert set(remote.allowed_hosts) == {"10.0.0.5:443", "10.0.0.5", "mcp.example.com"}
-    assert remote.allowed_origins == ["https://app.example.com"]
-    assert transport_security(settings(host="fd00::5"), 8443).allowed_hosts == ["[fd00::5]:8443"]
-
-
-def test_the_token_verifier_names_the_policy_client() -> None:
-    verifier = PolicyTokenVerifier(POLICY)
-
-    async def verify(token: str) -> tuple[str, str] | None:
-        found = await verifier.verify_token(token)
-        return None if found is None else (found.client_id, found.token)
-
-    assert anyio.run(verify, "agent-token") == ("agent", "agent-token")
-    assert anyio.run(verify, " viewer-token ") == ("viewer", "viewer-token")
-    for wrong in ["", "agent-token2", "AGENT-TOKEN", sha("agent-token"), "CN=cert-only"]:
-        assert anyio.run(verify, wrong) is None, wrong

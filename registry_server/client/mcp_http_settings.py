@@ -1,0 +1,117 @@
+"""What ``toolreg mcp --http HOST:PORT`` serves, checked before anything
+listens (``check_settings``; the server itself: ``mcp_http.py``). Apart from
+the server, so that reading and checking them does not import the MCP SDK."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from registry_server.client.http_listener import check_exposure, is_loopback, parse_endpoint
+from registry_server.domain.arguments import MAX_ARGUMENTS_BYTES
+from registry_server.domain.errors import ConfigError
+from registry_server.domain.models import SafetyLevel
+from registry_server.policy.loader import load_policy
+from registry_server.policy.model import Policy, PolicyError
+
+# bytes of one request body: the largest arguments the registry accepts, plus
+# room for the JSON-RPC envelope around them
+DEFAULT_MAX_BODY_BYTES = MAX_ARGUMENTS_BYTES + 64 * 1024
+DEFAULT_MAX_SESSIONS = 64  # MCP sessions open at once; the next gets 503 until one ends
+DEFAULT_SESSION_IDLE_S = 600.0  # seconds without a request before a session is closed
+
+
+@dataclass(frozen=True)
+class HttpSettings:
+    """What ``--http`` serves, checked by ``check_settings`` before anything binds."""
+
+    host: str
+    port: int
+    policy: Policy | None  # None only with insecure_dev
+    insecure_dev: bool = False
+    allowed_hosts: tuple[str, ...] = ()  # Host header values beyond this listener's own
+    allowed_origins: tuple[str, ...] = ()  # browser origins allowed to call
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    max_sessions: int = DEFAULT_MAX_SESSIONS
+    session_idle_s: float = DEFAULT_SESSION_IDLE_S
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_level: SafetyLevel | None = None
+    categories: tuple[str, ...] = ()
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
+
+
+def check_settings(settings: HttpSettings) -> None:
+    """Fail closed: refuse what would expose the registry (ConfigError)."""
+    loopback = is_loopback(settings.host)
+    if settings.policy is None and not settings.insecure_dev:
+        raise ConfigError(
+            "--http needs --policy FILE: the policy whose clients' bearer tokens it accepts"
+            " (the file `toolreg serve` reads); for development on loopback only,"
+            " --insecure-dev serves without authentication"
+        )
+    if settings.policy is not None and settings.insecure_dev:
+        raise ConfigError("--insecure-dev and --policy exclude each other")
+    if settings.insecure_dev and not loopback:
+        raise ConfigError(
+            f"refusing to serve MCP on {settings.host} with --insecure-dev: without"
+            " authentication it listens on loopback only (127.0.0.1, ::1, localhost)"
+        )
+    if settings.policy is not None and not any(c.token_sha256 for c in settings.policy.clients):
+        raise ConfigError(
+            f"{settings.policy.source}: no client has a token_sha256, so no MCP client could"
+            " authenticate over HTTP"
+        )
+    check_exposure(
+        settings.host, tls_cert=settings.tls_cert, tls_key=settings.tls_key,
+        allowed_hosts=settings.allowed_hosts, serving="MCP",
+    )  # fmt: skip
+    if settings.max_sessions <= 0 or settings.session_idle_s <= 0 or settings.max_body_bytes <= 0:
+        raise ConfigError("--max-sessions, --session-idle-s and --max-body-bytes must be positive")
+
+
+def http_settings(
+    endpoint: str,
+    *,
+    policy_file: Path | None,
+    insecure_dev: bool = False,
+    allowed_hosts: Sequence[str] = (),
+    allowed_origins: Sequence[str] = (),
+    tls_cert: Path | None = None,
+    tls_key: Path | None = None,
+    max_sessions: int | None = None,
+    session_idle_s: float | None = None,
+    max_body_bytes: int | None = None,
+    max_level: SafetyLevel | None = None,
+    categories: Sequence[str] = (),
+) -> HttpSettings:
+    """The CLI's options as checked settings (None = the default); ConfigError
+    names the first problem, PolicyError's lines included."""
+    host, port = parse_endpoint(endpoint)
+    policy = None
+    if policy_file is not None:
+        try:
+            policy = load_policy(policy_file)
+        except PolicyError as exc:
+            raise ConfigError(str(exc)) from None
+    settings = HttpSettings(
+        host=host,
+        port=port,
+        policy=policy,
+        insecure_dev=insecure_dev,
+        allowed_hosts=tuple(allowed_hosts),
+        allowed_origins=tuple(allowed_origins),
+        tls_cert=tls_cert,
+        tls_key=tls_key,
+        max_sessions=DEFAULT_MAX_SESSIONS if max_sessions is None else max_sessions,
+        session_idle_s=DEFAULT_SESSION_IDLE_S if session_idle_s is None else session_idle_s,
+        max_body_bytes=DEFAULT_MAX_BODY_BYTES if max_body_bytes is None else max_body_bytes,
+        max_level=max_level,
+        categories=tuple(categories),
+    )
+    check_settings(settings)
+    return settings
