@@ -1,8 +1,9 @@
 """The warm hand-off, phase by phase, under runc and runsc: a container started
 ahead of its call (the init holding the tool) is handed its call through
-DockerBackend directly, no server: ``Prepared.finish`` sends the go byte and
-the input, the init execs the tool (its process was forked while it waited),
-relays its output as frames and sends the exit frame.
+DockerBackend directly, no server: ``Prepared.finish`` sends the go byte, the
+input's length and the input; the init execs the tool (its process was forked
+while it waited), writes the input into the tool's stdin pipe and closes it,
+relays the tool's output as frames and sends the exit frame.
 
 Each round prepares, for each runtime, one container with the production init
 (its ``finish`` is timed whole: the p50) and one with a timing build of the
@@ -13,6 +14,7 @@ machine noise hits both alike. Each phase is the median over the timing runs
 of its time from the go byte's send:
 
 - ``go_read``: the held process read the go byte (the input's way in);
+- ``input_closed``: the init wrote the whole input and closed the tool's stdin;
 - ``exec``: its execve succeeded (the init sees its report pipe close);
 - ``first_output_sent``: the init wrote the tool's first output frame;
 - ``first_output``: the server read that frame;
@@ -66,6 +68,7 @@ TIMING_LINE = re.compile(rb"toolreg-init-timing ([^\n]*)\n")
 # Phases, in the order they happen: (name, where its time comes from).
 PHASES = (
     ("go_read", "go"),
+    ("input_closed", "fed"),
     ("exec", "exec"),
     ("first_output_sent", "out1"),
     ("first_output", FIRST_OUTPUT),

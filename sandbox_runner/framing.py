@@ -109,7 +109,7 @@ class CappedBuffer:
         return self._parts[0] if self._parts else b""
 
 
-# -- the sandbox init's frames (protocol v2, sandbox_runner/init/toolreg_init.c) ---------------
+# -- the sandbox init's frames (protocol v3, sandbox_runner/init/toolreg_init.c) ---------------
 
 INIT_HELLO: Final = "hello"
 INIT_EXIT: Final = "exit"

@@ -1,6 +1,6 @@
 /*
  * toolreg-init: holds a container's tool until its call is released, then runs it and
- * reports its output and exit as frames (protocol v2).
+ * reports its output and exit as frames (protocol v3).
  *
  * The registry creates and starts containers before their calls arrive (warm pools),
  * so the container's command is `toolreg-init PROG [ARG...]` instead of the tool's own:
@@ -8,21 +8,28 @@
  * ends, the init says so at once, so the server answers the call without waiting for
  * the engine to notice the exit.
  *
- * Protocol v2. Everything the init writes on stdout (fd 1) is a frame: one type byte,
+ * Protocol v3. Everything the init writes on stdout (fd 1) is a frame: one type byte,
  * a 4-byte big-endian payload length, the payload.
  *   'H' hello, payload 1 byte: the protocol version; written first, at start;
  *   'O' / 'E' a piece of the tool's stdout / stderr;
  *   'X' exit, payload 5 bytes: 0 and the exit status, or 1 and the signal that
  *       killed the tool (4 bytes, big-endian); the last frame.
- * stdin (fd 0): one byte first; the go byte 'G' runs PROG, which inherits stdin with
- * the rest of the stream (the call's input, then EOF). EOF, any other byte or a read
- * error: exit 125 without running anything.
+ * stdin (fd 0): one byte first, which releases the call or not:
+ *   'G' runs PROG, which inherits stdin with the rest of the stream (the call's
+ *       input, then EOF);
+ *   'S' (v3) runs PROG with a pipe for its stdin; a 4-byte big-endian length and that
+ *       many bytes of input follow, which the init writes into the pipe and closes it:
+ *       the tool reads its EOF as soon as its input is in, without waiting for the
+ *       engine to close the container's stdin (1.8 ms under runc, 2.6 ms under gVisor
+ *       here, on a warm call's path);
+ *   EOF, any other byte or a read error: exit 125 without running anything.
  *
  * The tool's process is forked while the call is awaited, so that only the execve is
  * left once the go byte comes (a fork costs ~2 ms under gVisor's ptrace platform). Until
  * then that process is still this program: it has its pipes in place and its signal
  * mask restored, and blocks reading the go byte from stdin itself; any other byte or
- * EOF, and it exits 125 without exec. It tells the init the call was released before
+ * EOF, and it exits 125 without exec. SIGPIPE stays blocked in the init (a tool that
+ * leaves its input unread must not kill it); the tool gets the mask the init had. It tells the init the call was released before
  * it execs, so the init sends no frame but the hello unless the go byte came.
  *
  * The tool's stdout and stderr are pipes the init reads, so every byte of the tool
@@ -56,8 +63,9 @@
 #include <time.h>
 #endif
 
-#define PROTOCOL_VERSION 2    /* docker_backend.INIT_PROTOCOL */
+#define PROTOCOL_VERSION 3    /* docker_backend.INIT_PROTOCOL */
 #define GO_BYTE 'G'           /* releases the tool (docker_backend.GO_BYTE) */
+#define SIZED_GO_BYTE 'S'     /* releases it with a sized input (docker_backend.SIZED_GO_BYTE) */
 #define EXIT_NOT_RELEASED 125 /* no go byte: the tool was never run */
 #define EXIT_NOT_EXECUTABLE 126
 #define EXIT_CANNOT_RUN 127
@@ -71,7 +79,7 @@ enum { REPORT_RELEASED = 1, REPORT_NOT_RELEASED, REPORT_EXEC_FAILED, REPORT_SETU
 
 struct report {
     int kind;
-    int value;      /* NOT_RELEASED: the byte read, -1 for EOF; *_FAILED: errno */
+    int value;      /* RELEASED, NOT_RELEASED: the byte read (-1: EOF); *_FAILED: errno */
     long long usec; /* timing builds only: when the go byte was read */
 };
 
@@ -84,7 +92,7 @@ static long long now_usec(void) /* CLOCK_REALTIME: gVisor's monotonic clock is i
         return 0;
     return (long long)t.tv_sec * 1000000 + t.tv_nsec / 1000;
 }
-enum { T_FORK, T_HELD, T_GO, T_EXEC, T_OUT1, T_EOF, T_REAPED, T_COUNT };
+enum { T_FORK, T_HELD, T_GO, T_FED, T_EXEC, T_OUT1, T_EOF, T_REAPED, T_COUNT };
 static long long stamps[T_COUNT];
 #define STAMP(i) (stamps[i] = now_usec())
 #define STAMP_ONCE(i) (stamps[i] ? 0 : STAMP(i))
@@ -94,6 +102,7 @@ static long long stamps[T_COUNT];
 #endif
 
 static unsigned char frame[HEADER + CHUNK]; /* a frame is built here and written at once */
+static unsigned char input[CHUNK];          /* a piece of a sized input on its way to the tool */
 
 static int write_all(int fd, const void *buf, size_t len)
 {
@@ -146,10 +155,11 @@ static void send_exit(int how, uint32_t value)
 #ifdef TOOLREG_INIT_TIMING
     char msg[256];
     int len = snprintf(msg, sizeof msg,
-                       "toolreg-init-timing fork=%lld held=%lld go=%lld exec=%lld out1=%lld "
-                       "eof=%lld reaped=%lld exit=%lld\n",
-                       stamps[T_FORK], stamps[T_HELD], stamps[T_GO], stamps[T_EXEC],
-                       stamps[T_OUT1], stamps[T_EOF], stamps[T_REAPED], now_usec());
+                       "toolreg-init-timing fork=%lld held=%lld go=%lld fed=%lld exec=%lld "
+                       "out1=%lld eof=%lld reaped=%lld exit=%lld\n",
+                       stamps[T_FORK], stamps[T_HELD], stamps[T_GO], stamps[T_FED],
+                       stamps[T_EXEC], stamps[T_OUT1], stamps[T_EOF], stamps[T_REAPED],
+                       now_usec());
     if (len > 0 && len < (int)sizeof msg)
         send_frame('E', msg, (uint32_t)len);
 #endif
@@ -221,8 +231,9 @@ static void report(int fd, int kind, int value)
     }
 }
 
-/* The tool's process until the go byte: nothing here runs any of the tool. */
-static void held(int out, int err, int rep, const sigset_t *mask, char *argv[])
+/* The tool's process until the go byte: nothing here runs any of the tool. `in`: the
+ * read end of the pipe a sized input comes through. */
+static void held(int in, int out, int err, int rep, const sigset_t *mask, char *argv[])
 {
     int byte;
 
@@ -232,11 +243,15 @@ static void held(int out, int err, int rep, const sigset_t *mask, char *argv[])
         _exit(EXIT_CANNOT_RUN);
     }
     byte = read_one_byte();
-    if (byte != GO_BYTE) {
+    if (byte != GO_BYTE && byte != SIZED_GO_BYTE) {
         report(rep, REPORT_NOT_RELEASED, byte);
         _exit(EXIT_NOT_RELEASED);
     }
-    report(rep, REPORT_RELEASED, 0);
+    if (byte == SIZED_GO_BYTE && dup2(in, STDIN_FILENO) < 0) {
+        report(rep, REPORT_SETUP_FAILED, errno); /* released: the init says so in frames */
+        _exit(EXIT_CANNOT_RUN);
+    }
+    report(rep, REPORT_RELEASED, byte);
     execvp(argv[0], argv);
     report(rep, REPORT_EXEC_FAILED, errno);
     _exit(EXIT_CANNOT_RUN);
@@ -291,11 +306,86 @@ static int reap(pid_t child, int options, int *status)
     }
 }
 
+/* A sized input on its way from the container's stdin into the tool's pipe. */
+struct feed {
+    int fd;         /* the pipe's write end (non-blocking); -1 once closed */
+    uint32_t left;  /* bytes still to read from stdin */
+    size_t have;    /* bytes of `input` read but not yet written, from `off` */
+    size_t off;
+};
+
+static void feed_close(struct feed *f)
+{
+    if (f->fd >= 0) {
+        close(f->fd);
+        STAMP(T_FED);
+    }
+    f->fd = -1;
+    f->left = 0;
+    f->have = 0;
+}
+
+/* The 4-byte big-endian length after 'S'; a stream cut short counts as what came. */
+static uint32_t read_length(void)
+{
+    unsigned char len[4];
+    size_t got = 0;
+
+    while (got < sizeof len) {
+        ssize_t n = read(STDIN_FILENO, len + got, sizeof len - got);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0)
+            return 0;
+        got += (size_t)n;
+    }
+    return (uint32_t)len[0] << 24 | (uint32_t)len[1] << 16 | (uint32_t)len[2] << 8 | len[3];
+}
+
+/* Read once from stdin when nothing is pending (it blocks: call it when stdin is
+ * readable, or before there is anything else to do), then write what is pending as far
+ * as the pipe takes it. The pipe closes once all is in, or at EOF, or when the tool
+ * can take no more (EPIPE: it closed its stdin or ended). */
+static void feed_step(struct feed *f, int may_read)
+{
+    if (f->fd < 0)
+        return;
+    if (f->have == 0 && f->left > 0 && may_read) {
+        ssize_t n;
+        do {
+            n = read(STDIN_FILENO, input, f->left < CHUNK ? f->left : CHUNK);
+        } while (n < 0 && errno == EINTR);
+        if (n <= 0) {
+            feed_close(f);
+            return;
+        }
+        f->have = (size_t)n;
+        f->off = 0;
+        f->left -= (uint32_t)n;
+    }
+    while (f->have > 0) {
+        ssize_t n = write(f->fd, input + f->off, f->have);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0 && errno == EAGAIN)
+            return; /* the pipe is full: poll says when the tool has read */
+        if (n < 0) {
+            feed_close(f);
+            return;
+        }
+        f->off += (size_t)n;
+        f->have -= (size_t)n;
+    }
+    if (f->left == 0)
+        feed_close(f);
+}
+
 int main(int argc, char *argv[])
 {
-    int out[2], err[2], rep[2], sfd, status = 0, done = 0;
+    int in[2], out[2], err[2], rep[2], sfd, status = 0, done = 0;
+    struct feed feed = {.fd = -1};
     unsigned char version = PROTOCOL_VERSION;
-    sigset_t chld, orig;
+    sigset_t chld, blocked, orig;
     struct report r;
     pid_t child;
 
@@ -306,11 +396,14 @@ int main(int argc, char *argv[])
         fputs("toolreg-init: usage: toolreg-init PROG [ARG...]\n", stderr);
         return EXIT_NOT_RELEASED;
     }
-    /* SIGCHLD is read from a signalfd, never handled: no handler to run, no EINTR. */
+    /* SIGCHLD is read from a signalfd, never handled: no handler to run, no EINTR.
+     * SIGPIPE stays pending: a write to a tool that left its input makes EPIPE. */
     if (sigemptyset(&chld) < 0 || sigaddset(&chld, SIGCHLD) < 0 ||
-        sigprocmask(SIG_BLOCK, &chld, &orig) < 0)
+        sigemptyset(&blocked) < 0 || sigaddset(&blocked, SIGCHLD) < 0 ||
+        sigaddset(&blocked, SIGPIPE) < 0 || sigprocmask(SIG_BLOCK, &blocked, &orig) < 0)
         return cannot_prepare(argv[1], errno);
-    if (pipe2(out, O_CLOEXEC) < 0 || pipe2(err, O_CLOEXEC) < 0 || pipe2(rep, O_CLOEXEC) < 0)
+    if (pipe2(in, O_CLOEXEC) < 0 || pipe2(out, O_CLOEXEC) < 0 || pipe2(err, O_CLOEXEC) < 0 ||
+        pipe2(rep, O_CLOEXEC) < 0 || fcntl(in[1], F_SETFL, O_NONBLOCK) < 0)
         return cannot_prepare(argv[1], errno);
     sfd = signalfd(-1, &chld, SFD_CLOEXEC | SFD_NONBLOCK);
     if (sfd < 0)
@@ -320,8 +413,9 @@ int main(int argc, char *argv[])
     if (child < 0)
         return cannot_prepare(argv[1], errno);
     if (child == 0)
-        held(out[1], err[1], rep[1], &orig, argv + 1); /* never returns */
+        held(in[0], out[1], err[1], rep[1], &orig, argv + 1); /* never returns */
     STAMP(T_HELD);
+    close(in[0]);
     close(out[1]);
     close(err[1]);
     close(rep[1]);
@@ -343,6 +437,13 @@ int main(int argc, char *argv[])
 #ifdef TOOLREG_INIT_TIMING
     stamps[T_GO] = r.usec;
 #endif
+    feed.fd = in[1];
+    if (r.value == SIZED_GO_BYTE) { /* the input goes in while the tool's exec runs */
+        feed.left = read_length();
+        feed_step(&feed, 1);
+    } else {
+        feed_close(&feed); /* 'G': the tool reads the container's stdin itself */
+    }
     if (read_report(rep[0], &r)) { /* the exec failed (EOF: it succeeded) */
         char msg[512];
         int len = snprintf(msg, sizeof msg, "toolreg-init: cannot run %s: %s\n", argv[1],
@@ -350,6 +451,7 @@ int main(int argc, char *argv[])
         int code = r.value == EACCES ? EXIT_NOT_EXECUTABLE : EXIT_CANNOT_RUN;
         if (len > 0)
             send_frame('E', msg, (uint32_t)(len < (int)sizeof msg ? len : (int)sizeof msg - 1));
+        feed_close(&feed);
         wait_for(child);
         send_exit(0, (uint32_t)code);
         return code;
@@ -360,11 +462,11 @@ int main(int argc, char *argv[])
     int fds[2] = {out[0], err[0]};
     const char types[2] = {'O', 'E'};
     while (!done) {
-        struct pollfd polled[3];
+        struct pollfd polled[5];
         int i;
 
-        if (fds[0] < 0 && fds[1] < 0) {
-            /* Both pipes at EOF: only the tool's exit is left to wait for. */
+        if (fds[0] < 0 && fds[1] < 0 && feed.fd < 0) {
+            /* Both pipes at EOF and the input in: only the tool's exit is left. */
             STAMP(T_EOF);
             done = reap(child, 0, &status);
             break;
@@ -372,11 +474,17 @@ int main(int argc, char *argv[])
         polled[0] = (struct pollfd){.fd = sfd, .events = POLLIN};
         for (i = 0; i < 2; i++)
             polled[i + 1] = (struct pollfd){.fd = fds[i], .events = POLLIN}; /* -1: ignored */
-        if (poll(polled, 3, -1) < 0) {
+        /* The input: stdin when nothing is pending, else the pipe's room. */
+        polled[3] = (struct pollfd){.fd = feed.fd >= 0 && feed.have == 0 ? STDIN_FILENO : -1,
+                                    .events = POLLIN};
+        polled[4] = (struct pollfd){.fd = feed.have > 0 ? feed.fd : -1, .events = POLLOUT};
+        if (poll(polled, 5, -1) < 0) {
             if (errno == EINTR)
                 continue;
             break;
         }
+        if (polled[3].revents || polled[4].revents)
+            feed_step(&feed, polled[3].revents != 0);
         for (i = 0; i < 2; i++) {
             if (fds[i] >= 0 && (polled[i + 1].revents & (POLLIN | POLLHUP | POLLERR))) {
                 if (relay(fds[i], types[i]) == RELAY_EOF) {
@@ -393,7 +501,8 @@ int main(int argc, char *argv[])
         }
     }
     /* The tool ended: what it wrote before is in the pipes; a grandchild that keeps a
-     * pipe open must not delay the answer. */
+     * pipe open must not delay the answer. Input it did not take is dropped. */
+    feed_close(&feed);
     drain(fds[0], 'O');
     drain(fds[1], 'E');
     if (!done) { /* poll failed: nothing sure to report but that the tool is gone */

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import socket
+import struct
 import subprocess
 import time
 import uuid
@@ -28,6 +29,7 @@ from sandbox_runner.docker_backend import (
     INIT_NOT_RELEASED_EXIT,
     INIT_PROTOCOL,
     INIT_TARGET,
+    SIZED_GO_BYTE,
     DockerBackend,
     _ImageFacts,
     _ImageFactsCache,
@@ -379,6 +381,67 @@ def test_the_held_process_is_the_init_until_the_go_byte(
         assert frames(out)[-2:] == [(STDOUT, b"{}"), (INIT_EXIT, InitExit(0, 0))]
     else:
         assert (proc.returncode, marker.exists(), out) == (INIT_NOT_RELEASED_EXIT, False, b"")
+
+
+def sized(data: bytes) -> bytes:
+    """The release finish sends: the sized go byte, the input's length, the input."""
+    return SIZED_GO_BYTE + struct.pack(">I", len(data)) + data
+
+
+def test_a_sized_release_ends_the_tools_input_without_waiting_for_eof(init_path: str) -> None:
+    """After the sized go byte the tool reads exactly its input, then EOF, while the
+    init's own stdin stays open (the engine closes it later)."""
+    proc = subprocess.Popen(
+        [init_path, "sh", "-c", "cat; echo done >&2"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        proc.stdin.write(sized(b'{"a": 1}') + b"not the input")
+        proc.stdin.flush()
+        assert proc.wait(timeout=10) == 0  # stdin still open: the tool had its EOF
+        out = proc.stdout.read()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert frames(out) == [
+        (INIT_HELLO, INIT_PROTOCOL),
+        (STDOUT, b'{"a": 1}'),
+        (STDERR, b"done\n"),
+        (INIT_EXIT, InitExit(signal=0, status=0)),
+    ]
+
+
+def test_a_sized_input_larger_than_a_pipe_arrives_whole(init_path: str) -> None:
+    data = bytes(range(256)) * 4096  # 1 MiB: the init writes it as the tool reads
+    done = run_init(init_path, sized(data), "sh", "-c", "sleep 0.2; sha256sum")
+    assert done.returncode == 0
+    out = b"".join(v for k, v in frames(done.stdout) if k == STDOUT)  # type: ignore[misc]
+    assert out.split()[0].decode() == hashlib.sha256(data).hexdigest()
+
+
+@pytest.mark.parametrize("script", ["echo hi; exit 3", "head -c 10 >/dev/null; echo hi; exit 3"])
+def test_input_the_tool_leaves_unread_is_dropped(init_path: str, script: str) -> None:
+    """Closed or never read, the tool's stdin costs the init nothing (no SIGPIPE)."""
+    done = run_init(init_path, sized(b"x" * (1 << 20)), "sh", "-c", script)
+    assert done.returncode == 3
+    assert frames(done.stdout)[-2:] == [(STDOUT, b"hi\n"), (INIT_EXIT, InitExit(0, 3))]
+
+
+@pytest.mark.parametrize("stream", [b"", b"\0\0", b"\0\0\1\0abc"], ids=["none", "cut", "short"])
+def test_a_sized_input_cut_short_is_what_came(init_path: str, stream: bytes) -> None:
+    done = run_init(init_path, SIZED_GO_BYTE + stream, "cat")
+    assert done.returncode == 0
+    assert frames(done.stdout)[1:] == ([(STDOUT, b"abc")] if stream.endswith(b"abc") else []) + [
+        (INIT_EXIT, InitExit(0, 0))
+    ]
+
+
+def test_the_tool_gets_no_blocked_or_ignored_signal(init_path: str) -> None:
+    """The init blocks SIGCHLD and SIGPIPE for itself; the tool starts with neither."""
+    done = run_init(init_path, sized(b""), "grep", "-E", "^Sig(Blk|Ign)", "/proc/self/status")
+    out = b"".join(v for k, v in frames(done.stdout) if k == STDOUT)  # type: ignore[misc]
+    assert out.decode().split() == ["SigBlk:", "0" * 16, "SigIgn:", "0" * 16]
 
 
 def test_no_program_runs_nothing(init_path: str) -> None:
