@@ -563,7 +563,11 @@ def test_an_approver_page_reads_a_bounded_number_of_rows(
     assert [i for p in all_pages(approvals, alice, 50) for i in p] == newest_first(records)
 
 
-def test_the_deprecated_limit_is_the_page_size(tmp_path: Path) -> None:
+def test_the_deprecated_limit_is_the_page_size(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    maximum = 150  # the cap, lowered (above the 120 first made): fewer requests to make
+    monkeypatch.setattr(approvals_service, "MAX_REQUESTS_PAGE", maximum)
     store, registry, approvals = approvals_env(tmp_path)
     add_requests(store, registry, 120)
     tokens = PageTokens(KEY)
@@ -572,8 +576,10 @@ def test_the_deprecated_limit_is_the_page_size(tmp_path: Path) -> None:
     assert len(approvals.page_requests("", 0, "", ADMIN, tokens, limit=9_999).items) == 120
     page = approvals.page_requests("", 10_000, "", ADMIN, tokens)
     assert len(page.items) == 120 and not page.next_page_token
-    add_requests(store, registry, MAX_REQUESTS_PAGE, start=200)
-    assert len(approvals.page_requests("", 10_000, "", ADMIN, tokens).items) == MAX_REQUESTS_PAGE
+    add_requests(store, registry, maximum, start=200)
+    assert len(approvals.page_requests("", 10_000, "", ADMIN, tokens).items) == maximum
+    assert len(approvals.page_requests("", 0, "", ADMIN, tokens, limit=9_999).items) == maximum
+    assert MAX_REQUESTS_PAGE == 500  # the real one
     with pytest.raises(InvalidArgument) as info:
         approvals.page_requests("", 0, "", ADMIN, tokens, limit=-1)
     assert info.value.message == "limit: must not be negative"
