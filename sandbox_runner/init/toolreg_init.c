@@ -247,12 +247,10 @@ static void held(int in, int out, int err, int rep, const sigset_t *mask, char *
         report(rep, REPORT_NOT_RELEASED, byte);
         _exit(EXIT_NOT_RELEASED);
     }
-    if (byte == SIZED_GO_BYTE && dup2(in, STDIN_FILENO) < 0) {
-        report(rep, REPORT_SETUP_FAILED, errno); /* released: the init says so in frames */
-        _exit(EXIT_CANNOT_RUN);
-    }
     report(rep, REPORT_RELEASED, byte);
-    execvp(argv[0], argv);
+    /* Released: a failure from here on is the call's, reported to it in frames. */
+    if (byte != SIZED_GO_BYTE || dup2(in, STDIN_FILENO) >= 0)
+        execvp(argv[0], argv);
     report(rep, REPORT_EXEC_FAILED, errno);
     _exit(EXIT_CANNOT_RUN);
 }
