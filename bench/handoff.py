@@ -46,7 +46,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from bench.common import BENCH_LABEL, IMAGE, PAYLOAD, summary
+from bench.common import BENCH_LABEL, IMAGE, PAYLOAD, Unavailable, summary
 from sandbox_runner import SAFE_LIMITS, SandboxSpec
 from sandbox_runner.docker_backend import (
     EXIT_FRAME,
@@ -135,7 +135,10 @@ def _phases(prepared: Prepared, stderr: bytes, offset: float) -> dict[str, float
 
 
 def run(runs: int = RUNS, runtimes: Sequence[str] = RUNTIMES) -> dict[str, Any]:
-    """{runtime: {"phases": {phase: p50 ms}, "p50_ms": ..., ...}, "ratio": runsc/runc}."""
+    """{runtime: {"phases": {phase: p50 ms}, "p50_ms": ..., ...}, "ratio": runsc/runc}.
+    Unavailable when the init is not built or the engine lacks one of the runtimes."""
+    if not INIT_BINARY.is_file():
+        raise Unavailable(f"the sandbox init {INIT_BINARY} is not built (make init)")
     instance = f"handoff-{uuid.uuid4().hex[:8]}"
     labels = {BENCH_LABEL: instance}
     totals: dict[str, list[float]] = {rt: [] for rt in runtimes}
@@ -152,6 +155,9 @@ def run(runs: int = RUNS, runtimes: Sequence[str] = RUNTIMES) -> dict[str, Any]:
             for i, path in enumerate(inits)
         ]
         try:
+            missing = set(runtimes) - set(backends[0].runtimes())
+            if missing:
+                raise Unavailable(f"the engine has no {', '.join(sorted(missing))} runtime")
             for _ in range(runs):
                 for rt in runtimes:
                     held = [b.prepare(_spec(rt), execution_id=uuid.uuid4().hex) for b in backends]
