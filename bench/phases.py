@@ -116,7 +116,6 @@ def run(runs: int, engine: docker.DockerClient) -> dict[str, Any]:
 
 # -- the gRPC path: what each interceptor costs a call ------------------------------
 
-INTERCEPTOR_SETS = ("none", "metrics", "auth (policy, bearer token)", "metrics + auth")
 TOKEN = "phases-bench-token"
 POLICY = f"""
 audience: toolreg-bench
@@ -137,7 +136,7 @@ def interceptor_costs(runs: int) -> dict[str, Any]:
     policy_file.write_text(POLICY)
     app = build_app(ServerConfig(port=0, host="127.0.0.1", data_dir=work / "data"))
     policy = load_policy(policy_file)
-    sets = {
+    sets: dict[str, list[grpc.ServerInterceptor]] = {
         "none": [],
         "metrics": [MetricsInterceptor(app.metrics)],
         "auth (policy, bearer token)": [AuthInterceptor(Authenticator(policy))],
