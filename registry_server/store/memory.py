@@ -7,7 +7,6 @@ tokens it spent would accept them again after a restart.
 
 from __future__ import annotations
 
-import copy
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -46,6 +45,22 @@ class _Data:
     events: list[ApprovalEventRecord] = field(default_factory=list)
     # (event seq, endpoint) -> the outbox row
     deliveries: dict[tuple[int, str], WebhookDeliveryRecord] = field(default_factory=dict)
+
+    def draft(self) -> _Data:
+        """A copy a unit of work may change: new containers, the same records.
+        Every record is a frozen dataclass that writes replace, never change, so
+        sharing them is safe, and far cheaper than a deep copy of the store."""
+        return _Data(
+            tools=dict(self.tools),
+            deleted=dict(self.deleted),
+            requests=dict(self.requests),
+            tokens={request: dict(by) for request, by in self.tokens.items()},
+            spent=dict(self.spent),
+            secrets=dict(self.secrets),
+            audit=list(self.audit),
+            events=list(self.events),
+            deliveries=dict(self.deliveries),
+        )
 
 
 class _Reads:
@@ -311,7 +326,7 @@ class MemoryStore:
         """Works on a copy, published only when the block ends without an
         exception: all of it, or none of it."""
         with self._lock:
-            draft = copy.deepcopy(self._data)
+            draft = self._data.draft()
             yield _Writes(draft)
             self._data = draft
             self.units_of_work += 1

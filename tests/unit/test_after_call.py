@@ -69,12 +69,12 @@ def test_background_work_waits_for_the_call_in_flight_to_end() -> None:
 
     b = threading.Thread(target=background)
     b.start()
-    b.join(0.2)
+    b.join(0.05)
     assert b.is_alive()  # still yielding to the call
     release.set()
     b.join(5)
     t.join(5)
-    assert waited and 0.15 < waited[0] < 4
+    assert waited and 0.04 < waited[0] < 4
 
 
 def test_background_work_waits_no_longer_than_its_bound() -> None:
@@ -90,8 +90,8 @@ def test_background_work_waits_no_longer_than_its_bound() -> None:
     t.start()
     assert in_call.wait(5)
     asked = time.monotonic()
-    after_call.yield_to_calls(asked, max_wait_s=0.1)
+    after_call.yield_to_calls(asked, max_wait_s=0.05)
     waited = time.monotonic() - asked
     release.set()
     t.join(5)
-    assert 0.09 < waited < 2
+    assert 0.045 < waited < 2
