@@ -21,6 +21,7 @@ from bench import (
     cluster,
     egress_cost,
     fairness,
+    handoff,
     latency,
     memory,
     phases,
@@ -49,6 +50,7 @@ from bench.common import (
 SECTIONS = (
     "latency",
     "phases",
+    "handoff",
     "throughput",
     "registry",
     "memory",
@@ -132,6 +134,8 @@ def main() -> None:
             section("latency", lambda: latency.run(args.runs, args.warmup, run_id, engine))
         if "phases" in args.sections:
             section("phases", lambda: phases.run(max(10, args.runs // 2), engine))
+        if "handoff" in args.sections:
+            section("handoff", lambda: handoff.run(max(10, args.runs // 2)))
         if "throughput" in args.sections:
             section("throughput", lambda: throughput.run(args.cell_seconds, run_id, engine))
         if "registry" in args.sections or "memory" in args.sections:

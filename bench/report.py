@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bench import egress_cost, fairness, latency, phases, registry_ops, throughput
+from bench import egress_cost, fairness, handoff, latency, phases, registry_ops, throughput
 
 MS_LIST_TARGET = 5.0  # ms: ListTools / GetToolSchemas p50 with 1,000 tools
 
@@ -376,6 +376,8 @@ def markdown(res: dict[str, Any]) -> str:
         lines += latency_md(res["latency"])
     if "phases" in res:
         lines += phases.markdown(res["phases"])
+    if "handoff" in res:
+        lines += handoff.report_md(res["handoff"])
     if "throughput" in res:
         lines += throughput_md(res["throughput"])
     if "registry" in res:
