@@ -26,6 +26,7 @@ an identical definition (docs/approvals.md, "Deleted and disabled tools").
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 import uuid
 from collections.abc import Iterable
@@ -87,6 +88,7 @@ RequestKey = tuple[float, str]  # (created_at, id): listings run newest first, b
 # says otherwise: each holds up to 1 MiB of arguments, and a steered agent must
 # not fill the store or the approvers' queue.
 MAX_OPEN_REQUESTS_PER_CALLER = 32
+MAX_CACHED_SNAPSHOTS = 256  # parsed tool snapshots kept (a page shows at most 500 requests)
 
 
 @dataclass(frozen=True)
@@ -630,11 +632,18 @@ def _snapshot(manifest: str, owner: str, *, listed: bool) -> ToolDefinition | No
     if not manifest:
         return None
     try:
-        tool = parse_definition(strict_json.loads(manifest, "tool_manifest"))
+        tool = _parsed_snapshot(manifest)
     except InvalidArgument:  # InvalidDefinition included: shown as missing, never guessed
         return None
     tool = dataclasses.replace(tool, owner=owner)
     return dataclasses.replace(tool, parameters_json="") if listed else tool
+
+
+@functools.lru_cache(maxsize=MAX_CACHED_SNAPSHOTS)
+def _parsed_snapshot(manifest: str) -> ToolDefinition:
+    """Requests of one tool share its stored text: a listing of a page of them,
+    or a watch, parses it once (a definition is frozen; failures are not kept)."""
+    return parse_definition(strict_json.loads(manifest, "tool_manifest"))
 
 
 def _consume(uow: UnitOfWork, approved: Approved, execution_id: str) -> None:
