@@ -23,7 +23,7 @@ import docker.errors
 import docker.types
 import pytest
 
-from sandbox_runner import Mount, SandboxError, SandboxResult, SandboxSpec
+from sandbox_runner import Mount, SandboxError, SandboxResult, SandboxSpec, after_call
 from sandbox_runner.docker_backend import (
     GO_BYTE,
     INIT_NOT_RELEASED_EXIT,
@@ -611,3 +611,46 @@ def test_an_init_of_another_protocol_is_refused_before_any_call(
             backend.prepare(make_spec("cat"), execution_id=eid())
     finally:
         backend.close()
+
+
+def test_on_the_host_the_init_signals_nothing_but_its_tool(init_path: str) -> None:
+    """Only a container's PID 1 ends the tool's other processes (kill(-1)): run as
+    any other process, the init must not reach a bystander of its user."""
+    bystander = subprocess.Popen(["sleep", "30"])
+    try:
+        done = run_init(init_path, GO_BYTE, "sh", "-c", "(sleep 5) & exit 0")
+        assert frames(done.stdout)[-1] == (INIT_EXIT, InitExit(0, 0))
+        time.sleep(0.2)
+        assert bystander.poll() is None  # still running
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_after_its_exit_frame_the_container_waits_for_its_removal_with_the_tool_gone(
+    runner: DockerBackend, make_spec: SpecFactory, docker_client: docker.DockerClient,
+    runtime: str, eid: Eid,
+) -> None:  # fmt: skip
+    """The container outlives the answer until the server removes it (its end would
+    land on the call's audit fsync), and nothing of the tool runs in it by then: a
+    process the tool left behind was killed before the exit frame."""
+    spec = make_spec("(sleep 300 &); echo started", runtime=runtime)
+    prepared = runner.prepare(spec, execution_id=eid(), lifetime_s=30)
+    cid = prepared.container_id
+    with after_call.deferred():  # as the executor does: removal after the answer
+        result = prepared.finish(b"")
+        assert (result.exit_code, result.stdout) == (0, b"started\n")
+        state = docker_client.api.inspect_container(cid)["State"]
+        assert state["Running"] is True
+        if runtime == "runc":  # gVisor's processes are not the host's to list
+            deadline = time.monotonic() + 2  # killed before the frame, reaped just after
+            while True:
+                processes = docker_client.api.top(cid)["Processes"]
+                if [p[-1].split()[0] for p in processes] == [INIT_TARGET]:
+                    break  # the init alone
+                assert time.monotonic() < deadline, processes
+                time.sleep(0.05)
+    runner.flush()
+    with pytest.raises(docker.errors.NotFound):
+        docker_client.api.inspect_container(cid)
