@@ -9,6 +9,7 @@ import platform
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -470,3 +471,25 @@ def server(engine: docker.DockerClient, **env: str) -> Iterator[Server]:
         yield running
     finally:
         running.stop()
+
+
+class TraceCollector:
+    """The tests' OTLP collector (tests/otlp_receiver.py) in a process of its
+    own: decoding spans in this one would take the interpreter from the calls
+    being timed. ``env`` sends a server's spans there; ``finish()`` stops it and
+    returns its output lines (with ``dump``, a JSON line per span, then the count)."""
+
+    def __init__(self, *, dump: bool = False) -> None:
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.otlp_receiver", *(["--dump"] if dump else [])],
+            cwd=RESULTS.parents[1], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert self._proc.stdout is not None
+        self.env = {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": self._proc.stdout.readline().strip(),
+            "OTEL_EXPORTER_OTLP_INSECURE": "true",
+        }
+
+    def finish(self) -> list[str]:
+        out, _ = self._proc.communicate(timeout=60)
+        return out.splitlines()

@@ -21,7 +21,6 @@ import hashlib
 import json
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -35,7 +34,7 @@ from typing import Any
 import docker
 import grpc
 
-from bench.common import COMMAND, IMAGE, Server, definition, server, summary
+from bench.common import COMMAND, IMAGE, Server, TraceCollector, definition, server, summary
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
 from registry_server.api.app import build_app
@@ -47,7 +46,6 @@ from registry_server.domain.models import parse_definition
 from registry_server.policy.loader import load_policy
 from registry_server.store.page_key import page_tokens
 
-ROOT = Path(__file__).resolve().parents[1]
 WARM_POOL = 4
 SETTLE_TIMEOUT_S = 5.0
 BURST_PAUSE_S = 2.0
@@ -73,16 +71,8 @@ PATH_BURST = f"burst: {WARM_POOL} warm calls at once from a full pool of {WARM_P
 
 
 def run(runs: int, engine: docker.DockerClient) -> dict[str, Any]:
-    receiver = subprocess.Popen(
-        [sys.executable, "-m", "tests.otlp_receiver", "--dump"], cwd=ROOT,
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    assert receiver.stdin is not None and receiver.stdout is not None
-    env = {
-        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.stdout.readline().strip(),
-        "OTEL_EXPORTER_OTLP_INSECURE": "true",
-        "OTEL_BSP_SCHEDULE_DELAY": "200",
-    }
+    collector = TraceCollector(dump=True)
+    env = {**collector.env, "OTEL_BSP_SCHEDULE_DELAY": "200"}
     client_ms: dict[str, dict[str, float]] = defaultdict(dict)  # path -> execution id -> ms
     try:
         with server(engine, **env) as srv:
@@ -105,8 +95,8 @@ def run(runs: int, engine: docker.DockerClient) -> dict[str, Any]:
                 srv.settle(full, SETTLE_TIMEOUT_S)
             time.sleep(1.0)  # the batch processor's last export
     finally:
-        out, _ = receiver.communicate(timeout=60)
-    spans = [json.loads(line) for line in out.splitlines()[:-1]]
+        lines = collector.finish()
+    spans = [json.loads(line) for line in lines[:-1]]
     return {
         "runs": runs,
         "paths": analyse(spans, client_ms),

@@ -7,38 +7,25 @@ interceptor, no SDK) against a bare channel, on the untraced server."""
 from __future__ import annotations
 
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import docker
 
-from bench.common import RPC_TIMEOUT_S, Server, definition, server, summary
+from bench.common import RPC_TIMEOUT_S, Server, TraceCollector, definition, server, summary
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
 from registry_server.client.registry_client import open_channel
 
-ROOT = Path(__file__).resolve().parents[1]
 WARM_POOL = 2
 SETTLE_TIMEOUT_S = 5.0
 COLD, WARM, READ, CLIENT = "cold call", "warm call", "GetTool", "client GetTool"
 
 
 def run(runs: int, read_runs: int, engine: docker.DockerClient) -> dict[str, Any]:
-    # The collector runs in a process of its own: decoding spans in this one
-    # would take the interpreter from the calls being timed.
-    receiver = subprocess.Popen(
-        [sys.executable, "-m", "tests.otlp_receiver"], cwd=ROOT,
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    assert receiver.stdin is not None and receiver.stdout is not None
-    traced_env = {
-        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.stdout.readline().strip(),
-        "OTEL_EXPORTER_OTLP_INSECURE": "true",
-    }
+    collector = TraceCollector()
+    traced_env = collector.env
     try:
         with server(engine) as off, server(engine, **traced_env) as on:
             for srv in (off, on):
@@ -57,8 +44,8 @@ def run(runs: int, read_runs: int, engine: docker.DockerClient) -> dict[str, Any
                 rows.append(_pair(CLIENT, _get_via(bare), _get_via(client), read_runs))
             time.sleep(1)  # the batch processor's last export
     finally:
-        counted, _ = receiver.communicate(timeout=30)
-    exported = int(counted.split()[-1])
+        lines = collector.finish()
+    exported = int(lines[-1])
     return {"runs": runs, "read_runs": read_runs, "rows": rows, "spans_exported": exported}
 
 

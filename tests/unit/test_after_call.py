@@ -3,9 +3,11 @@ engine work yields to calls in flight (sandbox_runner/after_call.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -49,7 +51,9 @@ def test_background_work_goes_at_once_when_no_call_is_in_flight() -> None:
     assert time.monotonic() - started < 1
 
 
-def test_background_work_waits_for_the_call_in_flight_to_end() -> None:
+@contextlib.contextmanager
+def a_call_in_flight() -> Iterator[None]:
+    """A call in its deferred block on another thread, for as long as the block lasts."""
     in_call, release = threading.Event(), threading.Event()
 
     def call() -> None:
@@ -60,6 +64,14 @@ def test_background_work_waits_for_the_call_in_flight_to_end() -> None:
     t = threading.Thread(target=call)
     t.start()
     assert in_call.wait(5)
+    try:
+        yield
+    finally:
+        release.set()
+        t.join(5)
+
+
+def test_background_work_waits_for_the_call_in_flight_to_end() -> None:
     waited: list[float] = []
 
     def background() -> None:
@@ -68,30 +80,17 @@ def test_background_work_waits_for_the_call_in_flight_to_end() -> None:
         waited.append(time.monotonic() - asked)
 
     b = threading.Thread(target=background)
-    b.start()
-    b.join(0.05)
-    assert b.is_alive()  # still yielding to the call
-    release.set()
+    with a_call_in_flight():
+        b.start()
+        b.join(0.05)
+        assert b.is_alive()  # still yielding to the call
     b.join(5)
-    t.join(5)
     assert waited and 0.04 < waited[0] < 4
 
 
 def test_background_work_waits_no_longer_than_its_bound() -> None:
-    release = threading.Event()
-    in_call = threading.Event()
-
-    def call() -> None:
-        with after_call.deferred():
-            in_call.set()
-            release.wait(5)
-
-    t = threading.Thread(target=call)
-    t.start()
-    assert in_call.wait(5)
-    asked = time.monotonic()
-    after_call.yield_to_calls(asked, max_wait_s=0.05)
-    waited = time.monotonic() - asked
-    release.set()
-    t.join(5)
+    with a_call_in_flight():
+        asked = time.monotonic()
+        after_call.yield_to_calls(asked, max_wait_s=0.05)
+        waited = time.monotonic() - asked
     assert 0.045 < waited < 2

@@ -42,7 +42,9 @@ class CountingStore(MemoryStore):
                 raise StoreError("store /data/toolreg.db: database or disk is full")
 
 
-def _append_in_threads(appender: AuditAppender, count: int) -> tuple[list[int], list[BaseException]]:
+def _append_in_threads(
+    appender: AuditAppender, count: int
+) -> tuple[list[int], list[BaseException]]:
     seqs: list[int] = []
     errors: list[BaseException] = []
 
@@ -69,24 +71,30 @@ def test_a_record_alone_is_written_at_once_in_its_own_commit() -> None:
     assert audit_chain.verify(store).ok
 
 
-def test_records_waiting_behind_a_commit_share_the_next_one() -> None:
-    store = CountingStore()
+def _behind_a_held_commit(
+    store: CountingStore, appender: AuditAppender, count: int
+) -> tuple[list[int], list[BaseException]]:
+    """One record's commit is held open while ``count`` more queue up behind it;
+    then it goes. What the ``count`` callers got back."""
     store.hold_first.clear()
-    appender = AuditAppender(store)
     first = threading.Thread(target=appender.append, args=("execution", {"call": "first"}))
     first.start()
     assert store.first_entered.wait(WAIT_S)
     results: list[tuple[list[int], list[BaseException]]] = []
-    waiting = threading.Thread(target=lambda: results.append(_append_in_threads(appender, 8)))
+    waiting = threading.Thread(target=lambda: results.append(_append_in_threads(appender, count)))
     waiting.start()
-    # Let all eight queue up behind the held commit, then let it go.
-    deadline = threading.Event()
-    while len(appender._waiting) < 8 and not deadline.wait(0.01):
+    pause = threading.Event()
+    while len(appender._waiting) < count and not pause.wait(0.01):
         pass
     store.hold_first.set()
     first.join(WAIT_S)
     waiting.join(WAIT_S)
-    seqs, errors = results[0]
+    return results[0]
+
+
+def test_records_waiting_behind_a_commit_share_the_next_one() -> None:
+    store = CountingStore()
+    seqs, errors = _behind_a_held_commit(store, AuditAppender(store), 8)
     assert errors == []
     assert sorted(seqs) == list(range(2, 10))
     assert store.units == 2  # the held one, then all eight together
@@ -109,21 +117,8 @@ def test_a_batch_that_cannot_be_stored_fails_every_caller_in_it_and_stores_nothi
 
 def test_batches_are_capped() -> None:
     store = CountingStore()
-    store.hold_first.clear()
-    appender = AuditAppender(store, max_batch=3)
-    first = threading.Thread(target=appender.append, args=("execution", {"call": "first"}))
-    first.start()
-    assert store.first_entered.wait(WAIT_S)
-    results: list[tuple[list[int], list[BaseException]]] = []
-    waiting = threading.Thread(target=lambda: results.append(_append_in_threads(appender, 7)))
-    waiting.start()
-    pause = threading.Event()
-    while len(appender._waiting) < 7 and not pause.wait(0.01):
-        pass
-    store.hold_first.set()
-    first.join(WAIT_S)
-    waiting.join(WAIT_S)
-    assert sorted(results[0][0]) == list(range(2, 9))
+    seqs, errors = _behind_a_held_commit(store, AuditAppender(store, max_batch=3), 7)
+    assert errors == [] and sorted(seqs) == list(range(2, 9))
     assert store.units == 1 + 3  # 7 waiting records in batches of 3, 3 and 1
 
 
