@@ -73,6 +73,10 @@ class _Pool:
     ready: collections.deque[WarmSandbox] = field(default_factory=collections.deque)
     refill_after: float = 0.0  # monotonic time before which refills are not tried
     engine_failing: bool = False  # the last refill failed in the engine (not for room)
+    # Monotonic time a call first took from a full pool (0: full). Refills yield to
+    # calls in flight for at most after_call.YIELD_S from then, not from each refill:
+    # under sustained load the pool never fills, and each refill must not wait again.
+    short_since: float = 0.0
 
 
 @dataclass
@@ -178,6 +182,7 @@ class WarmPools:
                 candidate = pool.ready.popleft()
                 if candidate.prepared.alive() and not self._too_old(candidate):
                     found = candidate
+                    pool.short_since = pool.short_since or time.monotonic()
                     break
                 stale.append(candidate)
             if found is None:
@@ -283,7 +288,7 @@ class WarmPools:
         return out
 
     def _refill_one(self, pool: _Pool) -> None:
-        after_call.yield_to_calls(time.monotonic())  # calls in flight go first
+        after_call.yield_to_calls(pool.short_since or time.monotonic())  # calls go first
         reservation = self._admission.reserve(pool.spec.limits.memory_mb)
         if reservation is None:
             with self._cond:  # calls come first; try again shortly
@@ -312,5 +317,7 @@ class WarmPools:
             if current is pool and not self._closed:
                 pool.ready.append(warm)
                 pool.refill_after, pool.engine_failing = 0.0, False
+                if len(pool.ready) >= pool.size:
+                    pool.short_since = 0.0
                 return
         self._discard_all([warm])  # the tool was replaced or the server is closing meanwhile
