@@ -419,7 +419,7 @@ int main(int argc, char *argv[])
     int in[2], out[2], err[2], rep[2], sfd, status = 0, done = 0;
     struct feed feed = {.fd = -1};
     unsigned char version = PROTOCOL_VERSION;
-    sigset_t chld, blocked, orig;
+    sigset_t chld, blocked, orig, none;
     struct report r;
     pid_t child;
 
@@ -434,7 +434,8 @@ int main(int argc, char *argv[])
      * SIGPIPE stays pending: a write to a tool that left its input makes EPIPE. */
     if (sigemptyset(&chld) < 0 || sigaddset(&chld, SIGCHLD) < 0 ||
         sigemptyset(&blocked) < 0 || sigaddset(&blocked, SIGCHLD) < 0 ||
-        sigaddset(&blocked, SIGPIPE) < 0 || sigprocmask(SIG_BLOCK, &blocked, &orig) < 0)
+        sigaddset(&blocked, SIGPIPE) < 0 || sigprocmask(SIG_BLOCK, &blocked, &orig) < 0 ||
+        sigemptyset(&none) < 0)
         return cannot_prepare(argv[1], errno);
     if (pipe2(in, O_CLOEXEC) < 0 || pipe2(out, O_CLOEXEC) < 0 || pipe2(err, O_CLOEXEC) < 0 ||
         pipe2(rep, O_CLOEXEC) < 0 || fcntl(in[1], F_SETFL, O_NONBLOCK) < 0)
@@ -447,7 +448,9 @@ int main(int argc, char *argv[])
     if (child < 0)
         return cannot_prepare(argv[1], errno);
     if (child == 0)
-        held(in[0], out[1], err[1], rep[1], &orig, argv + 1); /* never returns */
+        held(in[0], out[1], err[1], rep[1], &none, argv + 1); /* never returns: the tool
+                                                                * starts with no signal blocked,
+                                                                * whatever the init inherited */
     STAMP(T_HELD);
     close(in[0]);
     close(out[1]);
