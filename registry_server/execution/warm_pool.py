@@ -20,9 +20,10 @@ not know: the call's grants (allow-list, injected headers, caps, from the
 policy in force at the call) are bound to the container it takes and told to
 the proxy only when the call is released (``SandboxPlanner.warm_spec``,
 ``unbound``). A container discarded unused was never registered at all.
-A background worker refills each pool, recycles
-containers older than the maximum age, and backs off when the engine cannot
-make more; callers then take the cold path, and the log and counters say so.
+
+A background worker refills each pool, recycles containers older than the
+maximum age, and backs off when the engine cannot make more; callers then
+take the cold path, and the log and counters say so.
 """
 
 from __future__ import annotations

@@ -30,11 +30,12 @@
  *
  * The tool's process is forked while the call is awaited, so that only the execve is
  * left once the go byte comes (a fork costs ~2 ms under gVisor's ptrace platform). Until
- * then that process is still this program: it has its pipes in place and its signal
- * mask restored, and blocks reading the go byte from stdin itself; any other byte or
- * EOF, and it exits 125 without exec. SIGPIPE stays blocked in the init (a tool that
- * leaves its input unread must not kill it); the tool gets the mask the init had. It tells the init the call was released before
- * it execs, so the init sends no frame but the hello unless the go byte came.
+ * then that process is still this program: it has its pipes in place and no signal
+ * blocked, and blocks reading the go byte from stdin itself; any other byte or EOF,
+ * and it exits 125 without exec. SIGPIPE stays blocked in the init (a tool that leaves
+ * its input unread must not kill it); the tool starts with no signal blocked, whatever
+ * the init inherited. It tells the init the call was released before it execs, so the
+ * init sends no frame but the hello unless the go byte came.
  *
  * The tool's stdout and stderr are pipes the init reads, so every byte of the tool
  * travels inside a frame: it cannot forge one. The init is not dumpable, so a tool
