@@ -11,8 +11,6 @@ time). What the tests themselves make is collected as ever."""
 from __future__ import annotations
 
 import gc
-import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -44,13 +42,3 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 def pytest_collection_finish(session: pytest.Session) -> None:
     gc.freeze()
     gc.enable()
-
-
-@pytest.fixture(autouse=True)
-def _no_blocked_signals() -> Iterator[None]:
-    """Every test starts with no signal blocked in this thread. In a whole run some
-    earlier part (not yet found) left SIGHUP, SIGINT and SIGQUIT blocked here, and
-    every process a later test started inherited that: a fake dockerd never heard
-    its reload (SIGHUP). One syscall per test."""
-    signal.pthread_sigmask(signal.SIG_SETMASK, set())
-    yield

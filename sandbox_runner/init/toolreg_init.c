@@ -33,9 +33,9 @@
  * then that process is still this program: it has its pipes in place and no signal
  * blocked, and blocks reading the go byte from stdin itself; any other byte or EOF,
  * and it exits 125 without exec. SIGPIPE stays blocked in the init (a tool that leaves
- * its input unread must not kill it); the tool starts with no signal blocked, whatever
- * the init inherited. It tells the init the call was released before it execs, so the
- * init sends no frame but the hello unless the go byte came.
+ * its input unread must not kill it); the tool starts with no signal blocked or ignored,
+ * whatever the init inherited. It tells the init the call was released before it execs,
+ * so the init sends no frame but the hello unless the go byte came.
  *
  * The tool's stdout and stderr are pipes the init reads, so every byte of the tool
  * travels inside a frame: it cannot forge one. The init is not dumpable, so a tool
@@ -61,6 +61,7 @@
 #include <string.h>
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
+#include <sys/syscall.h>
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -268,14 +269,33 @@ static void report(int fd, int kind, int value)
     }
 }
 
+/* Every signal back to its default action, whatever the init inherited: an ignored
+ * SIGCHLD would leave no child to wait for, and an ignored signal survives exec, so one
+ * the engine or a parent left ignored would reach the tool. glibc's sigaction refuses the
+ * two it keeps for itself (32 and 33), hence the system call; an all-zero kernel
+ * sigaction is SIG_DFL with no flags on every architecture. */
+static int default_dispositions(void)
+{
+    unsigned long dfl[4] = {0};
+    int sig;
+
+    for (sig = 1; sig < _NSIG; sig++)
+        if (sig != SIGKILL && sig != SIGSTOP &&
+            syscall(SYS_rt_sigaction, sig, dfl, NULL, _NSIG / 8) < 0)
+            return -1;
+    return 0;
+}
+
 /* The tool's process until the go byte: nothing here runs any of the tool. `in`: the
  * read end of the pipe a sized input comes through. */
-static void held(int in, int out, int err, int rep, const sigset_t *mask, char *argv[])
+static void held(int in, int out, int err, int rep, char *argv[])
 {
+    sigset_t none;
     int byte;
 
-    if (sigprocmask(SIG_SETMASK, mask, NULL) < 0 || dup2(out, STDOUT_FILENO) < 0 ||
-        dup2(err, STDERR_FILENO) < 0) {
+    /* The tool starts with no signal blocked, whatever the init blocks or inherited. */
+    if (sigemptyset(&none) < 0 || sigprocmask(SIG_SETMASK, &none, NULL) < 0 ||
+        dup2(out, STDOUT_FILENO) < 0 || dup2(err, STDERR_FILENO) < 0) {
         report(rep, REPORT_SETUP_FAILED, errno);
         _exit(EXIT_CANNOT_RUN);
     }
@@ -420,7 +440,7 @@ int main(int argc, char *argv[])
     int in[2], out[2], err[2], rep[2], sfd, status = 0, done = 0;
     struct feed feed = {.fd = -1};
     unsigned char version = PROTOCOL_VERSION;
-    sigset_t chld, blocked, orig, none;
+    sigset_t chld, blocked;
     struct report r;
     pid_t child;
 
@@ -433,10 +453,9 @@ int main(int argc, char *argv[])
     }
     /* SIGCHLD is read from a signalfd, never handled: no handler to run, no EINTR.
      * SIGPIPE stays pending: a write to a tool that left its input makes EPIPE. */
-    if (sigemptyset(&chld) < 0 || sigaddset(&chld, SIGCHLD) < 0 ||
+    if (default_dispositions() < 0 || sigemptyset(&chld) < 0 || sigaddset(&chld, SIGCHLD) < 0 ||
         sigemptyset(&blocked) < 0 || sigaddset(&blocked, SIGCHLD) < 0 ||
-        sigaddset(&blocked, SIGPIPE) < 0 || sigprocmask(SIG_BLOCK, &blocked, &orig) < 0 ||
-        sigemptyset(&none) < 0)
+        sigaddset(&blocked, SIGPIPE) < 0 || sigprocmask(SIG_BLOCK, &blocked, NULL) < 0)
         return cannot_prepare(argv[1], errno);
     if (pipe2(in, O_CLOEXEC) < 0 || pipe2(out, O_CLOEXEC) < 0 || pipe2(err, O_CLOEXEC) < 0 ||
         pipe2(rep, O_CLOEXEC) < 0 || fcntl(in[1], F_SETFL, O_NONBLOCK) < 0)
@@ -449,9 +468,7 @@ int main(int argc, char *argv[])
     if (child < 0)
         return cannot_prepare(argv[1], errno);
     if (child == 0)
-        held(in[0], out[1], err[1], rep[1], &none, argv + 1); /* never returns: the tool
-                                                                * starts with no signal blocked,
-                                                                * whatever the init inherited */
+        held(in[0], out[1], err[1], rep[1], argv + 1); /* never returns */
     STAMP(T_HELD);
     close(in[0]);
     close(out[1]);

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -234,6 +235,10 @@ class Engine:
         return len(hups.read_text().splitlines()) if hups.exists() else 0
 
 
+def _hangup_at_default() -> None:
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 @pytest.fixture
 def engine_with(tmp_path: Path) -> Iterator[Any]:
     """Starts a fake engine whose daemon.json holds the given mapping."""
@@ -263,7 +268,11 @@ def engine_with(tmp_path: Path) -> Iterator[Any]:
             "TOOLREG_CONTAINERD_PIDFILE": str(tmp_path / "containerd.pid"),
             "DOCKER_HOST": f"unix://{tmp_path}/no-engine.sock",  # were a real docker called
         }
-        dockerd = subprocess.Popen([str(bin_dir / "dockerd")], env=env)
+        # SIGHUP at its default first: dockerd (Go) hears it however it was started, but
+        # bash cannot trap a signal ignored on entry, as under `nohup make test`.
+        dockerd = subprocess.Popen(
+            [str(bin_dir / "dockerd")], env=env, preexec_fn=_hangup_at_default
+        )
         started.append(dockerd)
         deadline = time.monotonic() + 10
         while not (state / "started").exists():
