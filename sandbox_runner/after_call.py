@@ -17,12 +17,13 @@ Outside a ``deferred`` block, ``later`` runs its job at once. A job handed to
 ``later`` after its block ended (a thread that copied the context and
 outlived it) also runs at once: nothing is ever dropped.
 
-Background engine work also yields to other calls in flight: the remover and
-the pools' refiller ``yield_to_calls`` before each engine request, waiting
-until no call is in its ``deferred`` block, for at most ``YIELD_S`` from when
-the work was asked for. Four warm calls at once then finish before the first
-one's removal and refill compete with the other three for two cores; under
-sustained load the bound keeps removals flowing, at most ``YIELD_S`` late.
+Background engine work also yields to other calls in flight: the remover, the
+warm pools' refiller and the egress network pool's ``yield_to_calls`` before
+each engine request, waiting until no call is in its ``deferred`` block, for at
+most ``YIELD_S`` from when the work was asked for. Four warm calls at once
+then finish before the first one's removal and refill compete with the other
+three for two cores; under sustained load the bound keeps removals flowing, at
+most ``YIELD_S`` late.
 """
 
 from __future__ import annotations

@@ -1066,8 +1066,6 @@ class DockerBackend:
             if call is not None and self._egress is not None:
                 self._egress.release(api, call)
             raise
-        if call is not None and self._egress is not None:
-            self._egress.made(call)  # started: the network pool may refill now
         release = SIZED_GO_BYTE if self.init_path is not None else b""
         return Prepared(self, api, container_id, attached, sock, spec, release, call)
 

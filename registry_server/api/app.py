@@ -445,6 +445,7 @@ def open_backend(config: ServerConfig, *, reaper: bool = False) -> SandboxBacken
                 upstream_networks=config.egress_networks,
                 dns=config.egress_dns,
                 upstream_ca_file=config.egress_upstream_ca,
+                network_pool=config.egress_network_pool,
             ),
         )
     except ValueError as exc:  # the sandbox init is missing or unusable

@@ -21,6 +21,7 @@ from registry_server.execution.warm_pool import (
 from registry_server.notify.dispatcher import DEFAULT_CONCURRENCY
 from registry_server.notify.outbox import DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_BASE_S
 from registry_server.wire.endpoint import DEFAULT_HOST, DEFAULT_PORT
+from sandbox_runner.egress.gateway import NETWORK_POOL_SIZE
 from sandbox_runner.spec import INIT_BINARY
 
 DB_FILENAME = "toolreg.db"  # the SQLite store's file in the data directory
@@ -98,6 +99,8 @@ class ServerConfig(BaseSettings):
     egress_dns: tuple[str, ...] = ()
     egress_upstream_ca: Path = Path("/etc/ssl/certs/ca-certificates.crt")
     egress_image: str = "toolreg/python"
+    # Call networks made ahead of calls (0: each egress call makes its own).
+    egress_network_pool: int = Field(NETWORK_POOL_SIZE, ge=0, le=32)
     secrets_dir: Path | None = None  # default: <data_dir>/secrets
     # Webhooks (the policy's `webhooks`): seconds before a failed delivery's 2nd
     # attempt (each later wait doubles), attempts before it is failed, and

@@ -57,17 +57,21 @@ def is_unspecified(host: str) -> bool:
         return False
 
 
-def check_exposure(
+def check_listener(
     host: str,
     *,
     tls_cert: Path | None,
     tls_key: Path | None,
     allowed_hosts: tuple[str, ...],
     serving: str,
+    caps: tuple[float, float, float],
 ) -> None:
     """Fail closed where a listener would expose what its clients send
     (bearer tokens, sessions): plain HTTP beyond loopback, and every interface
-    with no name for the Host check (ConfigError)."""
+    with no name for the Host check; and refuse caps that are not positive
+    (``caps``: max sessions, session idle seconds, max body bytes). ConfigError."""
+    if min(caps) <= 0:
+        raise ConfigError("--max-sessions, --session-idle-s and --max-body-bytes must be positive")
     if (tls_cert is None) != (tls_key is None):
         raise ConfigError("--http-tls-cert and --http-tls-key go together")
     if not is_loopback(host) and tls_cert is None:

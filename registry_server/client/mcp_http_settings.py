@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from registry_server.client.http_listener import check_exposure, is_loopback, parse_endpoint
+from registry_server.client.http_listener import check_listener, is_loopback, parse_endpoint
 from registry_server.domain.arguments import MAX_ARGUMENTS_BYTES
 from registry_server.domain.errors import ConfigError
 from registry_server.domain.models import SafetyLevel
@@ -66,12 +66,11 @@ def check_settings(settings: HttpSettings) -> None:
             f"{settings.policy.source}: no client has a token_sha256, so no MCP client could"
             " authenticate over HTTP"
         )
-    check_exposure(
+    check_listener(
         settings.host, tls_cert=settings.tls_cert, tls_key=settings.tls_key,
         allowed_hosts=settings.allowed_hosts, serving="MCP",
+        caps=(settings.max_sessions, settings.session_idle_s, settings.max_body_bytes),
     )  # fmt: skip
-    if settings.max_sessions <= 0 or settings.session_idle_s <= 0 or settings.max_body_bytes <= 0:
-        raise ConfigError("--max-sessions, --session-idle-s and --max-body-bytes must be positive")
 
 
 def http_settings(

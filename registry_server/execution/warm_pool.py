@@ -162,7 +162,7 @@ class WarmPools:
     # -- the call's side ---------------------------------------------------------------
 
     def take(
-        self, tool: ToolDefinition, spec: SandboxSpec, execution_id: str = ""
+        self, tool: ToolDefinition, spec: SandboxSpec, execution_id: str
     ) -> WarmSandbox | None:
         """A warm container made from exactly this tool and spec, or None. The
         caller claims its reservation (``Admission.claim``) for the call. With

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from .. import after_call
 from ..ownership import LABEL_DEADLINE
 from ..spec import EgressConnection, EgressSpec, Mount, SandboxError
 from . import control
@@ -66,7 +67,6 @@ NETWORK_MAX_AGE_S: Final = 600.0  # seconds a network waits in the pool before i
 # so a call takes a pooled network only when its own deadline is within this one's.
 NETWORK_LEASE_S: Final = 3600.0 + 600.0
 NETWORK_REFILL_BACKOFF_S: Final = (0.5, 30.0)  # seconds: first and longest wait after a failure
-NETWORK_REFILL_QUIET_S: Final = 0.2  # seconds between checks while calls are making containers
 LABEL_EGRESS_NETWORK: Final = "io.toolreg.egress-network"  # on a sandbox: its call network
 HOLDER_IMAGE: Final = "toolreg/base"  # busybox: the holder only sleeps
 HOLDER_COMMAND: Final = ("sleep", "2147483647")  # seconds: as long as busybox sleeps
@@ -128,7 +128,6 @@ class EgressCall:
     pooled: bool = False  # its network came from the pool
     registered: bool = False  # the proxy knows its token
     closed: bool = False
-    making: bool = False  # its container is being made (the pool's refill waits)
 
 
 class EgressGateway:
@@ -280,22 +279,13 @@ class EgressGateway:
             if spec is not None:
                 self._take_network(api, call, spec, deadline_ms)
         except BaseException:
-            self.made(call)
             self.release(api, call)
             raise
         return call
 
-    def made(self, call: EgressCall) -> None:
-        """The call's container is started (or could not be): the pool may refill."""
-        if call.making:
-            call.making = False
-            self.networks.call_made()
-
     def _take_network(self, api: Any, call: EgressCall, spec: EgressSpec, deadline_ms: int) -> None:
         proxy_id = self._ensure_proxy(api)
         network = self.networks.take(api, proxy_id, deadline_ms)
-        call.making = True
-        self.networks.call_making()
         if network is None:
             network = self._make_network(
                 api, proxy_id, f"{self._name_prefix}net-{call.execution_id}", deadline_ms
@@ -494,7 +484,6 @@ class EgressGateway:
                     path.unlink()
             with contextlib.suppress(OSError):
                 call.secret_dir.rmdir()
-        self.made(call)
         if call.network:
             # Never back into the pool: a network serves one call.
             self._remove_network(api, call.network, self._proxy_id, call.holder)
@@ -506,11 +495,12 @@ class NetworkPool:
 
     A call takes one (``take``); it is removed after that call like a network
     made for it, never handed back. One thread refills the pool up to ``size``,
-    and only while no call is making its container (calls come first: it
-    refills once the call's container is started), backing off when the engine
-    fails. Networks older than NETWORK_MAX_AGE_S, or joined to a proxy that has
-    since been replaced, are removed unused. Each carries the server's labels
-    and a deadline, so the reaper removes those of a dead server."""
+    backing off when the engine fails; before each engine request it yields to
+    calls in flight (``after_call.yield_to_calls``, as the warm pools do), for
+    at most ``after_call.YIELD_S`` from when the pool was first taken from.
+    Networks older than NETWORK_MAX_AGE_S, or joined to a proxy that has since
+    been replaced, are removed unused. Each carries the server's labels and a
+    deadline, so the reaper removes those of a dead server."""
 
     def __init__(self, gateway: EgressGateway, size: int) -> None:
         self._gateway = gateway
@@ -518,7 +508,7 @@ class NetworkPool:
         self._ready: collections.deque[CallNetwork] = collections.deque()
         self._stale: list[CallNetwork] = []  # to remove when no call is being made
         self._cond = threading.Condition()
-        self._making = 0  # calls between taking a network and their container's start
+        self._short_since = 0.0  # monotonic: first take since the pool was last full
         self._api: Any = None
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -554,21 +544,13 @@ class NetworkPool:
                 else:
                     keep.append(network)
             self._ready = keep
+            self._short_since = self._short_since or now
             if found is None:
                 self.missed += 1
             else:
                 self.taken += 1
             self._cond.notify_all()
             return found
-
-    def call_making(self) -> None:
-        with self._cond:
-            self._making += 1
-
-    def call_made(self) -> None:
-        with self._cond:
-            self._making = max(0, self._making - 1)
-            self._cond.notify_all()
 
     def close(self) -> list[CallNetwork]:
         """Stop refilling; the networks left unused, for the caller to remove."""
@@ -592,7 +574,7 @@ class NetworkPool:
 
     def _next(self) -> tuple[list[CallNetwork], bool] | None:
         """(stale networks to remove, whether to make one), waiting until there
-        is something to do and no call is making its container; None: closed."""
+        is something to do; None: closed."""
         with self._cond:
             while not self._closed:
                 now = time.monotonic()
@@ -601,16 +583,11 @@ class NetworkPool:
                     self._ready = collections.deque(n for n in self._ready if n not in expired)
                     self._stale += expired
                 need = len(self._ready) < self.size and now >= self._retry_at
-                if self._making == 0 and (self._stale or need):
+                if self._stale or need:
                     stale, self._stale = self._stale, []
                     return stale, need
-                if self._making:
-                    wait = NETWORK_REFILL_QUIET_S
-                elif now < self._retry_at:
-                    wait = self._retry_at - now
-                else:
-                    wait = 1.0  # the next expiry is at least this far (checked again then)
-                self._cond.wait(wait)
+                # Until the retry, or 1 s: the next expiry is at least that far (checked then).
+                self._cond.wait(self._retry_at - now if now < self._retry_at else 1.0)
             return None
 
     def _work(self) -> None:
@@ -620,6 +597,7 @@ class NetworkPool:
             if job is None:
                 return
             stale, need = job
+            after_call.yield_to_calls(self._short_since or time.monotonic())  # calls go first
             for network in stale:
                 gateway._remove_network(api, network.name, network.proxy_id, network.holder_id)
             if not need:
@@ -645,6 +623,8 @@ class NetworkPool:
                 if not self._closed:
                     self._ready.append(network)
                     self._backoff = 0.0
+                    if len(self._ready) >= self.size:
+                        self._short_since = 0.0
                     continue
             gateway._remove_network(api, network.name, network.proxy_id, network.holder_id)
 

@@ -1,6 +1,7 @@
 """runsc-net's network mode as the server sees it: the setting that refuses
-hostinet (TOOLREG_GVISOR_HOSTINET) and what the start-up log says about the
-engine's runsc-net. The calls themselves: tests/unit/test_executor.py."""
+hostinet (TOOLREG_GVISOR_HOSTINET), what the start-up log says about the
+engine's runsc-net, and the size of the egress network pool. The calls
+themselves: tests/unit/test_executor.py."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import pydantic
 import pytest
 
-from registry_server.api.app import _start_sandboxes
+from registry_server.api.app import _start_sandboxes, open_backend
 from registry_server.api.config import ServerConfig
 from tests.unit.fakes import FakeBackend
 
@@ -62,3 +63,19 @@ def test_the_start_up_log_says_which_network_runsc_net_gives(
         _start_sandboxes(config, backend, require_gvisor=True)
     [line] = [r for r in caplog.records if "dangerous tools with egress" in r.getMessage()]
     assert says in line.getMessage() and line.levelno == level
+
+
+def test_the_egress_network_pool_size_comes_from_the_environment_within_its_bounds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TOOLREG_EGRESS_NETWORK_POOL reaches the backend's pool (no engine is asked:
+    the pool starts on the first egress call); out of 0..32 it is refused by name."""
+    assert ServerConfig().egress_network_pool == 3
+    monkeypatch.setenv("TOOLREG_EGRESS_NETWORK_POOL", "5")
+    config = ServerConfig(data_dir=tmp_path, docker_url=f"unix://{tmp_path}/no-engine.sock")
+    backend = open_backend(config)
+    assert backend._egress is not None and backend._egress.networks.size == 5  # type: ignore[attr-defined]
+    for bad in ("-1", "33"):
+        monkeypatch.setenv("TOOLREG_EGRESS_NETWORK_POOL", bad)
+        with pytest.raises(pydantic.ValidationError, match="egress_network_pool"):
+            ServerConfig()

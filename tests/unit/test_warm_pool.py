@@ -157,7 +157,7 @@ def test_a_tool_without_a_warm_pool_is_not_pooled(env: Env) -> None:
     time.sleep(QUIET_S)
     assert env.backend.prepared == []
     assert env.pools.stats().warm == {}
-    assert env.pools.take(warm("echo", 0), env.call_spec(warm("echo", 0))) is None
+    assert env.pools.take(warm("echo", 0), env.call_spec(warm("echo", 0)), "exec-1") is None
 
 
 def test_warm_sandboxes_across_tools_stay_within_max_total(
@@ -186,7 +186,7 @@ def test_warm_sandboxes_stay_within_the_sandbox_budget(make_env: Callable[..., E
 
 def test_take_hands_out_a_sandbox_made_from_the_same_tool_and_spec(env: Env) -> None:
     first, second = env.fill(ECHO)
-    taken = env.pools.take(ECHO, env.call_spec(ECHO))
+    taken = env.pools.take(ECHO, env.call_spec(ECHO), "exec-1")
     assert isinstance(taken, WarmSandbox)
     assert taken.prepared is first  # oldest first
     assert taken.container_id == first.container_id
@@ -216,7 +216,7 @@ def test_take_hands_out_a_sandbox_made_from_the_same_tool_and_spec(env: Env) -> 
 def test_take_returns_none_for_a_different_spec(env: Env, change: dict[str, object]) -> None:
     env.fill(ECHO)
     other = dataclasses.replace(env.call_spec(ECHO), **change)  # type: ignore[arg-type]
-    assert env.pools.take(ECHO, other) is None
+    assert env.pools.take(ECHO, other, "exec-1") is None
     stats = env.pools.stats()
     assert (stats.hits, stats.misses, stats.warm) == (0, 1, {"echo": 2})
     assert env.backend.discarded_ids == []
@@ -227,24 +227,24 @@ def test_take_returns_none_for_a_replaced_definition(env: Env) -> None:
     replaced = make_tool(warm_pool=2, description="Returns its arguments, newer.")
     assert replaced.digest != ECHO.digest
     assert env.call_spec(replaced) == env.call_spec(ECHO)  # only the digest tells them apart
-    assert env.pools.take(replaced, env.call_spec(replaced)) is None
+    assert env.pools.take(replaced, env.call_spec(replaced), "exec-1") is None
     assert env.pools.stats().misses == 1
-    assert env.pools.take(warm("other", 2), env.call_spec(ECHO)) is None  # not tracked
+    assert env.pools.take(warm("other", 2), env.call_spec(ECHO), "exec-1") is None  # not tracked
     assert env.pools.stats().misses == 1
 
     new = env.fill(replaced)  # tracking the new definition drops the old sandboxes
     assert all(p.discarded for p in old)
     assert env.reservations() == (2, 0, 2 * MEMORY_MB)
-    taken = env.pools.take(replaced, env.call_spec(replaced))
+    taken = env.pools.take(replaced, env.call_spec(replaced), "exec-1")
     assert taken is not None and taken.prepared is new[0]
-    assert env.pools.take(ECHO, env.call_spec(ECHO)) is None  # the old one never again
+    assert env.pools.take(ECHO, env.call_spec(ECHO), "exec-1") is None  # the old one never again
     env.admission.release(taken.reservation)
 
 
 def test_a_dead_sandbox_is_discarded_not_handed_out(env: Env) -> None:
     first, second = env.fill(ECHO)
     env.backend.kill(first.container_id)
-    taken = env.pools.take(ECHO, env.call_spec(ECHO))
+    taken = env.pools.take(ECHO, env.call_spec(ECHO), "exec-1")
     assert taken is not None and taken.prepared is second
     assert (first.discarded, first.finished_input) == (True, None)
     assert env.backend.discarded_ids == [first.container_id]
@@ -258,7 +258,7 @@ def test_when_every_sandbox_is_dead_take_misses_and_the_pool_refills(env: Env) -
     made = env.fill(ECHO)
     for prepared in made:
         env.backend.kill(prepared.container_id)
-    assert env.pools.take(ECHO, env.call_spec(ECHO)) is None
+    assert env.pools.take(ECHO, env.call_spec(ECHO), "exec-1") is None
     assert all(p.discarded for p in made)
     stats = env.pools.stats()
     assert (stats.hits, stats.misses, stats.recycled) == (0, 1, 2)
@@ -269,7 +269,7 @@ def test_when_every_sandbox_is_dead_take_misses_and_the_pool_refills(env: Env) -
 def test_a_too_old_sandbox_is_discarded_not_handed_out(env: Env) -> None:
     first, second = env.fill(ECHO)
     first.created = time.monotonic() - warm_pool.DEFAULT_MAX_AGE_S - 1
-    taken = env.pools.take(ECHO, env.call_spec(ECHO))
+    taken = env.pools.take(ECHO, env.call_spec(ECHO), "exec-1")
     assert taken is not None and taken.prepared is second
     assert (first.discarded, second.discarded) == (True, False)
     env.admission.release(taken.reservation)
@@ -280,7 +280,7 @@ def test_with_a_short_max_age_a_waiting_sandbox_expires(make_env: Callable[..., 
     [first] = env.fill(warm("echo", 1))
     assert env.backend.prepare_lifetimes == [0.05]
     time.sleep(0.06)
-    assert env.pools.take(warm("echo", 1), env.call_spec(warm("echo", 1))) is None
+    assert env.pools.take(warm("echo", 1), env.call_spec(warm("echo", 1)), "exec-1") is None
     assert first.discarded is True
     assert env.pools.stats().misses == 1
     wait_until(lambda: len(env.backend.prepared) >= 2, "a fresh one is made")
@@ -316,7 +316,7 @@ def test_a_tool_whose_sandbox_gets_mounts_is_never_pooled(
     time.sleep(QUIET_S)
     assert [p.spec.mounts for p in env.backend.prepared] == [()]
     assert env.pools.stats().warm == {"other": 1}
-    assert env.pools.take(wipe, env.call_spec(wipe)) is None
+    assert env.pools.take(wipe, env.call_spec(wipe), "exec-1") is None
     assert env.reservations() == (1, 0, DANGEROUS_LIMITS.memory_mb)
 
 
@@ -368,7 +368,7 @@ def test_a_refill_failure_backs_off_and_calls_go_cold(
     env.pools.track(ECHO)
     wait_until(lambda: env.pools.stats().refill_failures == 1, "the refill failed")
     assert env.reservations() == (0, 0, 0)  # the failed refill's room is back
-    assert env.pools.take(ECHO, env.call_spec(ECHO)) is None
+    assert env.pools.take(ECHO, env.call_spec(ECHO), "exec-1") is None
     time.sleep(QUIET_S)
     assert env.backend.prepare_attempts == 1  # backing off, even when notified by take
     stats = env.pools.stats()
@@ -406,7 +406,7 @@ def test_after_the_back_off_the_pool_refills_once_the_engine_is_back(
     assert env.pools.stats().refill_failures == 2
     assert env.backend.prepare_attempts == 4
     caplog.set_level(logging.INFO, logger=warm_pool.__name__)
-    taken = env.pools.take(ECHO, env.call_spec(ECHO))
+    taken = env.pools.take(ECHO, env.call_spec(ECHO), "exec-1")
     assert taken is not None
     assert "running cold" not in caplog.text  # engine_failing was cleared
     env.admission.release(taken.reservation)
@@ -424,7 +424,7 @@ def test_close_discards_every_warm_sandbox_and_releases_every_reservation(env: E
     assert env.reservations() == (0, 0, 0)
     assert env.pools.stats().warm == {}
     assert env.pools.evict_one() is False
-    assert env.pools.take(warm("alpha", 2), env.call_spec(warm("alpha", 2))) is None
+    assert env.pools.take(warm("alpha", 2), env.call_spec(warm("alpha", 2)), "exec-1") is None
 
 
 def test_a_sandbox_made_while_closing_is_discarded(env: Env) -> None:
@@ -465,7 +465,7 @@ def test_a_sandbox_made_for_a_replaced_definition_is_discarded(env: Env) -> None
     wait_until(lambda: env.pools.stats().warm == {"echo": 1}, "the new definition is warm")
     stale = env.backend.prepared[0]
     wait_until(lambda: stale.discarded, "the stale one is discarded")
-    taken = env.pools.take(newer, env.call_spec(newer))
+    taken = env.pools.take(newer, env.call_spec(newer), "exec-1")
     assert taken is not None and taken.prepared is not stale
     env.admission.release(taken.reservation)
     assert env.reservations() == (0, 0, 0)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Self
 
-from registry_server.client.http_listener import check_exposure, parse_endpoint
+from registry_server.client.http_listener import check_listener, parse_endpoint
 from registry_server.domain.errors import ConfigError
 from registry_server.policy.loader import load_policy
 from registry_server.policy.model import Client, Policy, PolicyError, Role
@@ -90,14 +90,11 @@ class ConsoleSettings:
                 f"{self.policy.source}: no client could sign in to the console (it needs a"
                 " token_sha256, the approve role and an approver identity)"
             )
-        check_exposure(
+        check_listener(
             self.host, tls_cert=self.tls_cert, tls_key=self.tls_key,
             allowed_hosts=self.allowed_hosts, serving="the console",
+            caps=(self.max_sessions, self.session_idle_s, self.max_body_bytes),
         )  # fmt: skip
-        if self.max_sessions <= 0 or self.session_idle_s <= 0 or self.max_body_bytes <= 0:
-            raise ConfigError(
-                "--max-sessions, --session-idle-s and --max-body-bytes must be positive"
-            )
 
 
 def may_sign_in(policy: Policy, client: Client) -> bool:
