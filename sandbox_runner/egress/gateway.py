@@ -118,6 +118,7 @@ class EgressCall:
     network: str
     token: str = field(repr=False)
     holder: str = ""  # the holder container: the sandbox runs in its network namespace
+    proxy_ip: str = ""  # the proxy's address on the network: its token is good there only
     env: tuple[tuple[str, str], ...] = field(repr=False, default=())
     mounts: tuple[Mount, ...] = ()
     secret_dir: Path | None = None
@@ -292,7 +293,7 @@ class EgressGateway:
             )
         else:
             call.pooled = True
-        call.network, call.holder = network.name, network.holder_id
+        call.network, call.holder, call.proxy_ip = network.name, network.holder_id, network.proxy_ip
         url = f"http://toolreg:{call.token}@{network.proxy_ip}:{PROXY_PORT}"
         env = [(k, url) for k in _PROXY_ENV] + [("NO_PROXY", ""), ("no_proxy", "")]
         if spec.inject:
@@ -411,9 +412,9 @@ class EgressGateway:
             control.request(
                 self.control_path,
                 {"op": "open", "token": call.token, "execution_id": call.execution_id,
-                 "tool": "", "egress": list(spec.allow), "allow_private": list(spec.allow_private),
-                 "inject": inject, "max_bytes": spec.max_bytes,
-                 "max_connections": spec.max_connections},
+                 "tool": "", "address": call.proxy_ip, "egress": list(spec.allow),
+                 "allow_private": list(spec.allow_private), "inject": inject,
+                 "max_bytes": spec.max_bytes, "max_connections": spec.max_connections},
             )  # fmt: skip
         except control.ControlError as exc:
             raise SandboxError(f"egress: {exc}") from exc

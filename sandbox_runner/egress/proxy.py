@@ -3,7 +3,10 @@
 The sandbox's tool code is the client and is hostile; the server, on the
 control socket, is trusted. Every tool call is registered with its token, its
 allow-list and its caps; every client connection names a call by its token
-(Proxy-Authorization) and is checked against that call only.
+(Proxy-Authorization) and is checked against that call only. A call registered
+with an ``address`` (the proxy's own address on that call's network) is found
+only by a connection that reached the proxy there: a token leaked to a tool on
+another call's network opens nothing.
 
 The proxy resolves names itself, refuses any answer holding an address that is
 not public (unless the call's policy names that network), and connects to the
@@ -145,6 +148,7 @@ class Call:
     token: str
     execution_id: str
     tool: str
+    address: str  # the only local address its connections may arrive at ("": any)
     entries: tuple[rules.Entry, ...]
     allow_private: tuple[Network, ...]
     injects: dict[tuple[str, int], Inject]
@@ -543,6 +547,12 @@ class EgressProxy:
             return
         request = _parse_head(head)
         call = self._authenticate(request.headers)
+        if call is not None and not _arrived_at(connection.client, call.address):
+            log.warning(
+                "the token of %s came from another network; refused",
+                _printable(call.execution_id, MAX_LABEL_CHARS),
+            )
+            call = None
         if call is None or call.closed:
             raise _Reply(407, "proxy authentication required")
         record = Record(method=_printable(request.method, MAX_METHOD_CHARS))
@@ -815,10 +825,27 @@ def _strings(value: Any, what: str) -> list[str]:
     return value
 
 
+def _arrived_at(client: asyncio.StreamWriter, address: str) -> bool:
+    """Whether the connection reached the proxy at ``address`` (always, for "")."""
+    if not address:
+        return True
+    local = client.get_extra_info("sockname")
+    try:
+        return ipaddress.ip_address(local[0]) == ipaddress.ip_address(address)
+    except (TypeError, IndexError, ValueError):
+        return False
+
+
 def _parse_open(request: dict[str, Any]) -> Call:
     token = _text(request, "token", limit=MAX_TOKEN_CHARS)
     if not token.isascii() or not token.isprintable():
         raise ControlError("token must be printable ASCII")
+    address = _text(request, "address", limit=64, required=False)
+    if address:
+        try:
+            ipaddress.ip_address(address)
+        except ValueError:
+            raise ControlError("address must be an IP address") from None
     try:
         entries = rules.parse_entries(_strings(request.get("egress"), "egress"))
     except ValueError as error:
@@ -840,6 +867,7 @@ def _parse_open(request: dict[str, Any]) -> Call:
         token=token,
         execution_id=_text(request, "execution_id", limit=MAX_LABEL_CHARS, required=False),
         tool=_text(request, "tool", limit=MAX_LABEL_CHARS, required=False),
+        address=address,
         entries=entries,
         allow_private=networks,
         injects=injects,

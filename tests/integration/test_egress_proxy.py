@@ -325,6 +325,27 @@ def test_missing_or_bad_token_gets_407_and_no_record(world: World) -> None:
     assert world.get(url, token)[0] == 407  # a closed call's token is dead
 
 
+def test_a_token_opens_nothing_on_another_calls_network(world: World) -> None:
+    """A call registered with the proxy's address on its own network: its token
+    leaked to a tool on another call's network (which reaches the proxy at another
+    address) gets 407 and leaves no record; the control socket refuses a bad address."""
+    target = f"plain.upstream.test:{world.http.server_port}"
+    url = f"http://{target}/x"
+    here = world.open([target], address="127.0.0.1")  # the listener's address
+    elsewhere = world.open([target], address="127.0.0.2")  # another call's network
+    assert world.get(url, elsewhere)[0] == 407
+    status, sock, _ = world.connect(target, elsewhere)
+    sock.close()
+    assert status == 407
+    assert world.get(url, here)[:3:2] == (200, b"hello /x")
+    assert world.close(elsewhere)["connections"] == []
+    assert len(world.close(here)["connections"]) == 1
+    for bad in ("10.0.0", "::1%eth0x" * 10, 7):
+        request = {"op": "open", "token": "t-bad", "egress": [target], "address": bad}
+        reply = world.control(request)
+        assert reply["ok"] is False and "address" in reply["error"], (bad, reply)
+
+
 def test_plain_http_and_connect_tunnel(world: World) -> None:
     port = world.http.server_port
     token = world.open([f"plain.upstream.test:{port}"])

@@ -790,6 +790,48 @@ def test_a_warm_call_reaches_its_upstream_and_its_token_was_refused_before(
     register_warm_fetcher(deployment, 0)  # drained: its replacement is never registered
 
 
+def test_a_live_calls_token_opens_nothing_from_another_network(
+    deployment: Deployment, fetcher: str
+) -> None:
+    """A running call's proxy token, stolen (read from the engine here, as a
+    colluding tool could leak it), is refused from any network but its call's
+    own: the proxy knows each token by the address it is reached at there. The
+    call itself goes on using it."""
+    world, engine = deployment.world, deployment.engine
+    instance = deployment.app.backend.instance_id  # type: ignore[attr-defined]
+    ops = ({"kind": "sleep", "s": 3.5}, {"kind": "fetch", "url": "http://plain.world.test/own"})
+    with ThreadPoolExecutor(1) as pool:
+        call = pool.submit(deployment.run, fetcher, *ops)
+        deadline, sandbox = time.monotonic() + 60, None
+        while sandbox is None:  # the call's sandbox: running, with a proxy in its environment
+            assert time.monotonic() < deadline and not call.done(), "the call never started"
+            for c in engine.api.containers(filters={"label": f"io.toolreg.instance={instance}"}):
+                env = engine.api.inspect_container(c["Id"])["Config"]["Env"] or []
+                if any(v.startswith("HTTPS_PROXY=") for v in env):
+                    sandbox = c["Id"]
+            time.sleep(0.1)
+        token, own_address = proxy_token(deployment, sandbox)
+        proxies = engine.api.containers(
+            filters={"label": f"io.toolreg.instance={instance}", "name": "egress-proxy"}
+        )
+        upstream_address = proxies[0]["NetworkSettings"]["Networks"][world.network_name][
+            "IPAddress"
+        ]
+        assert upstream_address != own_address
+        status = engine.containers.run(
+            "toolreg/python", ["python3", "-c", WITH_STOLEN_TOKEN, upstream_address, token],
+            network=world.network_name, remove=True, labels=world.labels, user="65534:65534",
+        ).decode().strip()  # fmt: skip
+        result = call.result()
+    assert status.startswith("HTTP/1.1 407"), status
+    assert [r for r in world.requests("plain.world.test") if r["path"] == "/stolen"] == []
+    assert [g["ok"] for g in results(result)] == [True, True], result.content
+    record = deployment.audit(result.execution_id)
+    assert [(c["host"], c["allowed"]) for c in record["egress"]] == [("plain.world.test", True)]
+    proxy_log = engine.api.logs(proxies[0]["Id"]).decode(errors="replace")
+    assert f"the token of {result.execution_id} came from another network" in proxy_log
+
+
 def test_calls_never_share_a_network_and_each_is_removed_after_its_call(
     deployment: Deployment, fetcher: str
 ) -> None:
