@@ -15,6 +15,7 @@ working runsc-net fails the dangerous rows, naming the fix."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import docker
+import docker.errors
 import grpc
 import pytest
 import yaml
@@ -800,15 +802,20 @@ def test_a_live_calls_token_opens_nothing_from_another_network(
     world, engine = deployment.world, deployment.engine
     instance = deployment.app.backend.instance_id  # type: ignore[attr-defined]
     ops = ({"kind": "sleep", "s": 3.5}, {"kind": "fetch", "url": "http://plain.world.test/own"})
+    ours = {"label": f"io.toolreg.instance={instance}"}
+    earlier = {c["Id"] for c in engine.api.containers(all=True, filters=ours)}
     with ThreadPoolExecutor(1) as pool:
         call = pool.submit(deployment.run, fetcher, *ops)
         deadline, sandbox = time.monotonic() + 60, None
-        while sandbox is None:  # the call's sandbox: running, with a proxy in its environment
+        while sandbox is None:  # the call's sandbox: new, with a proxy in its environment
             assert time.monotonic() < deadline and not call.done(), "the call never started"
-            for c in engine.api.containers(filters={"label": f"io.toolreg.instance={instance}"}):
-                env = engine.api.inspect_container(c["Id"])["Config"]["Env"] or []
-                if any(v.startswith("HTTPS_PROXY=") for v in env):
-                    sandbox = c["Id"]
+            for c in engine.api.containers(filters=ours):
+                if c["Id"] in earlier:
+                    continue  # an earlier call's, perhaps being removed
+                with contextlib.suppress(docker.errors.NotFound):
+                    env = engine.api.inspect_container(c["Id"])["Config"]["Env"] or []
+                    if any(v.startswith("HTTPS_PROXY=") for v in env):
+                        sandbox = c["Id"]
             time.sleep(0.1)
         token, own_address = proxy_token(deployment, sandbox)
         proxies = engine.api.containers(
@@ -827,6 +834,7 @@ def test_a_live_calls_token_opens_nothing_from_another_network(
     assert [r for r in world.requests("plain.world.test") if r["path"] == "/stolen"] == []
     assert [g["ok"] for g in results(result)] == [True, True], result.content
     record = deployment.audit(result.execution_id)
+    assert record["container_id"] == sandbox  # the token was this call's
     assert [(c["host"], c["allowed"]) for c in record["egress"]] == [("plain.world.test", True)]
     proxy_log = engine.api.logs(proxies[0]["Id"]).decode(errors="replace")
     assert f"the token of {result.execution_id} came from another network" in proxy_log
