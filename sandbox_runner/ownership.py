@@ -30,6 +30,7 @@ __all__ = [
     "STALE_AFTER_MS",
     "OwnerIdentity",
     "orphan_reason",
+    "owner_gone",
     "process_alive",
     "process_start_ticks",
 ]
@@ -162,6 +163,17 @@ def orphan_reason(
     deadline = labels.get(LABEL_DEADLINE, "")
     if deadline.isdigit() and now_ms > int(deadline) + STALE_AFTER_MS:
         return f"past its deadline by more than {STALE_AFTER_MS // 1000} s"
+    return owner_gone(labels, me=me, owner_alive=owner_alive)
+
+
+def owner_gone(
+    labels: Mapping[str, str],
+    *,
+    me: OwnerIdentity,
+    owner_alive: Callable[[int, int], bool] = process_alive,
+) -> str | None:
+    """Why the owner the labels name is provably gone, or None: alive, this very
+    process, on another host or pid namespace, or labels that name no owner."""
     owner = OwnerIdentity.from_labels(labels)
     if owner is None:
         return None

@@ -4,15 +4,22 @@ names included)."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import http.client
 import json
 import socket
 import ssl
+import subprocess
+import uuid
 from collections.abc import Iterator
 
+import docker
+import docker.errors
 import pytest
 
-from tests.egress_world import UpstreamWorld
+from sandbox_runner.ownership import OwnerIdentity, process_start_ticks
+from tests.egress_world import LABELS, PREFIX, UpstreamWorld
 
 
 @pytest.fixture(scope="module")
@@ -105,3 +112,51 @@ def test_dns_zone_and_rebinding(world: UpstreamWorld) -> None:
         ["127.0.0.1"],
         ["127.0.0.1"],
     ]
+
+
+def _world_of(client: docker.DockerClient, owner: OwnerIdentity) -> tuple[str, str]:
+    """A world's network and one container on it, as a test run of ``owner`` leaves them."""
+    run = f"{PREFIX}{uuid.uuid4().hex[:8]}"
+    labels = {**LABELS, **owner.labels()}
+    network = client.api.create_network(run, labels=labels)["Id"]
+    container = client.api.create_container(
+        "toolreg/base", ["true"], name=f"{run}-dns", labels=labels,
+        host_config=client.api.create_host_config(network_mode=run),
+    )["Id"]  # fmt: skip
+    return network, container
+
+
+def _owner(proc: subprocess.Popen[bytes]) -> OwnerIdentity:
+    ticks = process_start_ticks(proc.pid)
+    assert ticks is not None
+    return dataclasses.replace(OwnerIdentity.current(), pid=proc.pid, start_ticks=ticks)
+
+
+def test_a_new_world_removes_the_worlds_of_killed_test_runs_only() -> None:
+    """A run killed before its close leaves its world; the next world removes it,
+    never one whose owner is alive (another run on the same engine)."""
+    client = docker.from_env()
+    dead, alive = subprocess.Popen(["sleep", "60"]), subprocess.Popen(["sleep", "60"])
+    made: list[tuple[str, str]] = []
+    try:
+        made.append(left := _world_of(client, _owner(dead)))
+        made.append(kept := _world_of(client, _owner(alive)))
+        dead.kill()
+        dead.wait()
+        with UpstreamWorld(client):
+            pass
+        with pytest.raises(docker.errors.NotFound):
+            client.api.inspect_container(left[1])
+        with pytest.raises(docker.errors.NotFound):
+            client.api.inspect_network(left[0])
+        client.api.inspect_container(kept[1])
+        client.api.inspect_network(kept[0])
+    finally:
+        alive.kill()
+        dead.kill()
+        for network, container in made:
+            with contextlib.suppress(docker.errors.NotFound):
+                client.api.remove_container(container, force=True)
+            with contextlib.suppress(docker.errors.NotFound):
+                client.api.remove_network(network)
+        client.close()

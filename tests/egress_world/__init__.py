@@ -36,6 +36,7 @@ import docker.errors
 from docker.models.containers import Container
 from docker.models.networks import Network
 
+from sandbox_runner.ownership import OwnerIdentity, owner_gone
 from tests.certs import CertificateAuthority
 
 __all__ = [
@@ -143,7 +144,8 @@ class UpstreamWorld:
         if len(set(self.names)) != len(self.names):
             raise ValueError(f"upstream names repeat: {self.names}")
         self.image = image
-        self.labels = {**LABELS, **(labels or {})}
+        # Its creator too: a later world removes this one if its test run was killed.
+        self.labels = {**LABELS, **OwnerIdentity.current().labels(), **(labels or {})}
         self.ready_timeout = ready_timeout
         self._own_client = client is None
         self._client = client
@@ -189,7 +191,21 @@ class UpstreamWorld:
             self._client = docker.from_env(version="auto")
         return self._client
 
+    def _remove_dead_worlds(self) -> None:
+        """Remove the containers and networks of worlds whose test run is gone
+        (killed before its close): only those labelled with a provably dead owner."""
+        me, client = OwnerIdentity.current(), self.client
+        for c in client.api.containers(all=True, filters={"label": "toolreg.test=1"}):
+            if c["Names"][0].lstrip("/").startswith(PREFIX) and owner_gone(c["Labels"], me=me):
+                with contextlib.suppress(docker.errors.NotFound):
+                    client.api.remove_container(c["Id"], force=True, v=True)
+        for n in client.api.networks(filters={"label": "toolreg.test=1"}):
+            if n["Name"].startswith(PREFIX) and owner_gone(n.get("Labels") or {}, me=me):
+                with contextlib.suppress(docker.errors.NotFound):
+                    client.api.remove_network(n["Id"])
+
     def _start(self) -> None:
+        self._remove_dead_worlds()
         os.chmod(self._dir, 0o755)
         for d, mode in ((self.log_dir, 0o777), (self.cert_dir, 0o755), (self.zone_dir, 0o755)):
             d.mkdir()
