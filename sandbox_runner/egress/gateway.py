@@ -507,7 +507,7 @@ class NetworkPool:
         self._gateway = gateway
         self.size = max(0, size)
         self._ready: collections.deque[CallNetwork] = collections.deque()
-        self._stale: list[CallNetwork] = []  # to remove when no call is being made
+        self._stale: list[CallNetwork] = []  # for the refiller to remove (calls first)
         self._cond = threading.Condition()
         self._short_since = 0.0  # monotonic: first take since the pool was last full
         self._api: Any = None
