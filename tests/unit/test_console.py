@@ -234,10 +234,10 @@ def test_a_page_starts_from_what_is_open_and_a_slow_page_resyncs() -> None:
 
 
 def test_the_cli_and_the_console_show_the_same_fields() -> None:
-    from registry_server.client.cli import _request_lines
+    from registry_server.client.cli.approvals import request_lines
 
     req = request(state="REJECTED", rejected_by="bob", rejection_reason="no\u202e")
-    lines = _request_lines(req)
+    lines = request_lines(req)
     shown = dict(views.detail(req, "alice")["fields"])
     assert lines[: len(shown)] == [f"{label:<9} {value}" for label, value in shown.items()]
     assert lines[0] == f"request   {'a' * 32}" and "rejected  by bob: no\\u202e" in lines

@@ -1,0 +1,144 @@
+"""`toolreg mcp`: the registry's tools as an MCP server (stdio or Streamable HTTP)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from registry_server.client import registry_client as client_mod
+from registry_server.client.cli.common import (
+    AddressOpt,
+    CategoryOpt,
+    Connection,
+    LevelOpt,
+    connect,
+    fail,
+    parse_level,
+)
+from registry_server.domain.errors import ToolregError
+
+
+def mcp_serve(
+    ctx: typer.Context,
+    max_level: LevelOpt = None,
+    category: CategoryOpt = None,
+    address: AddressOpt = None,
+    log_level: Annotated[str, typer.Option("--log-level", envvar="TOOLREG_LOG_LEVEL")] = "INFO",
+    http: Annotated[
+        str | None,
+        typer.Option(
+            "--http", metavar="HOST:PORT", help="Serve Streamable HTTP at HOST:PORT/mcp, not stdio."
+        ),
+    ] = None,
+    policy: Annotated[
+        Path | None,
+        typer.Option(
+            "--policy",
+            help="With --http: accept the bearer tokens of this policy's clients (the server's"
+            " policy file); each MCP client is then its own registry client.",
+        ),
+    ] = None,
+    insecure_dev: Annotated[
+        bool,
+        typer.Option(
+            "--insecure-dev",
+            help="With --http and no --policy: no authentication; loopback only (development).",
+        ),
+    ] = False,
+    allow_host: Annotated[
+        list[str] | None,
+        typer.Option("--allow-host", help="With --http: another Host to accept, NAME:PORT."),
+    ] = None,
+    allow_origin: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--allow-origin", help="With --http: a browser Origin to accept (default: none)."
+        ),
+    ] = None,
+    http_tls_cert: Annotated[
+        Path | None, typer.Option("--http-tls-cert", help="With --http: serve HTTPS (PEM).")
+    ] = None,
+    http_tls_key: Annotated[
+        Path | None, typer.Option("--http-tls-key", help="With --http: the key (PEM).")
+    ] = None,
+    max_sessions: Annotated[
+        int | None, typer.Option("--max-sessions", help="With --http: open sessions (64).")
+    ] = None,
+    session_idle_s: Annotated[
+        float | None,
+        typer.Option("--session-idle-s", help="With --http: close idle sessions after (600 s)."),
+    ] = None,
+    max_body_bytes: Annotated[
+        int | None,
+        typer.Option("--max-body-bytes", help="With --http: request body cap (1 MiB + 64 KiB)."),
+    ] = None,
+) -> None:
+    """Serve the registry's tools as an MCP server, for MCP hosts: over stdio,
+    or over Streamable HTTP with --http.
+
+    Lists the tools this client may see and runs calls through ExecuteTool; a
+    call with a progress token runs through StreamExecuteTool and reports its
+    output as progress. A dangerous call answers with its approval request id;
+    once approved, call again with "_approval_request_id": ID added to the
+    arguments. Over stdio the registry sees --token; over HTTP it sees the bearer
+    token each MCP client sends, checked against --policy (401 otherwise).
+    Without a policy, HTTP is refused unless --insecure-dev on loopback. Logs go
+    to stderr (over stdio, stdout is the MCP channel)."""
+    from registry_server.client import mcp_bridge
+
+    level = parse_level(max_level)
+    try:
+        mcp_bridge.configure_logging(log_level)
+    except ValueError as exc:
+        fail(f"--log-level: {exc}", 2)
+    http_only = {
+        "--policy": policy is not None, "--insecure-dev": insecure_dev,
+        "--allow-host": bool(allow_host), "--allow-origin": bool(allow_origin),
+        "--http-tls-cert": http_tls_cert is not None, "--http-tls-key": http_tls_key is not None,
+        "--max-sessions": max_sessions is not None, "--session-idle-s": session_idle_s is not None,
+        "--max-body-bytes": max_body_bytes is not None,
+    }  # fmt: skip
+    if http is None:
+        given = [name for name, set_ in http_only.items() if set_]
+        if given:
+            fail(f"{', '.join(given)}: only with --http", 2)
+        with connect(ctx, address) as client:
+            mcp_bridge.serve(client, max_level=level, categories=category or ())
+        return
+    _serve_mcp_http(
+        ctx, address, http, policy=policy, insecure_dev=insecure_dev,
+        allowed_hosts=allow_host or (), allowed_origins=allow_origin or (),
+        tls_cert=http_tls_cert, tls_key=http_tls_key, max_sessions=max_sessions,
+        session_idle_s=session_idle_s, max_body_bytes=max_body_bytes,
+        max_level=level, categories=category or (),
+    )  # fmt: skip
+
+
+def _serve_mcp_http(
+    ctx: typer.Context, address: str | None, endpoint: str, *, policy: Path | None, **options: Any
+) -> None:
+    from registry_server.client import mcp_http, mcp_http_settings
+
+    conn = ctx.find_root().obj
+    if policy is not None and isinstance(conn, Connection) and conn.token:
+        # One fixed identity for every MCP client would share its roles and approvals.
+        fail(
+            "--token/TOOLREG_TOKEN does not apply to --http with --policy: each MCP client's"
+            " own bearer token is its registry identity",
+            2,
+        )
+    try:
+        settings = mcp_http_settings.http_settings(endpoint, policy_file=policy, **options)
+    except ToolregError as exc:
+        fail(exc.message, 2)
+    connect(ctx, address).close()  # the TLS files are read now, not at the first request
+    try:
+        mcp_http.serve_http(
+            lambda token: connect(ctx, address, token=token),
+            settings,
+            address=address or client_mod.default_address(),
+        )
+    except ToolregError as exc:
+        fail(exc.message)

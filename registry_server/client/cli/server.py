@@ -1,0 +1,106 @@
+"""The server verbs: `toolreg serve` and `toolreg reap`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from registry_server.client.cli.common import fail
+from registry_server.domain.errors import ToolregError
+
+
+def serve(
+    host: Annotated[str | None, typer.Option(help="Address to listen on.")] = None,
+    port: Annotated[int | None, typer.Option(help="Port (0 = any free port).")] = None,
+    data_dir: Annotated[
+        Path | None, typer.Option("--data-dir", help="Where the store lives.")
+    ] = None,
+    tools: Annotated[
+        Path | None,
+        typer.Option("--tools", help="Register the manifests of this directory at start."),
+    ] = None,
+    policy: Annotated[Path | None, typer.Option("--policy", help="Policy file (YAML).")] = None,
+    tls_cert: Annotated[
+        Path | None, typer.Option("--tls-cert", help="Server certificate (PEM).")
+    ] = None,
+    tls_key: Annotated[Path | None, typer.Option("--tls-key", help="Server key (PEM).")] = None,
+    tls_client_ca: Annotated[
+        Path | None,
+        typer.Option("--tls-client-ca", help="Require client certificates from this CA."),
+    ] = None,
+    log_level: Annotated[str, typer.Option("--log-level", envvar="TOOLREG_LOG_LEVEL")] = "INFO",
+    log_format: Annotated[
+        str, typer.Option("--log-format", envvar="TOOLREG_LOG_FORMAT", help="auto, json or text.")
+    ] = "auto",
+    metrics_port: Annotated[
+        int | None, typer.Option("--metrics-port", help="Serve Prometheus metrics on this port.")
+    ] = None,
+    store_url: Annotated[
+        str | None,
+        typer.Option(
+            "--store-url", help="sqlite:///PATH or postgresql://... (default: in --data-dir)."
+        ),
+    ] = None,
+) -> None:
+    """Run the gRPC server in the foreground until SIGTERM/SIGINT."""
+    from pydantic import ValidationError
+
+    from registry_server.api import logs
+    from registry_server.api.config import ServerConfig
+    from registry_server.api.server import serve as run_server
+
+    try:
+        logs.configure(log_level, log_format)
+    except ValueError as exc:
+        fail(f"--log-format/--log-level: {exc}", 2)
+    overrides: dict[str, Any] = {
+        k: v
+        for k, v in {
+            "host": host,
+            "port": port,
+            "data_dir": data_dir,
+            "tools_dir": tools,
+            "policy_file": policy,
+            "tls_cert": tls_cert,
+            "tls_key": tls_key,
+            "tls_client_ca": tls_client_ca,
+            "metrics_port": metrics_port,
+            "store_url": store_url,
+        }.items()
+        if v is not None
+    }
+    try:
+        config = ServerConfig(**overrides)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        fail(f"invalid configuration: {problems}", 2)
+    try:
+        run_server(config)
+    except ToolregError as exc:
+        fail(exc.message)
+    except OSError as exc:
+        fail(str(exc))
+
+
+def reap(
+    docker_url: Annotated[
+        str | None,
+        typer.Option("--docker-url", envvar="TOOLREG_DOCKER_URL", help="Engine address."),
+    ] = None,
+) -> None:
+    """Remove sandbox containers left behind by toolreg servers that are gone.
+    Containers of running servers are never touched."""
+    from registry_server.api.app import open_backend
+    from registry_server.api.config import ServerConfig
+    from sandbox_runner import SandboxError
+
+    backend = open_backend(ServerConfig(docker_url=docker_url), reaper=True)
+    try:
+        removed = backend.reap()
+    except SandboxError as exc:
+        fail(str(exc))
+    finally:
+        backend.close()
+    typer.echo(f"removed {removed} leftover container{'s' if removed != 1 else ''}")
