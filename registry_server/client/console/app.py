@@ -51,6 +51,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
+from registry_server.api import logs
 from registry_server.client.console import views
 from registry_server.client.console.feed import Feeds, Page
 from registry_server.client.console.guard import Guard, error
@@ -416,6 +417,7 @@ def serve_console(
     """Serve the console until SIGINT/SIGTERM (blocking). ``connect(token)``
     opens a registry client whose bearer is ``token``; ``announce`` gets the
     URL once the socket listens (default: a line on stderr)."""
+    logs.quiet_http_clients()  # no request URL (a credential, some are) in this process's log
     settings.check()
     sock = bind(settings.host, settings.port)
     port = int(sock.getsockname()[1])
