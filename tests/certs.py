@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import ipaddress
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -46,9 +47,11 @@ class CertificateAuthority:
         server: bool = False,
         organization: str | None = None,
         dns_names: Sequence[str] = (),
+        ip_addresses: Sequence[str] = (),
     ) -> Issued:
         """A leaf certificate. server=True names it `localhost`; dns_names, when given,
-        are its subject alternative names instead (a server certificate for those)."""
+        are its subject alternative names instead (a server certificate for those), and
+        ip_addresses (e.g. "127.0.0.1") are added to them."""
         key = ec.generate_private_key(ec.SECP256R1())
         now = dt.datetime.now(dt.UTC)
         names = [x509.NameAttribute(NameOID.COMMON_NAME, common_name)]
@@ -63,11 +66,12 @@ class CertificateAuthority:
             .not_valid_before(now - dt.timedelta(minutes=5))
             .not_valid_after(now + dt.timedelta(days=1))
         )
-        if server or dns_names:
-            sans = list(dns_names) or ["localhost"]
-            builder = builder.add_extension(
-                x509.SubjectAlternativeName([x509.DNSName(n) for n in sans]), critical=False
-            )
+        if server or dns_names or ip_addresses:
+            sans: list[x509.GeneralName] = [
+                x509.DNSName(n) for n in (list(dns_names) or ["localhost"])
+            ]
+            sans += [x509.IPAddress(ipaddress.ip_address(a)) for a in ip_addresses]
+            builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
         cert = builder.sign(self.key, hashes.SHA256())
         return Issued(
             cert.public_bytes(serialization.Encoding.PEM),

@@ -38,9 +38,10 @@ from registry_server.execution.warm_pool import WarmPools
 from registry_server.notify.dispatcher import Dispatcher
 from registry_server.notify.endpoints import Endpoint, load_endpoints
 from registry_server.notify.outbox import Outbox
+from registry_server.policy.clients import UNRESTRICTED
 from registry_server.policy.live import LivePolicy
 from registry_server.policy.loader import load_policy
-from registry_server.policy.model import UNRESTRICTED, Policy, PolicyError, development_policy
+from registry_server.policy.model import Policy, PolicyError, development_policy
 from registry_server.store import audit_chain as audit
 from registry_server.store.base import Store
 from registry_server.store.sqlite import SqliteStore

@@ -23,8 +23,9 @@ import grpc
 from registry_server.api.handlers import refuse, rewrap
 from registry_server.domain.errors import Unauthenticated
 from registry_server.domain.models import SafetyLevel
+from registry_server.policy.clients import UNRESTRICTED, RegisterGrant, Role
 from registry_server.policy.live import PolicySource, source_of
-from registry_server.policy.model import UNRESTRICTED, Policy, RegisterGrant, Role
+from registry_server.policy.model import Policy
 
 SERVICE = "/toolregistry.v1.ToolRegistry/"
 ANY_CLIENT: frozenset[Role] = frozenset()  # authenticated, no particular role

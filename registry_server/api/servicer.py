@@ -25,8 +25,8 @@ from registry_server.domain.models import NAME_PATTERN, valid_tool_name
 from registry_server.domain.pages import PageQuery, PageTokens
 from registry_server.execution.call_request import CallRequest
 from registry_server.execution.executor import Executor
+from registry_server.policy.clients import Role
 from registry_server.policy.live import LivePolicy
-from registry_server.policy.model import Role
 from registry_server.wire import convert
 
 CANCELLED_CALL_WAIT_S = 5.0  # seconds an ended stream waits for its cancelled call

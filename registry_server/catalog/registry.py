@@ -41,8 +41,9 @@ from registry_server.domain.models import (
     parse_definition,
 )
 from registry_server.domain.text import checked_reason
+from registry_server.policy.clients import UNRESTRICTED, RegisterGrant
 from registry_server.policy.grants import grant_refusal
-from registry_server.policy.model import UNRESTRICTED, EgressPolicy, RegisterGrant
+from registry_server.policy.model import EgressPolicy
 from registry_server.store import audit_chain
 from registry_server.store.base import Store, StoredTool, UnitOfWork
 

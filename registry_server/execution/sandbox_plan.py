@@ -14,8 +14,9 @@ from pathlib import Path
 
 from registry_server.domain.models import SafetyLevel, ToolDefinition
 from registry_server.execution.secrets import SecretStore, SecretUnavailable
+from registry_server.policy.clients import UNRESTRICTED, RegisterGrant
 from registry_server.policy.grants import grant_refusal
-from registry_server.policy.model import UNRESTRICTED, EgressPolicy, RegisterGrant
+from registry_server.policy.model import EgressPolicy
 from sandbox_runner import (
     EgressSpec,
     HeaderInjection,

@@ -6,7 +6,8 @@ and again before every call (a policy changes; a stored tool does not)."""
 from __future__ import annotations
 
 from registry_server.domain.models import ToolDefinition
-from registry_server.policy.model import EgressPolicy, RegisterGrant
+from registry_server.policy.clients import RegisterGrant
+from registry_server.policy.model import EgressPolicy
 from sandbox_runner.egress import rules
 
 

@@ -5,8 +5,9 @@ the stored tools outside it (docs/deploying.md, "A live policy")."""
 from __future__ import annotations
 
 from registry_server.domain.models import ToolDefinition
+from registry_server.policy.clients import RegisterGrant
 from registry_server.policy.egress import egress_refusal
-from registry_server.policy.model import EgressPolicy, RegisterGrant
+from registry_server.policy.model import EgressPolicy
 
 
 def grant_refusal(

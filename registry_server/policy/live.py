@@ -11,6 +11,7 @@ grant stops the tools outside it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -49,7 +50,8 @@ class LivePolicy:
         """Read the policy again and put it in force; raises PolicyError (and
         keeps the old one) when it does not load."""
         with self._lock:
-            new = self._load()
+            # The identities seen under the old policy are re-derived under the new one.
+            new = dataclasses.replace(self._load(), seen=self._policy.seen)
             self._policy, self.loaded_at = new, time.time()
             for listener in self._listeners:
                 try:

@@ -25,24 +25,22 @@ from pydantic import ValidationError
 from registry_server.domain.models import (
     SafetyLevel,
 )
+from registry_server.policy.clients import UNRESTRICTED, Client, Quota, RegisterGrant, Role
+from registry_server.policy.identity import GroupGrant, IdentityProvider
 from registry_server.policy.model import (
     MAX_POLICY_BYTES,
-    UNRESTRICTED,
     ApprovalRule,
     Approver,
-    Client,
     EgressPolicy,
     Policy,
     PolicyError,
-    Quota,
     QuotaPolicy,
-    RegisterGrant,
-    Role,
     RuleMatch,
 )
 from registry_server.policy.schema import (
     _CeilingIn,
     _ClientIn,
+    _IdentityProviderIn,
     _PolicyIn,
     _QuotaIn,
     _RegisterIn,
@@ -77,9 +75,13 @@ def load_policy(path: Path) -> Policy:
         w.spec(f"{source} line {_line_of(root, ('webhooks', i))}: webhooks[{i}]")
         for i, w in enumerate(parsed.webhooks)
     )
+    providers = tuple(
+        _identity_provider(p, f"{source} line {_line_of(root, ('identity_providers', i))}")
+        for i, p in enumerate(parsed.identity_providers)
+    )
     return replace(
         _freeze(parsed, source), webhooks=webhooks, console_url=parsed.console_url or "",
-        digest=hashlib.sha256(data).hexdigest(),
+        digest=hashlib.sha256(data).hexdigest(), identity_providers=providers,
     )  # fmt: skip
 
 
@@ -204,6 +206,8 @@ def _cross_check(policy: _PolicyIn) -> Iterator[tuple[Loc, str]]:
         if client.grant is not None and "register" not in client.roles:
             yield (("clients", i, "register"), "given without the register role")
 
+    yield from _identity_cross_check(policy)
+
     ids = [w.id for w in policy.webhooks]  # at most MAX_WEBHOOKS
     for i, webhook_id in enumerate(ids):
         if webhook_id in ids[:i]:
@@ -212,6 +216,78 @@ def _cross_check(policy: _PolicyIn) -> Iterator[tuple[Loc, str]]:
                 ("webhooks", i, "id"),
                 f"duplicate webhook id {webhook_id!r} (also webhooks[{first}])",
             )
+
+
+def _identity_cross_check(policy: _PolicyIn) -> Iterator[tuple[Loc, str]]:
+    providers = policy.identity_providers
+    prefixes = [_prefix(p) for p in providers]
+    for i, provider in enumerate(providers):
+        for name in ("id", "issuer"):
+            earlier = [p for p in providers[:i] if getattr(p, name) == getattr(provider, name)]
+            if earlier:
+                first = providers.index(earlier[0])
+                yield (
+                    ("identity_providers", i, name),
+                    f"same {name} as identity_providers[{first}]",
+                )
+        for j, other in enumerate(prefixes):
+            if j != i and prefixes[i].startswith(other) and (j < i or other != prefixes[i]):
+                yield (
+                    ("identity_providers", i, "client_id_prefix"),
+                    f"{prefixes[i]!r} starts with identity_providers[{j}]'s prefix {other!r}:"
+                    " their clients' ids could be the same",
+                )
+        groups = [g.group for g in provider.groups]
+        for k, group in enumerate(groups):
+            if group in groups[:k]:
+                yield (("identity_providers", i, "groups", k, "group"), f"repeats group {group!r}")
+    ids = {p.id for p in providers}
+    pinned: dict[tuple[str, str], int] = {}
+    for i, client in enumerate(policy.clients):
+        for prefix in prefixes:
+            if client.id.startswith(prefix):
+                yield (
+                    ("clients", i, "id"),
+                    f"starts with {prefix!r}, an identity provider's client_id_prefix:"
+                    " a subject of that provider could take this client's id",
+                )
+        if client.idp is None:
+            continue
+        if client.idp.provider not in ids:
+            yield (
+                ("clients", i, "idp", "provider"),
+                f"unknown identity provider {client.idp.provider!r}",
+            )
+        key = (client.idp.provider, client.idp.subject)
+        if key in pinned:
+            yield (("clients", i, "idp"), f"same subject as clients[{pinned[key]}]")
+        pinned.setdefault(key, i)
+
+
+def _prefix(provider: _IdentityProviderIn) -> str:
+    return provider.id + "." if provider.client_id_prefix is None else provider.client_id_prefix
+
+
+def _identity_provider(p: _IdentityProviderIn, where: str) -> IdentityProvider:
+    return IdentityProvider(
+        id=p.id, issuer=p.issuer, audiences=tuple(p.audiences), algorithms=tuple(p.algorithms),
+        clock_skew_s=p.clock_skew_s, max_token_lifetime_s=p.max_token_lifetime_s,
+        client_claim=p.client_claim, groups_claim=p.groups_claim, client_id_prefix=_prefix(p),
+        groups=tuple(
+            GroupGrant(
+                group=g.group, roles=frozenset(Role(r) for r in g.roles),
+                max_safety_level=(
+                    None if g.max_safety_level is None else SafetyLevel(g.max_safety_level)
+                ),
+                register=None if g.grant is None else _register_grant(g.grant),
+                quota=None if g.quotas is None else _quota(g.quotas),
+            )
+            for g in p.groups
+        ),
+        denied_subjects=frozenset(p.denied_subjects), jwks_uri=p.jwks_uri, ca_file=p.ca_file,
+        allow_http_loopback=p.allow_http_loopback, jwks_refresh_s=p.jwks_refresh_s,
+        min_refresh_interval_s=p.min_refresh_interval_s, where=where,
+    )  # fmt: skip
 
 
 def _freeze(policy: _PolicyIn, source: str) -> Policy:
@@ -251,6 +327,7 @@ def _freeze(policy: _PolicyIn, source: str) -> Policy:
                 register=_grant(c),
                 approver=c.approver,
                 quota=_quota(c.quotas),
+                idp_subject=None if c.idp is None else (c.idp.provider, c.idp.subject),
             )
             for c in policy.clients
         ),
@@ -272,7 +349,10 @@ def _quota(given: _QuotaIn | None) -> Quota:
 def _grant(client: _ClientIn) -> RegisterGrant:
     if "admin" in client.roles and client.grant is None:
         return UNRESTRICTED  # an operator's own client: trusted like the policy file
-    given = client.grant or _RegisterIn()
+    return _register_grant(client.grant or _RegisterIn())
+
+
+def _register_grant(given: _RegisterIn) -> RegisterGrant:
     return RegisterGrant(
         SafetyLevel(given.max_safety_level),
         tuple(given.images),

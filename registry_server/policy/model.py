@@ -4,9 +4,6 @@ their roles and register grants, sandbox ceilings. Frozen once loaded
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-import fnmatch
 import functools
 import hashlib
 import hmac
@@ -18,11 +15,19 @@ from types import MappingProxyType
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from registry_server.domain.models import OPERATOR_OWNER, SafetyLevel
+from registry_server.policy.clients import (
+    ID_PATTERN,
+    UNRESTRICTED,
+    Client,
+    Quota,
+    RegisterGrant,
+    Role,
+)
+from registry_server.policy.identity import IdentityProvider
+from registry_server.policy.seen import SeenIdentities
 from registry_server.policy.webhooks import WebhookSpec
 from registry_server.signing.keys import public_key_from_text, raw_public_bytes
-from sandbox_runner.egress import rules
 
-ID_PATTERN = r"^[a-z0-9][a-z0-9_.@-]{0,63}$"  # approver and client ids
 GROUP_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
 SHA256_HEX_PATTERN = r"^[0-9a-fA-F]{64}$"
 # sha256 of the empty string: a client with this credential would accept "Bearer ".
@@ -38,17 +43,6 @@ MAX_TMPFS_MB = 65_536  # MiB of /tmp a profile may allow
 MAX_POLICY_BYTES = 1024 * 1024  # bytes; a policy is configuration, not data
 MAX_IMAGE_PATTERNS = 64  # image globs per client
 MAX_IMAGE_PATTERN_CHARS = 256  # characters of one image glob
-# What a client may register when the policy does not say: the images this
-# project builds, at the safe level (a higher level is granted, never assumed).
-DEFAULT_REGISTER_IMAGES = ("toolreg/base", "toolreg/base:*", "toolreg/python", "toolreg/python:*")
-DEFAULT_REGISTER_LEVEL = "safe"
-
-
-class Role(enum.StrEnum):
-    REGISTER = "register"
-    EXECUTE = "execute"
-    APPROVE = "approve"
-    ADMIN = "admin"  # an operator: may replace any tool, and register without the limits
 
 
 class PolicyError(Exception):
@@ -168,85 +162,11 @@ class EgressPolicy:
 
 
 @dataclass(frozen=True)
-class RegisterGrant:
-    """What a client may register: tools up to ``max_level``, from images
-    matching one of ``images`` (shell-style globs on the image reference)."""
-
-    max_level: SafetyLevel = SafetyLevel.SAFE  # DEFAULT_REGISTER_LEVEL
-    images: tuple[str, ...] = DEFAULT_REGISTER_IMAGES
-    # "host:port" patterns its tools may reach (policy/egress.py); none by default
-    egress: tuple[str, ...] = ()
-    secrets: frozenset[str] = frozenset()  # secret names its tools may use
-    any_egress: bool = False  # operators and admins: every host, every secret
-
-    def allows_image(self, image: str) -> bool:
-        return any(fnmatch.fnmatchcase(image, pattern) for pattern in self.images)
-
-    def allows_egress(self, wanted: rules.Entry) -> bool:
-        return self.any_egress or any(
-            rules.parse_entry(granted).covers(wanted) for granted in self.egress
-        )
-
-    def allows_secret(self, name: str) -> bool:
-        return self.any_egress or name in self.secrets
-
-
-# operators and admins
-UNRESTRICTED = RegisterGrant(SafetyLevel.DANGEROUS, ("*",), any_egress=True)
-
-
-MAX_QUOTA_COUNT = 4_096  # sandboxes, queued calls or pending requests one quota may allow
-MAX_QUOTA_RATE = 10_000.0  # calls per second
-MAX_QUOTA_BURST = 100_000  # calls
-MAX_QUOTA_SERVERS = 1_024  # servers a rate may be split across
-
-
-@dataclass(frozen=True)
-class Quota:
-    """A client's share of each server (docs/deploying.md, "Sharing a
-    server"); None: not set here (the default, then the built-in share)."""
-
-    max_concurrent: int | None = None  # sandboxes running its calls at once
-    max_queued: int | None = None  # its calls waiting for a slot
-    rate_per_s: float | None = None  # calls per second, as a token bucket...
-    burst: int | None = None  # ...holding this many
-    max_pending_approvals: int | None = None  # its approval requests waiting for approvers
-
-    def over(self, base: Quota) -> Quota:
-        """These settings, with ``base``'s where these say nothing."""
-        mine = dataclasses.asdict(self)
-        return dataclasses.replace(
-            base, **{name: value for name, value in mine.items() if value is not None}
-        )
-
-
-@dataclass(frozen=True)
 class QuotaPolicy:
-    default: Quota = Quota()  # for clients that name none (each field on its own)
+    default: Quota = field(default_factory=Quota)  # for clients that name none (per field)
     # Servers sharing the load: each enforces 1/servers of every rate and burst
     # (the other limits hold per server: docs/deploying.md).
     servers: int = 1
-
-
-@dataclass(frozen=True)
-class Client:
-    id: str
-    roles: frozenset[Role]
-    max_safety_level: SafetyLevel = SafetyLevel.SAFE  # the most dangerous level it may execute
-    token_sha256: str | None = field(default=None, repr=False)  # lowercase hex
-    mtls_subject: str | None = None
-    register: RegisterGrant = field(default_factory=RegisterGrant)
-    # The approver this client is (the same person): never approves its calls.
-    approver: str | None = None
-    quota: Quota = Quota()
-
-    def may(self, role: Role, level: SafetyLevel | None = None) -> bool:
-        """Whether this client holds ``role``; for EXECUTE, also at ``level``."""
-        if role not in self.roles:
-            return False
-        if role is Role.EXECUTE and level is not None:
-            return level.at_most(self.max_safety_level)
-        return True
 
 
 @dataclass(frozen=True)
@@ -264,6 +184,9 @@ class Policy:
     digest: str = ""  # sha256 hex of the file's bytes ("" without a file)
     webhooks: tuple[WebhookSpec, ...] = ()  # where approval events are posted (notify/)
     console_url: str = ""  # the approval console's base URL, without a trailing slash
+    identity_providers: tuple[IdentityProvider, ...] = ()  # policy/identity.py
+    # The group-mapped clients this server has seen (shared across reloads).
+    seen: SeenIdentities = field(default_factory=SeenIdentities, compare=False, repr=False)
     _by_id: Mapping[str, Approver] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -275,7 +198,29 @@ class Policy:
         return self._by_id.get(approver_id)
 
     def client(self, client_id: str) -> Client | None:
-        return next((c for c in self.clients if c.id == client_id), None)
+        """A client of the file, else a group-mapped client of an identity
+        provider that this server has seen (as its provider's mappings make
+        it now; nobody once its subject is denied or its provider gone)."""
+        static = next((c for c in self.clients if c.id == client_id), None)
+        if static is not None or not self.identity_providers:
+            return static
+        sighting = self.seen.get(client_id)
+        provider = None if sighting is None else self.identity_provider(sighting.provider)
+        if sighting is None or provider is None or sighting.subject in provider.denied_subjects:
+            return None
+        client = provider.client_for(sighting.subject, sighting.groups)
+        return client if client is not None and client.id == client_id else None
+
+    def identity_provider(self, provider_id: str) -> IdentityProvider | None:
+        return next((p for p in self.identity_providers if p.id == provider_id), None)
+
+    def provider_for_issuer(self, issuer: str) -> IdentityProvider | None:
+        return next((p for p in self.identity_providers if p.issuer == issuer), None)
+
+    def client_by_idp(self, provider_id: str, subject: str) -> Client | None:
+        """The policy client pinned to this provider's subject, if any."""
+        wanted = (provider_id, subject)
+        return next((c for c in self.clients if c.idp_subject == wanted), None)
 
     def same_person(self, approver_id: str, client_id: str) -> bool:
         """An approver never approves a call of their own: same id, or the

@@ -19,17 +19,42 @@ from registry_server.domain.models import (
     NAME_PATTERN,
     SafetyLevel,
 )
+from registry_server.policy.clients import (
+    DEFAULT_REGISTER_IMAGES,
+    DEFAULT_REGISTER_LEVEL,
+    ID_PATTERN,
+    MAX_QUOTA_BURST,
+    MAX_QUOTA_COUNT,
+    MAX_QUOTA_RATE,
+    MAX_QUOTA_SERVERS,
+    Role,
+)
+from registry_server.policy.identity import (
+    ASYMMETRIC_ALGORITHMS,
+    CLAIM_PATH,
+    DEFAULT_ALGORITHMS,
+    DEFAULT_CLOCK_SKEW_S,
+    DEFAULT_JWKS_REFRESH_S,
+    DEFAULT_MAX_TOKEN_LIFETIME_S,
+    DEFAULT_MIN_REFRESH_INTERVAL_S,
+    MAX_AUDIENCES,
+    MAX_CLOCK_SKEW_S,
+    MAX_DENIED_SUBJECTS,
+    MAX_GROUP_MAPPINGS,
+    MAX_PROVIDERS,
+    MAX_SUBJECT_CLAIM_CHARS,
+    MAX_TOKEN_LIFETIME_S,
+    PROVIDER_ID,
+    check_provider_url,
+)
 from registry_server.policy.model import (
     DEFAULT_APPROVAL_REQUEST_TTL_S,
     DEFAULT_EGRESS_LEVELS,
     DEFAULT_MAX_EGRESS_BYTES,
     DEFAULT_MAX_EGRESS_CONNECTIONS,
     DEFAULT_MAX_TOKEN_TTL_S,
-    DEFAULT_REGISTER_IMAGES,
-    DEFAULT_REGISTER_LEVEL,
     EMPTY_TOKEN_SHA256,
     GROUP_PATTERN,
-    ID_PATTERN,
     MAX_APPROVAL_REQUEST_TTL_S,
     MAX_AUDIENCE_CHARS,
     MAX_EGRESS_BYTES,
@@ -37,15 +62,10 @@ from registry_server.policy.model import (
     MAX_GRANT_ENTRIES,
     MAX_IMAGE_PATTERN_CHARS,
     MAX_IMAGE_PATTERNS,
-    MAX_QUOTA_BURST,
-    MAX_QUOTA_COUNT,
-    MAX_QUOTA_RATE,
-    MAX_QUOTA_SERVERS,
     MAX_SUBJECT_CHARS,
     MAX_TMPFS_MB,
     MAX_TOKEN_TTL_S,
     SHA256_HEX_PATTERN,
-    Role,
 )
 from registry_server.policy.webhooks import MAX_WEBHOOKS, _WebhookIn, check_url
 from registry_server.signing.keys import public_key_from_text
@@ -67,6 +87,15 @@ def _check_unique(values: Sequence[str], what: str) -> None:
     repeated = sorted({v for v in values if values.count(v) > 1})
     if repeated:
         raise ValueError(f"repeats {what} {', '.join(repr(v) for v in repeated)}")
+
+
+def _check_roles(values: list[str]) -> list[str]:
+    known = {r.value for r in Role}
+    for role in values:
+        if role not in known:
+            raise ValueError(f"unknown role {role!r}; use {', '.join(r.value for r in Role)}")
+    _check_unique(values, "role")
+    return values
 
 
 def _check_groups(values: list[str]) -> list[str]:
@@ -222,6 +251,13 @@ class _QuotasIn(_Strict):
     servers: int = Field(1, ge=1, le=MAX_QUOTA_SERVERS)
 
 
+class _IdpSubjectIn(_Strict):
+    """A subject of an identity provider (its client claim's value)."""
+
+    provider: str
+    subject: str = Field(min_length=1, max_length=MAX_SUBJECT_CLAIM_CHARS)
+
+
 class _ClientIn(_Strict):
     id: str
     token_sha256: str | None = None
@@ -232,6 +268,7 @@ class _ClientIn(_Strict):
     grant: _RegisterIn | None = Field(None, alias="register")
     approver: str | None = None  # the approver id of the same person
     quotas: _QuotaIn | None = None  # its share of each server, over quotas.default
+    idp: _IdpSubjectIn | None = None  # an identity provider's subject that is this client
 
     @field_validator("id")
     @classmethod
@@ -266,12 +303,7 @@ class _ClientIn(_Strict):
     @field_validator("roles")
     @classmethod
     def _roles(cls, value: list[str]) -> list[str]:
-        known = {r.value for r in Role}
-        for role in value:
-            if role not in known:
-                raise ValueError(f"unknown role {role!r}; use {', '.join(r.value for r in Role)}")
-        _check_unique(value, "role")
-        return value
+        return _check_roles(value)
 
     @field_validator("max_safety_level")
     @classmethod
@@ -280,8 +312,8 @@ class _ClientIn(_Strict):
 
     @model_validator(mode="after")
     def _credential(self) -> _ClientIn:
-        if self.token_sha256 is None and self.mtls_subject is None:
-            raise ValueError("needs a credential: token_sha256 and/or mtls_subject")
+        if self.token_sha256 is None and self.mtls_subject is None and self.idp is None:
+            raise ValueError("needs a credential: token_sha256, mtls_subject and/or idp")
         return self
 
 
@@ -313,6 +345,109 @@ class _EgressIn(_Strict):
         return value
 
 
+class _GroupGrantIn(_Strict):
+    """What members of one of the provider's groups are here."""
+
+    group: str = Field(min_length=1, max_length=MAX_SUBJECT_CLAIM_CHARS)
+    roles: list[str] = Field(default_factory=list)
+    max_safety_level: str | None = None
+    grant: _RegisterIn | None = Field(None, alias="register")
+    quotas: _QuotaIn | None = None
+
+    @field_validator("roles")
+    @classmethod
+    def _roles(cls, value: list[str]) -> list[str]:
+        return _check_roles(value)
+
+    @field_validator("max_safety_level")
+    @classmethod
+    def _level(cls, value: str | None) -> str | None:
+        return None if value is None else SafetyLevel.parse(value).value
+
+    @model_validator(mode="after")
+    def _grant_needs_role(self) -> _GroupGrantIn:
+        if self.grant is not None and "register" not in self.roles:
+            raise ValueError("register is given without the register role")
+        return self
+
+
+class _IdentityProviderIn(_Strict):
+    """An OpenID provider whose access tokens name clients (policy/identity.py)."""
+
+    id: str
+    issuer: str
+    audiences: list[str] = Field(min_length=1, max_length=MAX_AUDIENCES)
+    algorithms: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_ALGORITHMS), min_length=1, max_length=10
+    )
+    clock_skew_s: int = Field(DEFAULT_CLOCK_SKEW_S, ge=0, le=MAX_CLOCK_SKEW_S)
+    max_token_lifetime_s: int = Field(DEFAULT_MAX_TOKEN_LIFETIME_S, ge=1, le=MAX_TOKEN_LIFETIME_S)
+    client_claim: str = "sub"
+    groups_claim: str | None = "groups"
+    client_id_prefix: str | None = None
+    groups: list[_GroupGrantIn] = Field(default_factory=list, max_length=MAX_GROUP_MAPPINGS)
+    denied_subjects: list[str] = Field(default_factory=list, max_length=MAX_DENIED_SUBJECTS)
+    jwks_uri: str | None = None
+    ca_file: str | None = Field(None, min_length=1, max_length=4096)
+    allow_http_loopback: bool = False
+    jwks_refresh_s: int = Field(DEFAULT_JWKS_REFRESH_S, ge=10, le=86_400)
+    min_refresh_interval_s: int = Field(DEFAULT_MIN_REFRESH_INTERVAL_S, ge=1, le=3_600)
+
+    @field_validator("id")
+    @classmethod
+    def _id(cls, value: str) -> str:
+        return _check_pattern(value, PROVIDER_ID, "identity provider id")
+
+    @field_validator("audiences")
+    @classmethod
+    def _audiences(cls, value: list[str]) -> list[str]:
+        for audience in value:
+            if not audience or len(audience) > MAX_AUDIENCE_CHARS or audience != audience.strip():
+                raise ValueError(f"each audience is 1 to {MAX_AUDIENCE_CHARS} characters, unpadded")
+        _check_unique(value, "audience")
+        return value
+
+    @field_validator("algorithms")
+    @classmethod
+    def _algorithms(cls, value: list[str]) -> list[str]:
+        for alg in value:
+            if alg not in ASYMMETRIC_ALGORITHMS:
+                raise ValueError(
+                    f"{alg[:16]!r} is not allowed: only asymmetric algorithms"
+                    f" ({', '.join(ASYMMETRIC_ALGORITHMS)}); never none or HS*"
+                )
+        _check_unique(value, "algorithm")
+        return value
+
+    @field_validator("client_claim", "groups_claim")
+    @classmethod
+    def _claim(cls, value: str | None) -> str | None:
+        return None if value is None else _check_pattern(value, CLAIM_PATH, "claim name")
+
+    @field_validator("client_id_prefix")
+    @classmethod
+    def _prefix(cls, value: str | None) -> str | None:
+        # Never empty: group-mapped ids must not be able to take a file client's id.
+        if value is not None and (not value or not re.fullmatch(ID_PATTERN, value + "x")):
+            raise ValueError(f"{value!r} does not start a valid client id ({ID_PATTERN})")
+        return value
+
+    @field_validator("denied_subjects")
+    @classmethod
+    def _denied(cls, value: list[str]) -> list[str]:
+        for subject in value:
+            if not subject or len(subject) > MAX_SUBJECT_CLAIM_CHARS:
+                raise ValueError(f"each subject is 1 to {MAX_SUBJECT_CLAIM_CHARS} characters")
+        return value
+
+    @model_validator(mode="after")
+    def _urls(self) -> _IdentityProviderIn:
+        check_provider_url(self.issuer, "issuer", self.allow_http_loopback)
+        if self.jwks_uri is not None:
+            check_provider_url(self.jwks_uri, "jwks_uri", self.allow_http_loopback)
+        return self
+
+
 class _PolicyIn(_Strict):
     audience: str
     approval_request_ttl_s: int = Field(
@@ -326,6 +461,9 @@ class _PolicyIn(_Strict):
     quotas: _QuotasIn = Field(default_factory=lambda: _QuotasIn())
     webhooks: list[_WebhookIn] = Field(default_factory=list, max_length=MAX_WEBHOOKS)
     console_url: str | None = None  # the approval console's base URL, for links in webhooks
+    identity_providers: list[_IdentityProviderIn] = Field(
+        default_factory=list, max_length=MAX_PROVIDERS
+    )
 
     @field_validator("console_url")
     @classmethod

@@ -24,8 +24,9 @@ from registry_server.api.auth import (
     authorize,
 )
 from registry_server.domain.models import SafetyLevel
+from registry_server.policy.clients import UNRESTRICTED, RegisterGrant, Role
 from registry_server.policy.loader import load_policy
-from registry_server.policy.model import UNRESTRICTED, Policy, RegisterGrant, Role
+from registry_server.policy.model import Policy
 from registry_server.signing.keys import generate_keypair
 from tests.factories import sha
 

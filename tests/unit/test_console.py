@@ -23,7 +23,8 @@ from registry_server.client.console.settings import ConsoleSettings, may_sign_in
 from registry_server.domain.arguments import arguments_digest
 from registry_server.domain.errors import ConfigError
 from registry_server.domain.outcome import ApprovalEventView, ApprovalRequestView
-from registry_server.policy.model import Approver, Client, Policy, Role
+from registry_server.policy.clients import Client, Role
+from registry_server.policy.model import Approver, Policy
 from registry_server.signing.keys import generate_keypair, public_key_from_text
 from registry_server.wire import convert
 from tests.factories import sha, tool

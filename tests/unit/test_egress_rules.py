@@ -11,8 +11,9 @@ from registry_server.domain.errors import InvalidDefinition
 from registry_server.domain.models import SafetyLevel
 from registry_server.execution.redaction import Redactor
 from registry_server.execution.secrets import SecretStore, SecretUnavailable
+from registry_server.policy.clients import UNRESTRICTED, RegisterGrant
 from registry_server.policy.egress import egress_refusal
-from registry_server.policy.model import UNRESTRICTED, EgressPolicy, RegisterGrant
+from registry_server.policy.model import EgressPolicy
 from sandbox_runner.egress import rules
 from tests.factories import manifest, tool
 

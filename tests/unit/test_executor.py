@@ -45,7 +45,8 @@ from registry_server.execution.call_request import CallRequest
 from registry_server.execution.executor import NOT_A_NAME, Executor
 from registry_server.execution.sandbox_plan import SandboxPolicy
 from registry_server.execution.warm_pool import WarmPools
-from registry_server.policy.model import Policy, RegisterGrant
+from registry_server.policy.clients import RegisterGrant
+from registry_server.policy.model import Policy
 from registry_server.signing.keys import generate_keypair, load_private_key
 from registry_server.signing.tokens import mint, mint_for
 from registry_server.store.memory import MemoryStore

@@ -17,7 +17,8 @@ from registry_server.client.mcp_http_settings import (
 )
 from registry_server.domain.arguments import MAX_ARGUMENTS_BYTES
 from registry_server.domain.errors import ConfigError
-from registry_server.policy.model import Client, Policy, Role
+from registry_server.policy.clients import Client, Role
+from registry_server.policy.model import Policy
 from tests.factories import sha
 
 POLICY = Policy(

@@ -10,16 +10,14 @@ import pytest
 from registry_server.domain.models import SafetyLevel
 from registry_server.execution.admission import ClientLimits
 from registry_server.execution.quotas import Rate, Shares
+from registry_server.policy.clients import Client, Quota, Role
 from registry_server.policy.loader import load_policy
 from registry_server.policy.model import (
     DEFAULT_MAX_TOKEN_TTL_S,
-    Client,
     EffectiveRule,
     Policy,
     PolicyError,
-    Quota,
     Requirement,
-    Role,
     development_policy,
 )
 from registry_server.signing.keys import generate_keypair, public_key_from_text
@@ -468,7 +466,7 @@ def test_bad_quotas_are_refused_with_the_field(tmp_path: Path, line: str, messag
 def test_the_examples_commented_quotas_load_when_uncommented(tmp_path: Path) -> None:
     text = EXAMPLE.read_text()
     start = text.index("# quotas:\n")
-    block = text[start:text.index("\n\n", start)]
+    block = text[start : text.index("\n\n", start)]
     opened = "\n".join(line[2:] for line in block.splitlines())  # drop "# "
     text = text.replace(block, opened).replace(
         "    # quotas: {max_concurrent: 2", "    quotas: {max_concurrent: 2"

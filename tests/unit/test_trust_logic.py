@@ -17,7 +17,7 @@ from registry_server.client.terminal import escape
 from registry_server.domain.errors import AtCapacity, PermissionDenied, Unauthenticated
 from registry_server.domain.models import OPERATOR_OWNER, ToolDefinition, parse_definition
 from registry_server.execution.admission import Admission, Cancelled
-from registry_server.policy.model import UNRESTRICTED, RegisterGrant
+from registry_server.policy.clients import UNRESTRICTED, RegisterGrant
 from registry_server.store.memory import MemoryStore
 
 

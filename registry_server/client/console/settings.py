@@ -17,8 +17,9 @@ from typing import Self
 
 from registry_server.client.http_listener import check_listener, parse_endpoint
 from registry_server.domain.errors import ConfigError
+from registry_server.policy.clients import Client, Role
 from registry_server.policy.loader import load_policy
-from registry_server.policy.model import Client, Policy, PolicyError, Role
+from registry_server.policy.model import Policy, PolicyError
 
 DEFAULT_ENDPOINT = "127.0.0.1:8780"  # where `toolreg console` listens without --http
 DEFAULT_MAX_SESSIONS = 32  # signed-in sessions at once; the next sign-in gets 503
