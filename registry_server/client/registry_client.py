@@ -118,14 +118,19 @@ def describe_rpc_error(err: grpc.RpcError) -> str:
     return "\n".join(lines)
 
 
-class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
-    """Adds `authorization: Bearer <token>` to every call."""
+TokenProvider = Callable[[], str]  # the bearer token to send now (e.g. an IdP access token)
 
-    def __init__(self, token: str) -> None:
-        self._header = ("authorization", f"Bearer {token}")
+
+class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds `authorization: Bearer <token>` to every call; a provider is asked
+    on every call, so a token it refreshes is used from the next call on."""
+
+    def __init__(self, token: str | TokenProvider) -> None:
+        self._token = token
 
     def _with_token(self, details: Any) -> Any:
-        metadata = [*(details.metadata or ()), self._header]
+        token = self._token if isinstance(self._token, str) else self._token()
+        metadata = [*(details.metadata or ()), ("authorization", f"Bearer {token}")]
         return details._replace(metadata=metadata)
 
     def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
@@ -138,7 +143,7 @@ class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInter
 def open_channel(
     address: str,
     *,
-    token: str | None = None,
+    token: str | TokenProvider | None = None,
     tls_ca: bytes | None = None,
     tls_cert: bytes | None = None,
     tls_key: bytes | None = None,
@@ -146,6 +151,8 @@ def open_channel(
 ) -> grpc.Channel:
     """A channel to the server: TLS when any TLS option is given (the CA
     defaults to the system's), mTLS with a client certificate and key.
+    ``token`` is a bearer token, or a provider asked for one on every call
+    (``registry_server.client.idp_tokens.ClientCredentials``).
 
     Every call carries the current trace context (W3C ``traceparent``), so a
     server with tracing on continues the caller's trace; with an OpenTelemetry
@@ -248,7 +255,7 @@ class RegistryClient:
         address: str | None = None,
         *,
         channel: grpc.Channel | None = None,
-        token: str | None = None,
+        token: str | TokenProvider | None = None,
     ) -> None:
         self.address = address or default_address()
         self._channel = channel or open_channel(self.address, token=token)
@@ -272,7 +279,7 @@ class RegistryClient:
         cls,
         address: str | None = None,
         *,
-        token: str | None = None,
+        token: str | TokenProvider | None = None,
         tls_ca: bytes | str | Path | None = None,
         tls_cert: bytes | str | Path | None = None,
         tls_key: bytes | str | Path | None = None,
@@ -280,7 +287,9 @@ class RegistryClient:
     ) -> RegistryClient:
         """A client for ``address`` (default: $TOOLREG_ADDRESS or 127.0.0.1:50051).
 
-        ``token`` is sent as ``authorization: Bearer``. TLS is used when ``tls``
+        ``token`` is sent as ``authorization: Bearer``: a string, or a provider
+        asked on every call (an IdP's access tokens, refreshed before expiry:
+        ``registry_server.client.idp_tokens.ClientCredentials``). TLS is used when ``tls``
         or any TLS option is given; ``tls_ca``/``tls_cert``/``tls_key`` are PEM
         bytes or paths to PEM files (cert + key = mutual TLS)."""
         target = address or default_address()

@@ -1,8 +1,10 @@
 """Who is calling, and may they? One interceptor for every RPC.
 
 With a policy, a caller is a client of the policy, known by a bearer token
-(`authorization: Bearer ...`, compared by sha256) or by the subject of a
-verified mTLS client certificate. Unknown or missing credentials get
+(`authorization: Bearer ...`, compared by sha256), by an access token of an
+identity provider the policy trusts (a JWT, ``access_tokens``; the policy's
+mapping makes it a client like any other), or by the subject of a verified
+mTLS client certificate. Unknown or missing credentials get
 UNAUTHENTICATED; a missing role gets PERMISSION_DENIED. Without a policy
 (development mode, loopback only) every caller is the anonymous developer.
 Health and reflection stay open: they reveal nothing a port scan would not.
@@ -20,10 +22,11 @@ from typing import Any
 
 import grpc
 
+from registry_server.api.auth.access_tokens import AccessTokens, TokenRefused, looks_like_jwt
 from registry_server.api.handlers import refuse, rewrap
 from registry_server.domain.errors import Unauthenticated
 from registry_server.domain.models import SafetyLevel
-from registry_server.policy.clients import UNRESTRICTED, RegisterGrant, Role
+from registry_server.policy.clients import UNRESTRICTED, Client, RegisterGrant, Role
 from registry_server.policy.live import PolicySource, source_of
 from registry_server.policy.model import Policy
 
@@ -97,9 +100,12 @@ class AuthError(Exception):
 
 
 class Authenticator:
-    def __init__(self, policy: Policy | PolicySource | None) -> None:
+    def __init__(
+        self, policy: Policy | PolicySource | None, access_tokens: AccessTokens | None = None
+    ) -> None:
         # None: development mode; else the policy in force, read per call
         self._policy = None if policy is None else source_of(policy)
+        self.access_tokens = access_tokens or AccessTokens()
 
     def identify(
         self, metadata: tuple[tuple[str, Any], ...], auth_context: Mapping[str, Any]
@@ -115,7 +121,10 @@ class Authenticator:
                 raise AuthError(
                     grpc.StatusCode.UNAUTHENTICATED, "authorization must be 'Bearer <token>'"
                 )
-            client = policy.client_by_token(token.strip())
+            token = token.strip()
+            client = policy.client_by_token(token)
+            if client is None and policy.identity_providers and looks_like_jwt(token):
+                client = self._from_access_token(policy, token)
             if client is None:
                 raise AuthError(grpc.StatusCode.UNAUTHENTICATED, "unknown bearer token")
         else:
@@ -133,6 +142,19 @@ class Authenticator:
             client.id, client.roles, client.max_safety_level, client.register,
             policy.approver_identity(client),
         )  # fmt: skip
+
+    def _from_access_token(self, policy: Policy, token: str) -> Client:
+        try:
+            client = self.access_tokens.verify(policy, token).client
+        except TokenRefused as refused:
+            raise AuthError(grpc.StatusCode.UNAUTHENTICATED, refused.answer) from None
+        if not client.roles:
+            # Known to the provider, granted nothing here: fail closed on every method.
+            raise AuthError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"client '{client.id}' has no role in this policy (none of its groups is mapped)",
+            )
+        return client
 
 
 def _subjects(auth_context: Mapping[str, Any]) -> list[str]:
