@@ -25,10 +25,17 @@ approval console"). It follows the rules of ``toolreg mcp --http``
   other than this console's is refused, and so is a change without one.
 * **How much.** Request bodies are capped (413), sessions are capped (503
   beyond) and end when idle, event streams per session are capped (429).
+  Wrong sign-ins are throttled per source address and overall (429 with
+  ``Retry-After``, before the token is looked at: ``throttle``).
+* **Told.** Every refused sign-in, Host/Origin/fetch-site refusal and CSRF
+  refusal is logged (``toolreg.console``: source address, reason, what the
+  client sent capped and escaped, never a token), one by one up to a budget
+  per minute and summed up beyond it, so a flood cannot flood the log.
 
 Order of checks on a request: Host (421), Origin and fetch site (403), then
 the session (401), the CSRF header (403), and the body: its type (415), size
-(413) and shape (400).
+(413) and shape (400). A sign-in: the throttle (429), then the token (401)
+and the approver (403).
 """
 
 from __future__ import annotations
@@ -49,14 +56,15 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from starlette.types import ASGIApp
+from starlette.types import ASGIApp, Scope
 
 from registry_server.api import logs
 from registry_server.client.console import views
 from registry_server.client.console.feed import Feeds, Page
-from registry_server.client.console.guard import Guard, error
+from registry_server.client.console.guard import Guard, error, shown, source_of
 from registry_server.client.console.sessions import Session, Sessions, SessionsFull
 from registry_server.client.console.settings import ConsoleSettings, may_sign_in
+from registry_server.client.console.throttle import OVERALL, LogBudget, SignInThrottle
 from registry_server.client.http_listener import (
     ListenerServer,
     bind,
@@ -96,6 +104,8 @@ HTTP_STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
 ENDS_STREAM = frozenset({"signed-out", "resync"})  # page messages after which a stream closes
+# Kinds of refusal the log tells of (each with its own log budget)
+SIGN_IN, GUARD, CSRF = "sign-in", "Host/Origin", "CSRF"
 
 
 def rpc_refusal(err: grpc.RpcError) -> JSONResponse:
@@ -137,6 +147,8 @@ class Console:
         self.policy = settings.policy
         self.cookie = TLS_COOKIE if settings.tls else COOKIE
         self.sessions = Sessions(max_sessions=settings.max_sessions, idle_s=settings.session_idle_s)
+        self.throttle = SignInThrottle(window_s=settings.signin_window_s)
+        self.log_budget = LogBudget()
         self.connections = Connections(connect)
         self.feeds = Feeds(self.connections)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -162,7 +174,10 @@ class Console:
         ]
         app = Starlette(routes=routes, lifespan=self._lifespan)
         guarded = Guard(
-            app, hosts=frozenset(hosts), origins=frozenset(f"{scheme}://{h}" for h in hosts)
+            app,
+            hosts=frozenset(hosts),
+            origins=frozenset(f"{scheme}://{h}" for h in hosts),
+            refused=self._guard_refused,
         )
         # Starlette's own answers (404, 405) pass through the guard too.
         return guarded
@@ -177,12 +192,30 @@ class Console:
             sweeper.cancel()
             self.sessions.end_all("the console stopped")
             self.feeds.stop_all()
+            for summary in self.log_budget.summaries(all_now=True):
+                log.warning("console: %s", summary)
 
     async def _sweep(self) -> None:
         interval = min(SWEEP_S, self.settings.session_idle_s / 4)
         while True:
             await asyncio.sleep(interval)
             self.sessions.expire_idle()
+            for summary in self.log_budget.summaries():
+                log.warning("console: %s", summary)
+
+    def _guard_refused(self, scope: Scope, reason: str, detail: str) -> None:
+        self.refused(GUARD, source_of(scope), reason,
+                     f"{scope['method']} {shown(scope['path'])}, {detail}")  # fmt: skip
+
+    def refused(self, kind: str, source: str, reason: str, detail: str = "") -> None:
+        """Log a refusal within the log budget: ``reason`` is a fixed text,
+        ``detail`` what the client sent, already capped and escaped."""
+        one_by_one, summary = self.log_budget.note(kind, source, reason)
+        if summary is not None:
+            log.warning("console: %s", summary)
+        if one_by_one:
+            log.warning("console: %s refused from %s: %s%s", kind, source, reason,
+                        f" ({detail})" if detail else "")  # fmt: skip
 
     def stopping(self) -> None:
         """SIGTERM/SIGINT: end every open stream now rather than after the grace period."""
@@ -211,6 +244,10 @@ class Console:
         if session is None:
             return error(401, "not signed in (or the session ended); sign in again")
         if not session.csrf_matches(request.headers.get(CSRF_HEADER)):
+            reason = "wrong CSRF token" if CSRF_HEADER in request.headers else "no CSRF token"
+            self.refused(CSRF, source_of(request.scope), reason,
+                         f"client {escape(session.client_id)}, {request.method}"
+                         f" {shown(request.url.path)}")  # fmt: skip
             return error(403, "missing or wrong CSRF token; reload the page")
         return session
 
@@ -234,14 +271,27 @@ class Console:
         return JSONResponse(self._whoami(session))
 
     async def sign_in(self, request: Request) -> Response:
+        source = source_of(request.scope)
+        # Before the token is looked at: a throttled source learns nothing, right token or not.
+        throttled = self.throttle.check(source)
+        if throttled is not None:
+            self.refused(SIGN_IN, source, f"throttled ({throttled.limit})")
+            whose = "all sources" if throttled.limit == OVERALL else "your address"
+            return error(429, f"too many failed sign-ins from {whose}; try again in"
+                         f" {throttled.retry_after_s} s",
+                         {"retry-after": str(throttled.retry_after_s)})  # fmt: skip
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         token = token.strip()  # as the server reads "Bearer  T"
         client = self.policy.client_by_token(token) if scheme.lower() == "bearer" else None
         if client is None:
+            self.throttle.failed(source)
+            reason = "unknown token" if scheme.lower() == "bearer" else "no bearer token"
+            self.refused(SIGN_IN, source, reason)
             return error(401, "unknown token: sign in with your client token from the policy",
                           {"www-authenticate": "Bearer"})  # fmt: skip
         approver = self.policy.approver_identity(client)
         if approver is None or not may_sign_in(self.policy, client):
+            self.refused(SIGN_IN, source, "not an approver", f"client {escape(client.id)}")
             return error(403, f"client {client.id} is no approver: the console is for clients"
                           " with the approve role and an approver key in the policy")  # fmt: skip
         self.connections.ensure(client.id, token)
@@ -249,6 +299,7 @@ class Console:
         try:
             session_id, session = self.sessions.open(client.id, approver)
         except SessionsFull as exc:
+            self.refused(SIGN_IN, source, "sessions full", f"client {escape(client.id)}")
             return error(503, f"{exc}; try again when one ends")
         log.info("%s signed in to the console", client.id)
         response = JSONResponse(self._whoami(session))
