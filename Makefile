@@ -13,7 +13,7 @@ INIT_BIN := sandbox_runner/init/toolreg-init
 INIT_CC ?= gcc
 INIT_CFLAGS := -std=c11 -Os -static -s -Wall -Wextra -Werror
 
-.PHONY: help install init proto check check-proto lint typecheck check-k8s check-ts ts-client engine images interop-deps postgres haproxy chromium unit test run bench reap clean
+.PHONY: help install init proto check check-proto lint typecheck check-k8s check-ts ts-client engine images interop-deps identity-deps postgres haproxy chromium unit test run bench reap clean
 
 help: ## Show the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -89,6 +89,11 @@ ts-client: ## Install and build the TypeScript client (clients/typescript)
 interop-deps: ts-client ## Install the Node.js interop test dependencies (tests/interop; they use the TypeScript client)
 	cd tests/interop && npm ci --no-audit --no-fund --silent
 
+# oidc-provider wants a newer Node.js than Debian's: the npm registry's own
+# `node` package brings one into tests/identity/idp/node_modules (nothing global).
+identity-deps: ## Install the identity tests' OpenID Provider (oidc-provider, with its Node.js, from npm)
+	cd tests/identity/idp && npm ci --no-audit --no-fund --silent
+
 # No unit test uses hypothesis or anyio's pytest plugin (which imports trio):
 # their start-up is left out here. PYTHONDONTWRITEBYTECODE (set in some
 # environments) would also turn off pytest's cache of rewritten test modules:
@@ -96,7 +101,7 @@ interop-deps: ts-client ## Install the Node.js interop test dependencies (tests/
 unit: install ## The unit tier alone: decision logic, no engine, in seconds
 	PYTHONDONTWRITEBYTECODE= $(BIN)/pytest tests/unit -q -p no:hypothesispytest -p no:anyio $(PYTEST_ARGS)
 
-test: install init check-proto images ts-client interop-deps postgres haproxy chromium ## Set up everything, then run the whole test suite
+test: install init check-proto images ts-client interop-deps identity-deps postgres haproxy chromium ## Set up everything, then run the whole test suite
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 run: install init images ## Set up everything, then serve the example tools on 127.0.0.1:50051

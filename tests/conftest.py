@@ -1,6 +1,6 @@
 """Every test carries the marker of its folder (unit, adapters, integration,
-docker, security, robustness, cluster, browser), so `-m` and the folders always agree. Files add only
-finer markers (load, fault).
+docker, security, robustness, cluster, browser, identity), so `-m` and the
+folders always agree. Files add only finer markers (load, fault).
 
 What collection imports (the server's modules and the libraries under them)
 lives to the end of the run: the garbage collector is off while it is
@@ -24,6 +24,7 @@ TIERS = (
     "robustness",
     "cluster",
     "browser",
+    "identity",
 )
 HERE = Path(__file__).resolve().parent
 
