@@ -80,7 +80,8 @@ class IdP:
         self.claims_file = workdir / "idp-claims.json"
         self.log_file = workdir / "idp.log"
         self.keys: list[SigningKey] = [SigningKey("ES256"), SigningKey("RS256")]
-        self.clients: dict[str, str] = {}  # client_id -> secret
+        self.clients: dict[str, str] = {}  # client_id -> secret ("" for a public client)
+        self.metadata: dict[str, dict[str, Any]] = {}  # client_id -> its OIDC client metadata
         self.claims: dict[str, dict[str, dict[str, Any]]] = {"clients": {}, "accounts": {}}
         self._process: subprocess.Popen[bytes] | None = None
         self._log: Any = None
@@ -91,10 +92,41 @@ class IdP:
         """A confidential client for the client-credentials grant; its secret."""
         secret = uuid.uuid4().hex
         self.clients[client_id] = secret
+        self.metadata[client_id] = {
+            "client_id": client_id, "client_secret": secret,
+            "grant_types": ["client_credentials"], "response_types": [], "redirect_uris": [],
+            "token_endpoint_auth_method": "client_secret_basic",
+        }  # fmt: skip
         self.set_claims("clients", client_id, groups=list(groups), **claims)
+        self._read_clients_again()
+        return secret
+
+    def add_login_client(
+        self, client_id: str, redirect_uris: Sequence[str], *, public: bool = True
+    ) -> str:
+        """A client that signs people in (authorization code with PKCE, refresh
+        tokens): public (no secret: a CLI, a browser) or confidential. Its
+        secret, "" for a public one."""
+        secret = "" if public else uuid.uuid4().hex
+        self.clients[client_id] = secret
+        self.metadata[client_id] = {
+            "client_id": client_id,
+            "grant_types": ["authorization_code", "refresh_token"],
+            "response_types": ["code"], "redirect_uris": list(redirect_uris),
+            "token_endpoint_auth_method": "none" if public else "client_secret_basic",
+            **({} if public else {"client_secret": secret}),
+        }  # fmt: skip
+        self._read_clients_again()
+        return secret
+
+    def add_person(self, login: str, groups: Sequence[str] = (), **claims: Any) -> None:
+        """An account: the provider's login page signs it in by this name
+        (oidc-provider's development login takes any password)."""
+        self.set_claims("accounts", login, groups=list(groups), preferred_username=login, **claims)
+
+    def _read_clients_again(self) -> None:
         if self._process is not None:
             self.restart()  # oidc-provider's static clients are read at start
-        return secret
 
     def set_claims(self, kind: str, subject: str, **claims: Any) -> None:
         """What the provider puts in the next tokens of a subject (read per token)."""
@@ -118,12 +150,7 @@ class IdP:
                 RESOURCE: {"scope": SCOPE, "alg": self.keys[0].alg},
                 OTHER_RESOURCE: {"scope": SCOPE, "alg": self.keys[0].alg},
             },
-            "clients": [
-                {"client_id": cid, "client_secret": secret,
-                 "grant_types": ["client_credentials"], "response_types": [],
-                 "redirect_uris": [], "token_endpoint_auth_method": "client_secret_basic"}
-                for cid, secret in self.clients.items()
-            ],
+            "clients": list(self.metadata.values()),
         }  # fmt: skip
 
     # -- the process ----------------------------------------------------------
