@@ -16,6 +16,7 @@ import docker
 import grpc
 import pytest
 import yaml
+from cryptography.hazmat.primitives import serialization
 
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
@@ -489,6 +490,53 @@ def test_cli_approves_with_a_key_that_never_leaves_it(
         cwd=ROOT,
     )
     assert "APPROVED" in show.stdout and '"content": "approved text"' in show.stdout
+    assert ask(d, approval_request_id=request.id).success
+
+
+def test_cli_approves_with_an_encrypted_key_and_its_passphrase(
+    deployment: Deployment, tmp_path: Path
+) -> None:
+    """`toolreg approvals approve --key` with keys encrypted by a passphrase: from
+    TOOLREG_KEY_PASSPHRASE; without it (and no terminal), or with a wrong one,
+    one line and exit 2, nothing signed, the passphrase never shown."""
+    d = deployment
+    request = ask(d).approval_request
+    passphrase = "approvers' shared test passphrase"
+
+    def approve(who: str, key: Path, given: str | None) -> subprocess.CompletedProcess[str]:
+        env = {k: v for k, v in os.environ.items() if k != "TOOLREG_KEY_PASSPHRASE"}
+        env |= {"TOOLREG_ADDRESS": d.running.address}
+        if given is not None:
+            env["TOOLREG_KEY_PASSPHRASE"] = given
+        return subprocess.run(
+            [sys.executable, "-m", "registry_server.client.cli", "--token", TOKENS[who],
+             "approvals", "approve", request.id, "--key", str(key)],
+            capture_output=True, text=True, env=env, timeout=60, cwd=ROOT,
+            stdin=subprocess.DEVNULL,  # no terminal to ask on
+        )  # fmt: skip
+
+    for who in ("alice", "bob"):
+        key = tmp_path / f"{who}.key"
+        encrypted = load_private_key(d.keys[who]).private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.BestAvailableEncryption(passphrase.encode()),
+        )
+        key.write_bytes(encrypted)
+        missing = approve(who, key, None)
+        assert missing.returncode == 2 and missing.stdout == ""
+        assert missing.stderr == (
+            f"toolreg: {key} is encrypted: set TOOLREG_KEY_PASSPHRASE to its passphrase,"
+            " or run this on a terminal to be asked for it\n"
+        )
+        wrong = approve(who, key, "a wrong passphrase")
+        assert wrong.returncode == 2
+        assert wrong.stderr == f"toolreg: {key}: wrong passphrase (or a damaged key file)\n"
+        assert "a wrong passphrase" not in wrong.stdout + wrong.stderr
+        assert not ask(d, approval_request_id=request.id).success  # nothing was signed
+        done = approve(who, key, passphrase)
+        assert done.returncode == 0, done.stderr
+        assert passphrase not in done.stdout + done.stderr
     assert ask(d, approval_request_id=request.id).success
 
 

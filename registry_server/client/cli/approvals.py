@@ -11,6 +11,7 @@ import typer
 
 from registry_server.client import approval_view
 from registry_server.client.cli.common import AddressOpt, PageSizeOpt, connect, fail, rpc_failed
+from registry_server.client.cli.keys import read_signing_key
 from registry_server.client.terminal import escape
 
 approvals_app = typer.Typer(help="See and sign approval requests.", no_args_is_help=True)
@@ -63,7 +64,14 @@ def approvals_show(ctx: typer.Context, request_id: str, address: AddressOpt = No
 def approvals_approve(
     ctx: typer.Context,
     request_id: str,
-    key: Annotated[Path, typer.Option("--key", help="Your Ed25519 private key (PEM).")],
+    key: Annotated[
+        Path,
+        typer.Option(
+            "--key",
+            help="Your Ed25519 private key (PEM). An encrypted one takes its passphrase from"
+            " TOOLREG_KEY_PASSPHRASE, else asks on the terminal.",
+        ),
+    ],
     approver: Annotated[
         str | None, typer.Option("--as", help="Your approver id (default: the key file's name).")
     ] = None,
@@ -78,15 +86,9 @@ def approvals_approve(
 ) -> None:
     """Sign exactly this request (tool digest + arguments digest) with your key.
     The key never leaves this process."""
-    from registry_server.signing.keys import load_private_key
     from registry_server.signing.tokens import mint_for
 
-    try:
-        private_key = load_private_key(key.read_bytes())
-    except OSError as exc:
-        fail(f"cannot read {key}: {exc.strerror}", 2)
-    except ValueError as exc:
-        fail(f"{key}: {exc}", 2)
+    private_key = read_signing_key(key)
     issuer = approver or key.name.split(".")[0]
     with connect(ctx, address) as client:
         try:
