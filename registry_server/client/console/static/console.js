@@ -1,15 +1,43 @@
 // The approval console's page. It shows what the console sends (already
 // escaped there) as text only, and signs approvals here, in the browser,
 // with WebCrypto's Ed25519: the private key file is read only when the
-// approver signs, imported as a non-extractable key, used once and dropped.
-// Only the signed token leaves the page. Nothing is kept in any browser
-// storage; the CSRF token lives in this script's memory.
+// approver signs, decrypted here with its passphrase when it is encrypted,
+// imported as a non-extractable key, used once and dropped. Only the signed
+// token leaves the page: never the key, never the passphrase. Nothing is kept
+// in any browser storage; the CSRF token lives in this script's memory.
 'use strict';
 
 (() => {
   const TOKEN_TYPE = 'toolreg-approval+jwt'; // the header typ the server requires
   const JTI_BYTES = 16; // 128 random bits, as the CLI mints them
-  const MAX_KEY_FILE_BYTES = 16 * 1024; // a PEM Ed25519 key is ~120 bytes
+  const MAX_KEY_FILE_BYTES = 16 * 1024; // a PEM Ed25519 key is ~120 bytes, ~250 encrypted
+  // An encrypted key file: PKCS#8 EncryptedPrivateKeyInfo with PBES2, as
+  // `toolreg keys generate --encrypt` (cryptography) and `openssl pkcs8 -topk8`
+  // write it. Only the one scheme is read; any other is named and refused.
+  const OID = {
+    PBES2: '1.2.840.113549.1.5.13',
+    PBKDF2: '1.2.840.113549.1.5.12',
+    HMAC_SHA1: '1.2.840.113549.2.7', // PBKDF2's default PRF (read, then refused)
+    HMAC_SHA256: '1.2.840.113549.2.9',
+    AES_256_CBC: '2.16.840.1.101.3.4.1.42',
+    ED25519: '1.3.101.112',
+  };
+  const OID_NAMES = { // for the message that refuses them
+    '1.2.840.113549.1.5.3': 'PBES1 (MD5, DES)',
+    '1.2.840.113549.1.5.10': 'PBES1 (SHA-1, DES)',
+    '1.2.840.113549.1.12.1.3': 'PKCS#12 PBE (SHA-1, 3DES)',
+    '1.3.6.1.4.1.11591.4.11': 'scrypt',
+    [OID.HMAC_SHA1]: 'PBKDF2 with HMAC-SHA1',
+    '1.2.840.113549.2.10': 'PBKDF2 with HMAC-SHA384',
+    '1.2.840.113549.2.11': 'PBKDF2 with HMAC-SHA512',
+    '2.16.840.1.101.3.4.1.2': 'AES-128-CBC',
+    '2.16.840.1.101.3.4.1.22': 'AES-192-CBC',
+    '1.2.840.113549.3.7': 'DES-EDE3-CBC',
+  };
+  const MAX_KDF_ITERATIONS = 10000000; // beyond, the page would hang deriving the key
+  const AES_BLOCK_BYTES = 16;
+  const SUPPORTED_ENCRYPTION = 'PBES2 with PBKDF2-HMAC-SHA256 and AES-256-CBC, as `toolreg keys generate --encrypt` writes it';
+  const WRONG_PASSPHRASE = 'Wrong passphrase for this key file.';
   const OPEN_STATES = new Set(['PENDING', 'APPROVED']);
   const KNOWN_STATES = ['PENDING', 'APPROVED', 'CONSUMED', 'REJECTED', 'VOIDED', 'EXPIRED'];
   const EVENT_WORDS = { // WatchApprovalRequests' event types, as a card's last line says them
@@ -65,27 +93,185 @@
   const utf8 = new TextEncoder();
   const segment = (value) => base64url(utf8.encode(JSON.stringify(value)));
 
-  // The PEM `toolreg keys generate` writes: unencrypted PKCS#8. Errors never quote the file.
-  async function importKey(file) {
+  // ----------------------------------------------------------- key files
+
+  // A minimal DER reader, for the few structures of a PKCS#8 key file: the
+  // element at `at` (its tag and contents), definite lengths only, every
+  // length checked against the bytes its parent holds.
+  class KeyFileError extends Error {}
+  const TAG = { INTEGER: 0x02, OCTET_STRING: 0x04, NULL: 0x05, OID: 0x06, SEQUENCE: 0x30 };
+
+  function derElement(bytes, at, end) {
+    if (at + 2 > end) throw new KeyFileError();
+    const tag = bytes[at];
+    let length = bytes[at + 1];
+    let start = at + 2;
+    if (length & 0x80) {
+      const count = length & 0x7f;
+      if (count === 0 || count > 3 || start + count > end) throw new KeyFileError();
+      length = 0;
+      for (let i = 0; i < count; i += 1) length = length * 256 + bytes[start + i];
+      start += count;
+    }
+    if (start + length > end) throw new KeyFileError();
+    return { tag, start, end: start + length, contents: bytes.subarray(start, start + length) };
+  }
+
+  // The elements inside a SEQUENCE, which must fill it exactly.
+  function derSequence(element, bytes) {
+    if (!element || element.tag !== TAG.SEQUENCE) throw new KeyFileError();
+    const items = [];
+    for (let at = element.start; at < element.end; at = items[items.length - 1].end) {
+      items.push(derElement(bytes, at, element.end));
+    }
+    return items;
+  }
+
+  // The one element a whole DER blob holds (nothing may follow it).
+  function derTop(bytes) {
+    const top = derElement(bytes, 0, bytes.length);
+    if (top.end !== bytes.length) throw new KeyFileError();
+    return top;
+  }
+
+  function derOid(element) {
+    if (!element || element.tag !== TAG.OID || element.contents.length === 0) throw new KeyFileError();
+    const arcs = [];
+    let value = 0;
+    for (const byte of element.contents) {
+      value = value * 128 + (byte & 0x7f);
+      if (value > Number.MAX_SAFE_INTEGER / 128) throw new KeyFileError();
+      if (!(byte & 0x80)) {
+        arcs.push(value);
+        value = 0;
+      }
+    }
+    if (element.contents[element.contents.length - 1] & 0x80) throw new KeyFileError();
+    const first = arcs[0] < 80 ? Math.floor(arcs[0] / 40) : 2;
+    return [first, arcs[0] - first * 40, ...arcs.slice(1)].join('.');
+  }
+
+  function derOctets(element) {
+    if (!element || element.tag !== TAG.OCTET_STRING) throw new KeyFileError();
+    return element.contents;
+  }
+
+  function derSmallInteger(element) {
+    if (!element || element.tag !== TAG.INTEGER || element.contents.length === 0
+      || element.contents.length > 4 || element.contents[0] & 0x80) throw new KeyFileError();
+    return element.contents.reduce((value, byte) => value * 256 + byte, 0);
+  }
+
+  function unsupported(oid) {
+    const name = Object.hasOwn(OID_NAMES, oid) ? OID_NAMES[oid] : `algorithm ${oid}`;
+    return new Error(`This key file is encrypted with ${name}, which this page cannot decrypt: it reads ${SUPPORTED_ENCRYPTION}.`);
+  }
+
+  // EncryptedPrivateKeyInfo (RFC 5958) with PBES2 params (RFC 8018): what it takes to decrypt it.
+  function encryptedKeyInfo(der) {
+    const [algorithm, data, ...extra] = derSequence(derTop(der), der);
+    const [scheme, params] = derSequence(algorithm, der);
+    if (derOid(scheme) !== OID.PBES2) throw unsupported(derOid(scheme));
+    const [kdf, cipher] = derSequence(params, der);
+    const [kdfOid, kdfParams] = derSequence(kdf, der);
+    if (derOid(kdfOid) !== OID.PBKDF2) throw unsupported(derOid(kdfOid));
+    const [salt, count, ...rest] = derSequence(kdfParams, der);
+    const keyLength = rest.length && rest[0].tag === TAG.INTEGER ? derSmallInteger(rest.shift()) : null;
+    const prf = rest.length ? derOid(derSequence(rest.shift(), der)[0]) : OID.HMAC_SHA1;
+    if (rest.length || extra.length) throw new KeyFileError();
+    if (prf !== OID.HMAC_SHA256) throw unsupported(prf);
+    const [cipherOid, iv] = derSequence(cipher, der);
+    if (derOid(cipherOid) !== OID.AES_256_CBC) throw unsupported(derOid(cipherOid));
+    const info = {
+      salt: derOctets(salt),
+      iterations: derSmallInteger(count),
+      iv: derOctets(iv),
+      data: derOctets(data),
+    };
+    if (keyLength !== null && keyLength !== 32) throw new KeyFileError();
+    if (info.iv.length !== AES_BLOCK_BYTES || info.data.length % AES_BLOCK_BYTES !== 0) throw new KeyFileError();
+    if (info.iterations < 1 || info.iterations > MAX_KDF_ITERATIONS) {
+      throw new Error(`This key file asks for ${info.iterations} key derivation rounds; this page does at most ${MAX_KDF_ITERATIONS}.`);
+    }
+    return info;
+  }
+
+  // The algorithm of a PrivateKeyInfo (RFC 5958), or null when it is not one.
+  function privateKeyAlgorithm(pkcs8) {
+    try {
+      const [version, algorithm] = derSequence(derTop(pkcs8), pkcs8);
+      derSmallInteger(version);
+      return derOid(derSequence(algorithm, pkcs8)[0]);
+    } catch (err) {
+      return null;
+    }
+  }
+
+  // The PKCS#8 DER inside an encrypted key file. WebCrypto does the PBKDF2 and
+  // the AES; a wrong passphrase shows as bad padding or as garbage that is no
+  // PrivateKeyInfo.
+  async function decryptKey(der, passphrase) {
+    const info = encryptedKeyInfo(der);
+    const secret = utf8.encode(passphrase);
+    let plain;
+    try {
+      const base = await crypto.subtle.importKey('raw', secret, 'PBKDF2', false, ['deriveKey']);
+      const aes = await crypto.subtle.deriveKey(
+        { name: 'PBKDF2', salt: info.salt, iterations: info.iterations, hash: 'SHA-256' },
+        base, { name: 'AES-CBC', length: 256 }, false, ['decrypt'],
+      );
+      try {
+        plain = new Uint8Array(await crypto.subtle.decrypt({ name: 'AES-CBC', iv: info.iv }, aes, info.data));
+      } catch (err) {
+        throw new Error(WRONG_PASSPHRASE);
+      }
+    } finally {
+      secret.fill(0);
+    }
+    if (privateKeyAlgorithm(plain) === null) {
+      plain.fill(0);
+      throw new Error(WRONG_PASSPHRASE);
+    }
+    return plain;
+  }
+
+  // The PEM `toolreg keys generate` writes: PKCS#8, encrypted with a passphrase
+  // (--encrypt) or not. Errors never quote the file or the passphrase.
+  async function importKey(file, passphrase) {
     if (file.size > MAX_KEY_FILE_BYTES) throw new Error('That file is too large to be an Ed25519 private key.');
     const text = await file.text();
-    if (text.includes('ENCRYPTED PRIVATE KEY')) throw new Error('Encrypted keys are not supported (expected an unencrypted PKCS#8 PEM).');
-    const found = /-----BEGIN PRIVATE KEY-----([A-Za-z0-9+/=\s]+)-----END PRIVATE KEY-----/.exec(text);
+    const found = /-----BEGIN (ENCRYPTED )?PRIVATE KEY-----([A-Za-z0-9+/=\s]+)-----END \1PRIVATE KEY-----/.exec(text);
     if (!found) throw new Error('Not a private key file (expected a PKCS#8 PEM as written by `toolreg keys generate`).');
     let der;
     try {
-      der = Uint8Array.from(atob(found[1].replace(/\s+/g, '')), (c) => c.charCodeAt(0));
+      der = Uint8Array.from(atob(found[2].replace(/\s+/g, '')), (c) => c.charCodeAt(0));
     } catch (err) {
       throw new Error('Not a readable PEM file.');
     }
+    let pkcs8 = der;
     try {
-      return await crypto.subtle.importKey('pkcs8', der, { name: 'Ed25519' }, false, ['sign']);
-    } catch (err) {
-      throw new Error('Not an Ed25519 private key (expected an unencrypted PKCS#8 PEM).');
+      if (found[1]) {
+        if (!passphrase) throw new Error('This key file is encrypted: type its passphrase (above), then approve again.');
+        try {
+          pkcs8 = await decryptKey(der, passphrase);
+        } catch (err) {
+          if (err instanceof KeyFileError) throw new Error('Not a readable encrypted key file.');
+          throw err;
+        }
+        if (privateKeyAlgorithm(pkcs8) !== OID.ED25519) throw new Error('Not an Ed25519 private key (the file holds another kind of key).');
+      }
+      try {
+        return await crypto.subtle.importKey('pkcs8', pkcs8, { name: 'Ed25519' }, false, ['sign']);
+      } catch (err) {
+        throw new Error('Not an Ed25519 private key (expected a PKCS#8 PEM).');
+      }
     } finally {
       der.fill(0);
+      pkcs8.fill(0);
     }
   }
+
+  // -------------------------------------------------------------- tokens
 
   // The token `toolreg approvals approve` mints (signing/tokens.py mint_for, bound to the
   // request): the claims the console checked, with iat/exp by the console's clock.
@@ -270,7 +456,7 @@
       setOutcome(card, 'Signing in this browser\u2026', '');
       let token;
       try {
-        const key = await importKey(file);
+        const key = await importKey(file, $('key-passphrase').value);
         token = await mint(key, detail.claims, card.skew);
       } catch (err) {
         setOutcome(card, err.message, 'bad');
@@ -393,6 +579,7 @@
     $('console').hidden = true;
     $('sign-in').hidden = false;
     $('key-file').value = '';
+    $('key-passphrase').value = '';
     text($('sign-in-error'), reason || '');
     setStatus('Not signed in', '');
   }
