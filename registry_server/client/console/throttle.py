@@ -115,10 +115,10 @@ class SignInThrottle:
             self._make_room(now)
             window = self._sources[key] = _Window(now)  # at the end: the newest window
         window.failures += 1
-        if self._live(self._all, now) is None:
-            self._all = _Window(now)
-        assert self._all is not None
-        self._all.failures += 1
+        everyone = self._live(self._all, now)
+        if everyone is None:
+            everyone = self._all = _Window(now)
+        everyone.failures += 1
 
     def _live(self, window: _Window | None, now: float) -> _Window | None:
         return window if window is not None and now - window.started < self.window_s else None
