@@ -175,7 +175,7 @@ def test_host_origin_and_csrf_refusals_are_logged_capped_escaped_and_bounded(
     flood = 200
     with httpx.Client(base_url=console.origin, timeout=30) as http:
         # Bytes a header may carry (latin-1) that are not printable: C1 controls.
-        assert http.get("/", headers={"Host": b"evil.example\x85\x9b2J"}).status_code == 421
+        assert http.get("/", headers={b"Host": b"evil.example\x85\x9b2J"}).status_code == 421
         origin = http.post("/api/session", headers={"Origin": "https://evil.example"})
         assert origin.status_code == 403
         site = http.get(
