@@ -158,6 +158,7 @@ class ToolRegistryServicer(pb_grpc.ToolRegistryServicer):
             name=request.name,
             arguments_json=request.arguments_json,
             caller=caller.id,
+            actor=caller.actor,
             max_level=caller.max_level,
             approval_tokens=tuple(request.approval_tokens),
             approval_request_id=request.approval_request_id,

@@ -38,6 +38,7 @@ class AuditRecord:
         return {
             "execution_id": self.execution_id,
             "caller": self.call.caller,
+            **({"actor": self.call.actor} if self.call.actor else {}),
             "tool": self.tool.name if self.tool else self.call.name,
             "tool_digest": self.tool.digest if self.tool else "",
             "level": self.tool.safety_level.value if self.tool else "",

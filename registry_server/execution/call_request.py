@@ -12,6 +12,7 @@ class CallRequest:
     name: str
     arguments_json: str
     caller: str = "anonymous"
+    actor: str | None = None  # who acts for the caller (a bridge, by token exchange)
     approval_tokens: tuple[str, ...] = ()
     approval_request_id: str = ""
     # time.monotonic() by which the client stops waiting (its gRPC deadline)

@@ -106,6 +106,8 @@ class IdentityProvider:
     client_id_prefix: str = ""  # prefix of group-mapped client ids ("<id>." unless set)
     groups: tuple[GroupGrant, ...] = ()
     denied_subjects: frozenset[str] = frozenset()
+    # act.sub values (RFC 8693) that may act for subjects: the bridges that exchange tokens
+    actors: frozenset[str] = frozenset()
     jwks_uri: str | None = None  # None: from OIDC discovery at the issuer
     ca_file: str | None = None  # PEM CAs for the provider's TLS, instead of the system's
     allow_http_loopback: bool = False  # plain http to 127.0.0.1: tests and local development

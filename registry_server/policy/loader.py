@@ -284,7 +284,8 @@ def _identity_provider(p: _IdentityProviderIn, where: str) -> IdentityProvider:
             )
             for g in p.groups
         ),
-        denied_subjects=frozenset(p.denied_subjects), jwks_uri=p.jwks_uri, ca_file=p.ca_file,
+        denied_subjects=frozenset(p.denied_subjects), actors=frozenset(p.actors),
+        jwks_uri=p.jwks_uri, ca_file=p.ca_file,
         allow_http_loopback=p.allow_http_loopback, jwks_refresh_s=p.jwks_refresh_s,
         min_refresh_interval_s=p.min_refresh_interval_s, where=where,
     )  # fmt: skip

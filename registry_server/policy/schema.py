@@ -387,6 +387,7 @@ class _IdentityProviderIn(_Strict):
     client_id_prefix: str | None = None
     groups: list[_GroupGrantIn] = Field(default_factory=list, max_length=MAX_GROUP_MAPPINGS)
     denied_subjects: list[str] = Field(default_factory=list, max_length=MAX_DENIED_SUBJECTS)
+    actors: list[str] = Field(default_factory=list, max_length=MAX_AUDIENCES)
     jwks_uri: str | None = None
     ca_file: str | None = Field(None, min_length=1, max_length=4096)
     allow_http_loopback: bool = False
@@ -432,7 +433,7 @@ class _IdentityProviderIn(_Strict):
             raise ValueError(f"{value!r} does not start a valid client id ({ID_PATTERN})")
         return value
 
-    @field_validator("denied_subjects")
+    @field_validator("denied_subjects", "actors")
     @classmethod
     def _denied(cls, value: list[str]) -> list[str]:
         for subject in value:

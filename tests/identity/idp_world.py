@@ -37,6 +37,8 @@ START_TIMEOUT_S = 20.0  # seconds for the provider to listen
 RESOURCE = "https://registry.toolreg.test"  # the registry's audience (RFC 8707 resource)
 OTHER_RESOURCE = "https://other.toolreg.test"  # a resource server that is not the registry
 SCOPE = "toolreg"
+TOKEN_EXCHANGE = "urn:ietf:params:oauth:grant-type:token-exchange"
+ACCESS_TOKEN_TYPE = "urn:ietf:params:oauth:token-type:access_token"
 
 
 def free_port() -> int:
@@ -83,6 +85,8 @@ class IdP:
         self.clients: dict[str, str] = {}  # client_id -> secret ("" for a public client)
         self.metadata: dict[str, dict[str, Any]] = {}  # client_id -> its OIDC client metadata
         self.claims: dict[str, dict[str, dict[str, Any]]] = {"clients": {}, "accounts": {}}
+        self.resources: dict[str, str] = {RESOURCE: SCOPE, OTHER_RESOURCE: SCOPE}  # url -> scope
+        self.exchangers: dict[str, dict[str, Any]] = {}  # client_id -> what it may exchange
         self._process: subprocess.Popen[bytes] | None = None
         self._log: Any = None
 
@@ -119,6 +123,27 @@ class IdP:
         self._read_clients_again()
         return secret
 
+    def add_resource(self, url: str, scope: str) -> None:
+        """Another resource server the provider issues JWT access tokens for."""
+        self.resources[url] = scope
+        self._read_clients_again()
+
+    def add_exchanger(self, client_id: str, subject_audience: str, resources: Sequence[str]) -> str:
+        """A confidential client that may exchange (RFC 8693) tokens issued for
+        ``subject_audience`` (its own resource) for tokens of ``resources``; its secret."""
+        secret = uuid.uuid4().hex
+        self.clients[client_id] = secret
+        self.metadata[client_id] = {
+            "client_id": client_id, "client_secret": secret,
+            "grant_types": [TOKEN_EXCHANGE], "response_types": [], "redirect_uris": [],
+            "token_endpoint_auth_method": "client_secret_basic",
+        }  # fmt: skip
+        self.exchangers[client_id] = {
+            "subject_audience": subject_audience, "resources": list(resources)
+        }
+        self._read_clients_again()
+        return secret
+
     def add_person(self, login: str, groups: Sequence[str] = (), **claims: Any) -> None:
         """An account: the provider's login page signs it in by this name
         (oidc-provider's development login takes any password)."""
@@ -145,11 +170,12 @@ class IdP:
             "jwks": {"keys": [k.private_jwk for k in self.keys]},
             "claims_file": str(self.claims_file),
             "default_resource": RESOURCE,
-            "scopes": [SCOPE],
+            "scopes": sorted(set(self.resources.values())),
             "resources": {
-                RESOURCE: {"scope": SCOPE, "alg": self.keys[0].alg},
-                OTHER_RESOURCE: {"scope": SCOPE, "alg": self.keys[0].alg},
+                url: {"scope": scope, "alg": self.keys[0].alg}
+                for url, scope in self.resources.items()
             },
+            "token_exchange": self.exchangers,
             "clients": list(self.metadata.values()),
         }  # fmt: skip
 

@@ -415,3 +415,19 @@ def test_refusals_are_logged_by_reason_never_with_the_token(
     lines = [r.getMessage() for r in caplog.records if "access token refused" in r.getMessage()]
     assert lines == ["access token refused: provider corp: audience not accepted"]
     assert bad not in caplog.text and bad.split(".")[2] not in caplog.text
+
+
+def test_an_exchanged_token_names_its_actor_only_if_the_policy_does(
+    idp: Keys, tmp_path: Path
+) -> None:
+    exchanged = idp.token(act={"sub": "toolreg-mcp"})
+    refused = load(tmp_path)  # names no actor
+    with pytest.raises(TokenRefused) as caught:
+        AccessTokens(fetcher_for=lambda _p: idp.fetch).verify(refused, exchanged)
+    assert "does not name" in caught.value.reason
+    allowed = load(tmp_path, actors=["toolreg-mcp"])
+    verified = AccessTokens(fetcher_for=lambda _p: idp.fetch).verify(allowed, exchanged)
+    assert (verified.client.id, verified.actor) == ("corp.bob", "corp:toolreg-mcp")
+    for bad_act in ({"sub": "someone-else"}, "toolreg-mcp", {"sub": 7}):
+        with pytest.raises(TokenRefused):
+            AccessTokens(fetcher_for=lambda _p: idp.fetch).verify(allowed, idp.token(act=bad_act))

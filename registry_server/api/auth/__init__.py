@@ -73,6 +73,8 @@ class Principal:
     max_level: SafetyLevel | None  # for execute; None = any level
     register: RegisterGrant = UNRESTRICTED  # what it may register (with the role)
     approver: str | None = None  # the policy's approver this client is, if any
+    # who acts for this client (an IdP token's act claim: a bridge acting for a person)
+    actor: str | None = None
 
     @property
     def admin(self) -> bool:
@@ -114,6 +116,7 @@ class Authenticator:
             return DEVELOPER
         policy = self._policy()
         client = None
+        actor = None
         bearer = [str(v) for k, v in metadata if k == "authorization"]
         if bearer:
             scheme, _, token = bearer[0].partition(" ")
@@ -124,7 +127,7 @@ class Authenticator:
             token = token.strip()
             client = policy.client_by_token(token)
             if client is None and policy.identity_providers and looks_like_jwt(token):
-                client = self._from_access_token(policy, token)
+                client, actor = self._from_access_token(policy, token)
             if client is None:
                 raise AuthError(grpc.StatusCode.UNAUTHENTICATED, "unknown bearer token")
         else:
@@ -140,21 +143,22 @@ class Authenticator:
                 )
         return Principal(
             client.id, client.roles, client.max_safety_level, client.register,
-            policy.approver_identity(client),
+            policy.approver_identity(client), actor,
         )  # fmt: skip
 
-    def _from_access_token(self, policy: Policy, token: str) -> Client:
+    def _from_access_token(self, policy: Policy, token: str) -> tuple[Client, str | None]:
         try:
-            client = self.access_tokens.verify(policy, token).client
+            verified = self.access_tokens.verify(policy, token)
         except TokenRefused as refused:
             raise AuthError(grpc.StatusCode.UNAUTHENTICATED, refused.answer) from None
+        client = verified.client
         if not client.roles:
             # Known to the provider, granted nothing here: fail closed on every method.
             raise AuthError(
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"client '{client.id}' has no role in this policy (none of its groups is mapped)",
             )
-        return client
+        return client, verified.actor
 
 
 def _subjects(auth_context: Mapping[str, Any]) -> list[str]:

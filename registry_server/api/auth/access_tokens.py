@@ -61,6 +61,7 @@ class Verified:
     client: Client
     provider: str
     subject: str
+    actor: str | None = None  # "<provider>:<act.sub>" for an exchanged token (RFC 8693)
 
 
 class AccessTokens:
@@ -130,15 +131,16 @@ class AccessTokens:
             raise TokenRefused(INVALID, f"claim {provider.client_claim} missing", provider.id)
         if subject in provider.denied_subjects:
             raise TokenRefused(INVALID, "subject is denied by the policy", provider.id)
+        actor = _actor(claims, provider)
         pinned = policy.client_by_idp(provider.id, subject)
         if pinned is not None:
-            return Verified(pinned, provider.id, subject)
+            return Verified(pinned, provider.id, subject, actor)
         groups = provider.groups_of(claims)
         client = provider.client_for(subject, groups)
         if client is None:
             raise TokenRefused(INVALID, "subject is not a usable client id", provider.id)
         policy.seen.saw(client.id, Sighting(provider.id, subject, groups))
-        return Verified(client, provider.id, subject)
+        return Verified(client, provider.id, subject, actor)
 
     def _checked_claims(
         self, token: str, key: jwt.PyJWK, alg: str, provider: IdentityProvider
@@ -191,6 +193,19 @@ class AccessTokens:
                 if close is not None:
                     close()
             self._keys.clear()
+
+
+def _actor(claims: dict[str, Any], provider: IdentityProvider) -> str | None:
+    """Who acts for the subject (RFC 8693's act claim: a token exchanged by a
+    bridge). Only an actor the policy names for this provider may: a token
+    exchanged by anyone else is nobody (fail closed)."""
+    act = claims.get("act")
+    if act is None:
+        return None
+    sub = act.get("sub") if isinstance(act, dict) else None
+    if not isinstance(sub, str) or sub not in provider.actors:
+        raise TokenRefused(INVALID, "acted for by a party the policy does not name", provider.id)
+    return f"{provider.id}:{sub}"
 
 
 _ACCESS_TYPES = frozenset({"at+jwt", "application/at+jwt", "jwt"})

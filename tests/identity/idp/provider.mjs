@@ -12,7 +12,8 @@
 // counts the provider's discovery and JWKS fetches.
 import fs from 'node:fs';
 import https from 'node:https';
-import Provider from 'oidc-provider';
+import Provider, { errors } from 'oidc-provider';
+import * as jose from 'jose';
 
 const config = JSON.parse(fs.readFileSync(process.argv[2], 'utf8'));
 
@@ -58,7 +59,8 @@ const provider = new Provider(config.issuer, {
     const claims = token.kind === 'ClientCredentials'
       ? subjectClaims('clients', token.clientId)
       : subjectClaims('accounts', token.accountId);
-    return claims;
+    // RFC 8693 section 4.1: the party acting for the subject.
+    return token.gty === TOKEN_EXCHANGE ? { ...claims, act: { sub: token.clientId } } : claims;
   },
   loadExistingGrant: async (ctx) => {
     // Consent is not what these tests are about: every client is first-party.
@@ -82,6 +84,51 @@ const provider = new Provider(config.issuer, {
          AuthorizationCode: 60, Interaction: 600, Session: 3600, Grant: 3600 },
 });
 provider.proxy = false;
+
+// RFC 8693 token exchange, for clients whose metadata allows the grant: a
+// subject token this provider issued for the exchanging client's own resource
+// becomes a token for the requested resource, for the same person, with the
+// client as the actor (act). oidc-provider has no built-in handler for it.
+const TOKEN_EXCHANGE = 'urn:ietf:params:oauth:grant-type:token-exchange';
+const ACCESS_TOKEN_TYPE = 'urn:ietf:params:oauth:token-type:access_token';
+const publicKeys = jose.createLocalJWKSet({
+  keys: config.jwks.keys.map(({ d, p, q, dp, dq, qi, ...pub }) => pub),
+});
+provider.registerGrantType(TOKEN_EXCHANGE, async (ctx) => {
+  const { params, client } = ctx.oidc;
+  if (params.subject_token_type !== ACCESS_TOKEN_TYPE) {
+    throw new errors.InvalidRequest('subject_token_type must be an access token');
+  }
+  const exchange = (config.token_exchange || {})[client.clientId];
+  if (!exchange) throw new errors.UnauthorizedClient('this client may not exchange tokens');
+  let payload;
+  try {
+    ({ payload } = await jose.jwtVerify(params.subject_token, publicKeys, {
+      issuer: config.issuer, audience: exchange.subject_audience,
+    }));
+  } catch (err) {
+    throw new errors.InvalidGrant(`subject_token refused (${err.code || 'invalid'})`);
+  }
+  const resource = params.resource;
+  if (!exchange.resources.includes(resource)) {
+    throw new errors.InvalidTarget('this client may not ask for that resource');
+  }
+  const info = config.resources[resource];
+  const token = new ctx.oidc.provider.AccessToken({
+    accountId: payload.sub, client, gty: TOKEN_EXCHANGE, scope: info.scope,
+    grantId: `exchange-${payload.jti || payload.sub}`,
+  });
+  token.resourceServer = new ctx.oidc.provider.ResourceServer(resource, {
+    scope: info.scope, audience: resource, accessTokenTTL: info.ttl_s || 300,
+    accessTokenFormat: 'jwt', jwt: { sign: { alg: info.alg || 'ES256' } },
+  });
+  const value = await token.save();
+  ctx.body = {
+    access_token: value, issued_token_type: ACCESS_TOKEN_TYPE, token_type: 'Bearer',
+    expires_in: token.expiration, scope: token.scope,
+  };
+}, ['subject_token', 'subject_token_type', 'resource', 'scope', 'audience',
+    'requested_token_type', 'actor_token', 'actor_token_type']);
 provider.on('server_error', (ctx, err) => console.error('server_error', err));
 
 provider.use(async (ctx, next) => {
