@@ -357,7 +357,11 @@ def serve(
 
 
 def configure_logging(level: str = "INFO") -> None:
-    """Logs to stderr: stdout is the MCP channel."""
+    """Logs to stderr: stdout is the MCP channel. HTTP client libraries never
+    log a URL (their token endpoint and JWKS fetches, with OAuth)."""
+    from registry_server.api.logs import quiet_http_clients
+
     logging.basicConfig(
         stream=sys.stderr, level=level.upper(), format="%(asctime)s %(name)s %(message)s"
     )
+    quiet_http_clients()

@@ -29,6 +29,12 @@ decides who may use it and how much:
   are capped (503 for more) and closed after an idle period, connections are
   capped (uvicorn answers 503 beyond), and a session's requests are the SDK's.
 
+* **OAuth.** With ``--oauth-provider`` (one of the policy's identity
+  providers), the bridge is also an OAuth 2.1 resource server for MCP hosts:
+  RFC 9728 metadata, ``WWW-Authenticate`` with ``resource_metadata``, tokens
+  for this bridge's own resource URL only, and each person's calls made with
+  a registry token exchanged for them at the provider (``mcp_oauth``).
+
 Order of checks on a request: bearer token (401), then body size (413), then
 Host (421) / Origin (403), then the MCP session and message. The settings and
 the checks made before anything listens: ``mcp_http_settings.py``.
@@ -38,7 +44,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from mcp.server.auth.middleware.bearer_auth import (
@@ -59,6 +65,7 @@ from starlette.requests import Request
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
+from registry_server.api.auth.access_tokens import looks_like_jwt
 from registry_server.client.http_listener import (
     ListenerServer,
     bind,
@@ -68,7 +75,14 @@ from registry_server.client.http_listener import (
 )
 from registry_server.client.mcp_bridge import Bridge, build_server
 from registry_server.client.mcp_http_settings import HttpSettings, check_settings
-from registry_server.client.registry_client import RegistryClient
+from registry_server.client.mcp_oauth import (
+    IdpTokenVerifier,
+    People,
+    ScopedRequireAuth,
+    TokenExchange,
+    metadata_routes,
+)
+from registry_server.client.registry_client import RegistryClient, TokenProvider
 from registry_server.policy.model import Policy
 
 log = logging.getLogger("toolreg.mcp")
@@ -88,17 +102,26 @@ def transport_security(settings: HttpSettings, port: int) -> TransportSecuritySe
 
 class PolicyTokenVerifier:
     """The SDK's ``TokenVerifier`` over the policy: a bearer token is a client's
-    if ``Policy.client_by_token`` (constant-time, every client compared) says so."""
+    if ``Policy.client_by_token`` (constant-time, every client compared) says so;
+    else, with OAuth, an identity provider's token for this bridge (``mcp_oauth``).
+    A policy token carries the scopes the bridge asks for: it is a client of the
+    policy, which scopes do not narrow."""
 
-    def __init__(self, policy: Policy) -> None:
+    def __init__(
+        self, policy: Policy, oauth: IdpTokenVerifier | None = None, scopes: Sequence[str] = ()
+    ) -> None:
         self._policy = policy
+        self._oauth = oauth
+        self._scopes = list(scopes)
 
     async def verify_token(self, token: str) -> AccessToken | None:
         token = token.strip()  # as the server reads "Bearer  T"
         client = self._policy.client_by_token(token)
-        if client is None:
-            return None
-        return AccessToken(token=token, client_id=client.id, scopes=[])
+        if client is not None:
+            return AccessToken(token=token, client_id=client.id, scopes=self._scopes)
+        if self._oauth is not None and looks_like_jwt(token):
+            return await self._oauth.verify_token(token)
+        return None
 
 
 class Identities:
@@ -109,10 +132,16 @@ class Identities:
     clients), chosen by the client the request's bearer token proved to be.
     Without (``--insecure-dev``): the bridge's own connection for everyone."""
 
-    def __init__(self, connect: Callable[[str | None], RegistryClient], policy: Policy | None):
+    def __init__(
+        self,
+        connect: Callable[[str | None], RegistryClient],
+        policy: Policy | None,
+        people: People | None = None,
+    ):
         self._connect = connect
         self._shared = connect(None) if policy is None else None
         self._by_client: dict[str, RegistryClient] = {}
+        self._people = people  # with OAuth: the registry connections of IdP-signed-in people
 
     def client_for(self, ctx: ServerRequestContext[Any]) -> RegistryClient:
         if self._shared is not None:
@@ -123,6 +152,9 @@ class Identities:
             # Unreachable behind RequireAuthMiddleware; never fall back to anyone.
             raise MCPError(INVALID_REQUEST, "no authenticated client for this request")
         token = user.access_token
+        if token.subject is not None and self._people is not None:
+            # An identity provider's token (policy tokens carry no subject here).
+            return self._people.client_for(token.client_id, token.token)
         client = self._by_client.get(token.client_id)
         if client is None:
             # No await between the look-up and the store: one event loop, no race.
@@ -134,10 +166,15 @@ class Identities:
         for client in [*self._by_client.values(), *([self._shared] if self._shared else [])]:
             client.close()
         self._by_client.clear()
+        if self._people is not None:
+            self._people.close()
 
 
-def build_app(bridge: Bridge, settings: HttpSettings, port: int) -> Starlette:
-    """The ASGI app: the SDK's session manager at ``/mcp``, behind bearer auth."""
+def build_app(
+    bridge: Bridge, settings: HttpSettings, port: int, oauth: IdpTokenVerifier | None = None
+) -> Starlette:
+    """The ASGI app: the SDK's session manager at ``/mcp``, behind bearer auth
+    (and, with OAuth, the RFC 9728 metadata the SDK's routes serve)."""
     manager = StreamableHTTPSessionManager(
         app=build_server(bridge),
         security_settings=transport_security(settings, port),
@@ -147,21 +184,27 @@ def build_app(bridge: Bridge, settings: HttpSettings, port: int) -> Starlette:
     )
     endpoint: ASGIApp = StreamableHTTPASGIApp(manager)
     middleware: list[Middleware] = []
+    routes: list[Route] = []
     if settings.policy is not None:
         # Outermost, so a request without a known token is answered 401 before
         # its body is read (the size cap and parsing sit inside the manager).
-        endpoint = RequireAuthMiddleware(endpoint, required_scopes=[])
-        backend = BearerAuthBackend(PolicyTokenVerifier(settings.policy))
+        scopes = list(settings.oauth.scopes) if settings.oauth is not None else []
+        if settings.oauth is not None:
+            endpoint = ScopedRequireAuth(endpoint, scopes, settings.oauth.metadata_url)
+            routes += metadata_routes(settings.oauth)
+        else:
+            endpoint = RequireAuthMiddleware(endpoint, required_scopes=[])
+        backend = BearerAuthBackend(PolicyTokenVerifier(settings.policy, oauth, scopes))
         middleware.append(Middleware(AuthenticationMiddleware, backend=backend))
     return Starlette(
-        routes=[Route(MCP_PATH, endpoint=endpoint)],
+        routes=[Route(MCP_PATH, endpoint=endpoint), *routes],
         middleware=middleware,
         lifespan=lambda app: manager.run(),
     )
 
 
 def serve_http(
-    connect: Callable[[str | None], RegistryClient],
+    connect: Callable[[str | TokenProvider | None], RegistryClient],
     settings: HttpSettings,
     *,
     address: str,
@@ -169,17 +212,23 @@ def serve_http(
 ) -> None:
     """Serve MCP over Streamable HTTP until SIGINT/SIGTERM (blocking).
 
-    ``connect(token)`` opens a registry client whose bearer is ``token`` (None:
-    the bridge's own). ``announce`` gets the URL once the socket listens
-    (default: a line on stderr, which scripts and tests read)."""
+    ``connect(token)`` opens a registry client whose bearer is ``token``, a
+    string or a provider asked per call (None: the bridge's own). ``announce``
+    gets the URL once the socket listens (default: a line on stderr, which
+    scripts and tests read)."""
     check_settings(settings)
     sock = bind(settings.host, settings.port)
     port = int(sock.getsockname()[1])
-    identities = Identities(connect, settings.policy)
+    oauth = people = exchange = None
+    if settings.oauth is not None and settings.policy is not None:
+        oauth = IdpTokenVerifier(settings.policy, settings.oauth)
+        exchange = TokenExchange(settings.oauth)
+        people = People(exchange, connect)
+    identities = Identities(connect, settings.policy, people)
     bridge = Bridge(
         identities.client_for, max_level=settings.max_level, categories=settings.categories
     )
-    app = build_app(bridge, settings, port)
+    app = build_app(bridge, settings, port, oauth)
     server = ListenerServer(
         uvicorn_config(app, tls_cert=settings.tls_cert, tls_key=settings.tls_key)
     )
@@ -189,6 +238,9 @@ def serve_http(
         if settings.policy is not None
         else "INSECURE DEVELOPMENT MODE: no authentication, loopback only"
     )
+    if settings.oauth is not None:
+        mode += f", and OAuth tokens of identity provider {settings.oauth.provider.id}"
+
     log.info("MCP bridge to toolreg at %s over Streamable HTTP (%s)", address, mode)
     (announce or _announce)(url)
     try:
@@ -196,6 +248,9 @@ def serve_http(
     finally:
         sock.close()
         identities.close()
+        for part in (oauth, exchange):
+            if part is not None:
+                part.close()
 
 
 def _announce(url: str) -> None:

@@ -4,14 +4,17 @@ the server, so that reading and checking them does not import the MCP SDK."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from registry_server.client.http_listener import check_listener, is_loopback, parse_endpoint
 from registry_server.domain.arguments import MAX_ARGUMENTS_BYTES
 from registry_server.domain.errors import ConfigError
 from registry_server.domain.models import SafetyLevel
+from registry_server.policy.identity import IdentityProvider, check_provider_url
 from registry_server.policy.loader import load_policy
 from registry_server.policy.model import Policy, PolicyError
 
@@ -20,6 +23,27 @@ from registry_server.policy.model import Policy, PolicyError
 DEFAULT_MAX_BODY_BYTES = MAX_ARGUMENTS_BYTES + 64 * 1024
 DEFAULT_MAX_SESSIONS = 64  # MCP sessions open at once; the next gets 503 until one ends
 DEFAULT_SESSION_IDLE_S = 600.0  # seconds without a request before a session is closed
+CLIENT_SECRET_ENV = "TOOLREG_OAUTH_CLIENT_SECRET"  # the bridge's secret at the IdP (never argv)
+MAX_SECRET_BYTES = 4_096  # bytes of a client secret file
+
+
+@dataclass(frozen=True)
+class OAuthSettings:
+    """``--oauth-provider``: the bridge as a resource server of one of the
+    policy's identity providers (mcp_oauth.py)."""
+
+    provider: IdentityProvider  # whose tokens hosts bring
+    resource_url: str  # this bridge's MCP URL: the audience hosts' tokens must name
+    scopes: tuple[str, ...]  # scopes a host's token must carry
+    client_id: str  # the bridge's own client at the provider (for token exchange)
+    client_secret: str = field(repr=False)
+    registry_resource: str = ""  # the registry's audience, asked for in the exchange
+
+    @property
+    def metadata_url(self) -> str:
+        # RFC 9728 section 3.1: the well-known part goes between host and path.
+        parts = urlsplit(self.resource_url)
+        return f"{parts.scheme}://{parts.netloc}/.well-known/oauth-protected-resource{parts.path}"
 
 
 @dataclass(frozen=True)
@@ -39,6 +63,7 @@ class HttpSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_level: SafetyLevel | None = None
     categories: tuple[str, ...] = ()
+    oauth: OAuthSettings | None = None
 
     @property
     def tls(self) -> bool:
@@ -61,7 +86,9 @@ def check_settings(settings: HttpSettings) -> None:
             f"refusing to serve MCP on {settings.host} with --insecure-dev: without"
             " authentication it listens on loopback only (127.0.0.1, ::1, localhost)"
         )
-    if settings.policy is not None and not any(c.token_sha256 for c in settings.policy.clients):
+    if settings.oauth is not None:
+        _check_oauth(settings.oauth)
+    elif settings.policy is not None and not any(c.token_sha256 for c in settings.policy.clients):
         raise ConfigError(
             f"{settings.policy.source}: no client has a token_sha256, so no MCP client could"
             " authenticate over HTTP"
@@ -70,6 +97,58 @@ def check_settings(settings: HttpSettings) -> None:
         settings.host, tls_cert=settings.tls_cert, tls_key=settings.tls_key,
         allowed_hosts=settings.allowed_hosts, serving="MCP",
         caps=(settings.max_sessions, settings.session_idle_s, settings.max_body_bytes),
+    )  # fmt: skip
+
+
+def _check_oauth(oauth: OAuthSettings) -> None:
+    try:
+        check_provider_url(oauth.resource_url, "--resource-url", oauth.provider.allow_http_loopback)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if urlsplit(oauth.resource_url).path != "/mcp":
+        raise ConfigError("--resource-url: must be this bridge's MCP endpoint (its path is /mcp)")
+    if not oauth.client_id or not oauth.client_secret:
+        raise ConfigError(
+            f"--oauth-provider needs --oauth-client-id and its secret ({CLIENT_SECRET_ENV} or"
+            " --oauth-client-secret-file): the bridge exchanges hosts' tokens for registry"
+            " tokens as its own client at the identity provider"
+        )
+    if not oauth.registry_resource:
+        raise ConfigError("--registry-resource: the registry's audience is needed")
+
+
+def oauth_settings(
+    policy: Policy | None,
+    provider_id: str,
+    *,
+    resource_url: str | None,
+    scopes: Sequence[str] = (),
+    client_id: str | None = None,
+    client_secret_file: Path | None = None,
+    registry_resource: str | None = None,
+) -> OAuthSettings:
+    """The --oauth-* options as settings; ConfigError names the problem."""
+    if policy is None:
+        raise ConfigError("--oauth-provider needs --policy FILE, which names the provider")
+    provider = policy.identity_provider(provider_id)
+    if provider is None:
+        known = ", ".join(p.id for p in policy.identity_providers) or "none"
+        raise ConfigError(f"--oauth-provider {provider_id!r}: not in {policy.source} ({known})")
+    if not resource_url:
+        raise ConfigError("--oauth-provider needs --resource-url: this bridge's public MCP URL")
+    secret = os.environ.get(CLIENT_SECRET_ENV, "")
+    if client_secret_file is not None:
+        try:
+            data = client_secret_file.read_bytes()[: MAX_SECRET_BYTES + 1]
+        except OSError as exc:
+            raise ConfigError(f"--oauth-client-secret-file: {exc.strerror or exc}") from None
+        if len(data) > MAX_SECRET_BYTES:
+            raise ConfigError(f"--oauth-client-secret-file: larger than {MAX_SECRET_BYTES} bytes")
+        secret = data.decode("utf-8", "replace").strip()
+    return OAuthSettings(
+        provider=provider, resource_url=resource_url, scopes=tuple(scopes),
+        client_id=client_id or "", client_secret=secret,
+        registry_resource=registry_resource or provider.audiences[0],
     )  # fmt: skip
 
 
@@ -87,6 +166,12 @@ def http_settings(
     max_body_bytes: int | None = None,
     max_level: SafetyLevel | None = None,
     categories: Sequence[str] = (),
+    oauth_provider: str | None = None,
+    resource_url: str | None = None,
+    oauth_scopes: Sequence[str] = (),
+    oauth_client_id: str | None = None,
+    oauth_client_secret_file: Path | None = None,
+    registry_resource: str | None = None,
 ) -> HttpSettings:
     """The CLI's options as checked settings (None = the default); ConfigError
     names the first problem, PolicyError's lines included."""
@@ -111,6 +196,17 @@ def http_settings(
         max_body_bytes=DEFAULT_MAX_BODY_BYTES if max_body_bytes is None else max_body_bytes,
         max_level=max_level,
         categories=tuple(categories),
+        oauth=None
+        if oauth_provider is None
+        else oauth_settings(
+            policy,
+            oauth_provider,
+            resource_url=resource_url,
+            scopes=oauth_scopes,
+            client_id=oauth_client_id,
+            client_secret_file=oauth_client_secret_file,
+            registry_resource=registry_resource,
+        ),
     )
     check_settings(settings)
     return settings

@@ -63,7 +63,9 @@ def parse_level(text: str | None) -> SafetyLevel | None:
         fail(f"--max-level: {exc}", 2)
 
 
-def connect(ctx: typer.Context, address: str | None, *, token: str | None = None) -> RegistryClient:
+def connect(
+    ctx: typer.Context, address: str | None, *, token: str | client_mod.TokenProvider | None = None
+) -> RegistryClient:
     """A client with the root options' TLS and bearer (``token`` overrides the bearer)."""
     conn = ctx.find_root().obj
     if not isinstance(conn, Connection):

@@ -74,6 +74,45 @@ def mcp_serve(
         int | None,
         typer.Option("--max-body-bytes", help="With --http: request body cap (1 MiB + 64 KiB)."),
     ] = None,
+    oauth_provider: Annotated[
+        str | None,
+        typer.Option(
+            "--oauth-provider",
+            help="With --http and --policy: also accept MCP hosts' OAuth tokens from this identity"
+            " provider of the policy (RFC 9728 metadata, audience = --resource-url); each"
+            " person's calls use a registry token exchanged for them (RFC 8693).",
+        ),
+    ] = None,
+    resource_url: Annotated[
+        str | None,
+        typer.Option("--resource-url", help="With --oauth-provider: this bridge's public MCP URL."),
+    ] = None,
+    oauth_scope: Annotated[
+        list[str] | None,
+        typer.Option("--oauth-scope", help="With --oauth-provider: a scope hosts' tokens need."),
+    ] = None,
+    oauth_client_id: Annotated[
+        str | None,
+        typer.Option(
+            "--oauth-client-id",
+            help="With --oauth-provider: the bridge's client at the provider (its secret:"
+            " $TOOLREG_OAUTH_CLIENT_SECRET or --oauth-client-secret-file).",
+        ),
+    ] = None,
+    oauth_client_secret_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--oauth-client-secret-file", help="With --oauth-provider: its secret's file."
+        ),
+    ] = None,
+    registry_resource: Annotated[
+        str | None,
+        typer.Option(
+            "--registry-resource",
+            help="With --oauth-provider: the registry's audience to exchange for (default: the"
+            " provider's first audience in the policy).",
+        ),
+    ] = None,
 ) -> None:
     """Serve the registry's tools as an MCP server, for MCP hosts: over stdio,
     or over Streamable HTTP with --http.
@@ -99,6 +138,10 @@ def mcp_serve(
         "--http-tls-cert": http_tls_cert is not None, "--http-tls-key": http_tls_key is not None,
         "--max-sessions": max_sessions is not None, "--session-idle-s": session_idle_s is not None,
         "--max-body-bytes": max_body_bytes is not None,
+        "--oauth-provider": oauth_provider is not None, "--resource-url": resource_url is not None,
+        "--oauth-scope": bool(oauth_scope), "--oauth-client-id": oauth_client_id is not None,
+        "--oauth-client-secret-file": oauth_client_secret_file is not None,
+        "--registry-resource": registry_resource is not None,
     }  # fmt: skip
     if http is None:
         given = [name for name, set_ in http_only.items() if set_]
@@ -112,7 +155,10 @@ def mcp_serve(
         allowed_hosts=allow_host or (), allowed_origins=allow_origin or (),
         tls_cert=http_tls_cert, tls_key=http_tls_key, max_sessions=max_sessions,
         session_idle_s=session_idle_s, max_body_bytes=max_body_bytes,
-        max_level=level, categories=category or (),
+        max_level=level, categories=category or (), oauth_provider=oauth_provider,
+        resource_url=resource_url, oauth_scopes=oauth_scope or (),
+        oauth_client_id=oauth_client_id, oauth_client_secret_file=oauth_client_secret_file,
+        registry_resource=registry_resource,
     )  # fmt: skip
 
 
