@@ -102,7 +102,8 @@ def check_settings(settings: HttpSettings) -> None:
 
 def _check_oauth(oauth: OAuthSettings) -> None:
     try:
-        check_provider_url(oauth.resource_url, "--resource-url", oauth.provider.allow_http_loopback)
+        # http only to loopback, where the bridge itself may listen without TLS
+        check_provider_url(oauth.resource_url, "--resource-url", allow_http_loopback=True)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if urlsplit(oauth.resource_url).path != "/mcp":

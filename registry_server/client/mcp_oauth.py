@@ -35,13 +35,15 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
+from urllib.parse import urlsplit
 
 import anyio.to_thread
 import httpx
 from mcp.server.auth.middleware.bearer_auth import RequireAuthMiddleware
 from mcp.server.auth.provider import AccessToken
-from mcp.server.auth.routes import create_protected_resource_routes
 from pydantic import AnyHttpUrl
+from starlette.requests import Request
+from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.types import Send
 
@@ -136,16 +138,24 @@ class ScopedRequireAuth(RequireAuthMiddleware):
 
 
 def metadata_routes(settings: OAuthSettings) -> list[Route]:
-    """RFC 9728 metadata at the path-inserted well-known URL and the bare one."""
-    routes = create_protected_resource_routes(
-        resource_url=AnyHttpUrl(settings.resource_url),
-        authorization_servers=[AnyHttpUrl(settings.provider.issuer)],
-        scopes_supported=list(settings.scopes) or None,
-        resource_name="toolreg MCP bridge",
-    )
+    """RFC 9728 metadata at the path-inserted well-known URL and the bare one.
+    Served here, not by the SDK's route: its URL type adds a "/" to an issuer
+    without a path, and a host compares issuer identifiers as exact strings
+    (RFC 8414 section 3.3), so "https://idp" must stay "https://idp"."""
+    document = {
+        "resource": settings.resource_url,
+        "authorization_servers": [settings.provider.issuer],
+        "bearer_methods_supported": ["header"],
+        "resource_name": "toolreg MCP bridge",
+        **({"scopes_supported": list(settings.scopes)} if settings.scopes else {}),
+    }
+
+    async def metadata(request: Request) -> JSONResponse:
+        return JSONResponse(document, headers={"cache-control": "public, max-age=3600"})
+
+    path = urlsplit(settings.metadata_url).path
     bare = "/.well-known/oauth-protected-resource"
-    extra = [Route(bare, endpoint=r.endpoint, methods=r.methods) for r in routes if r.path != bare]
-    return [*routes, *extra]
+    return [Route(p, endpoint=metadata, methods=["GET"]) for p in dict.fromkeys((path, bare))]
 
 
 class TokenExchange:
