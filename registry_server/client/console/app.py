@@ -5,13 +5,17 @@ approval console"). It follows the rules of ``toolreg mcp --http``
 
 * **Who.** An approver signs in by presenting its policy client token once
   (``Authorization: Bearer``, checked by the policy's own constant-time
-  ``client_by_token``); only clients with the approve role and an approver
-  identity may. The token then becomes that client's registry bearer (one
-  registry connection per policy client, as the MCP bridge makes them), and
-  the browser gets a session: an ``HttpOnly; SameSite=Strict`` cookie
-  (``Secure`` under TLS) plus a CSRF token the page keeps in memory. Every
-  change (approve, reject, sign out) needs the cookie, the CSRF header and
-  the console's own Origin.
+  ``client_by_token``), or, when SSO is set up, through the organization's
+  identity provider (``sso``: OpenID Connect, code flow with PKCE; the ID
+  token's claims make the client as the registry maps an access token's).
+  Only clients with the approve role and an approver identity may. The token
+  (or the person's own access token for the registry, refreshed) then becomes
+  that client's registry bearer (one registry connection per policy client,
+  as the MCP bridge makes them), and the browser gets a session: an
+  ``HttpOnly; SameSite=Strict`` cookie (``Secure`` under TLS) plus a CSRF
+  token the page keeps in memory. Every change (approve, reject, sign out)
+  needs the cookie, the CSRF header and the console's own Origin. A client's
+  credential is dropped when its last session ends.
 * **What.** The page lists, live, what the approver may approve (an event
   stream fed by WatchApprovalRequests under its own bearer, ``feed``) and
   reads each request in full through GetApprovalRequest; both digests are
@@ -35,13 +39,16 @@ approval console"). It follows the rules of ``toolreg mcp --http``
 Order of checks on a request: Host (421), Origin and fetch site (403), then
 the session (401), the CSRF header (403), and the body: its type (415), size
 (413) and shape (400). A sign-in: the throttle (429), then the token (401)
-and the approver (403).
+and the approver (403). An SSO callback: the throttle, the state and its
+browser, the provider's answer, the code exchange, the ID token, the approver;
+any refusal sends the browser back to the page with a fixed reason key.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import re
@@ -54,7 +61,7 @@ import grpc
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Scope
 
@@ -63,7 +70,23 @@ from registry_server.client.console import views
 from registry_server.client.console.feed import Feeds, Page
 from registry_server.client.console.guard import Guard, error, shown, source_of
 from registry_server.client.console.sessions import Session, Sessions, SessionsFull
-from registry_server.client.console.settings import ConsoleSettings, may_sign_in
+from registry_server.client.console.settings import (
+    CALLBACK_PATH,
+    ConsoleSettings,
+    is_approver,
+    may_sign_in,
+)
+from registry_server.client.console.sso import (
+    FULL,
+    IDP,
+    LOGIN_PATH,
+    PENDING_TTL_S,
+    OidcClient,
+    PendingLogins,
+    SsoBearer,
+    SsoRefused,
+    identity,
+)
 from registry_server.client.console.throttle import OVERALL, LogBudget, SignInThrottle
 from registry_server.client.http_listener import (
     ListenerServer,
@@ -72,8 +95,14 @@ from registry_server.client.http_listener import (
     shown_url,
     uvicorn_config,
 )
-from registry_server.client.registry_client import RegistryClient, describe_rpc_error
+from registry_server.client.registry_client import (
+    RegistryClient,
+    TokenProvider,
+    describe_rpc_error,
+)
 from registry_server.client.terminal import escape
+from registry_server.domain.errors import ConfigError
+from registry_server.policy.clients import Client
 from registry_server.signing.tokens import MAX_TOKEN_CHARS, peek_issuer
 from registry_server.wire import convert
 
@@ -81,6 +110,11 @@ log = logging.getLogger("toolreg.console")
 
 COOKIE = "toolreg_console"
 TLS_COOKIE = "__Host-toolreg_console"  # the prefix binds it to this host, path / and HTTPS
+# A pending SSO sign-in's browser binding: SameSite=Lax, since the provider's
+# redirect back is a cross-site navigation (a Strict cookie would stay home).
+SSO_COOKIE = "toolreg_sso"
+TLS_SSO_COOKIE = "__Host-toolreg_sso"
+IDP_ERROR = re.compile(r"^[a-z_]{1,64}$")  # an OAuth error code, as the log may show it
 CSRF_HEADER = "x-toolreg-csrf"
 MAX_STREAMS_PER_SESSION = 4  # open event streams (tabs) per session; the next gets 429
 HEARTBEAT_S = 15.0  # seconds between keep-alive comments on an idle event stream
@@ -115,17 +149,36 @@ def rpc_refusal(err: grpc.RpcError) -> JSONResponse:
     return error(status, escape(describe_rpc_error(err), keep_newlines=True))
 
 
-class Connections:
-    """One registry connection per policy client, made with its own bearer
-    token when it first signs in: never more than the policy has clients."""
+Bearer = str | SsoBearer  # a policy client token, or a person's SSO access tokens
 
-    def __init__(self, connect: Callable[[str], RegistryClient]) -> None:
+
+class Connections:
+    """One registry connection per policy client, made when it first signs
+    in: never more than clients have signed in. Its bearer is asked per call
+    and is that client's latest credential: its policy token, or the access
+    token of its latest SSO sign-in (refreshed). A credential is forgotten
+    when its client's last session ends; calls then go without one."""
+
+    def __init__(self, connect: Callable[[TokenProvider], RegistryClient]) -> None:
         self._connect = connect
         self._by_client: dict[str, RegistryClient] = {}
+        self._bearers: dict[str, Bearer] = {}
 
-    def ensure(self, client_id: str, token: str) -> None:
+    def ensure(self, client_id: str, bearer: Bearer) -> None:
+        self.forget(client_id)
+        self._bearers[client_id] = bearer
         if client_id not in self._by_client:
-            self._by_client[client_id] = self._connect(token)
+            self._by_client[client_id] = self._connect(functools.partial(self.bearer, client_id))
+
+    def bearer(self, client_id: str) -> str:
+        """The token to send now (called on gRPC's threads): "" once forgotten."""
+        bearer = self._bearers.get(client_id, "")
+        return bearer if isinstance(bearer, str) else bearer()
+
+    def forget(self, client_id: str) -> None:
+        bearer = self._bearers.pop(client_id, None)
+        if isinstance(bearer, SsoBearer):
+            bearer.forget()
 
     def __call__(self, client_id: str) -> RegistryClient:
         return self._by_client[client_id]  # a session exists only after ensure()
@@ -134,19 +187,37 @@ class Connections:
         for client in self._by_client.values():
             client.close()
         self._by_client.clear()
+        for client_id in list(self._bearers):
+            self.forget(client_id)
 
 
 class Console:
     """The page's API over the registry, for the approvers of one policy."""
 
     def __init__(
-        self, settings: ConsoleSettings, connect: Callable[[str], RegistryClient], port: int
+        self,
+        settings: ConsoleSettings,
+        connect: Callable[[TokenProvider], RegistryClient],
+        port: int,
+        oidc: OidcClient | None = None,
     ) -> None:
         self.settings = settings
         self.port = port
         self.policy = settings.policy
         self.cookie = TLS_COOKIE if settings.tls else COOKIE
-        self.sessions = Sessions(max_sessions=settings.max_sessions, idle_s=settings.session_idle_s)
+        self.sso_cookie = TLS_SSO_COOKIE if settings.tls else SSO_COOKIE
+        self.sessions = Sessions(
+            max_sessions=settings.max_sessions,
+            idle_s=settings.session_idle_s,
+            on_end=self._session_ended,
+        )
+        self.pending = PendingLogins()
+        self.oidc = oidc
+        if oidc is None and settings.sso is not None:
+            redirect = settings.sso.redirect_uri or shown_url(
+                settings.host, port, tls=settings.tls, path=CALLBACK_PATH
+            )
+            self.oidc = OidcClient.from_settings(settings.sso, redirect)
         self.throttle = SignInThrottle(window_s=settings.signin_window_s)
         self.log_budget = LogBudget()
         self.connections = Connections(connect)
@@ -162,8 +233,15 @@ class Console:
         hosts = listener_hosts(self.settings.host, self.port, tls=self.settings.tls)
         hosts += self.settings.allowed_hosts
         scheme = "https" if self.settings.tls else "http"
+        if self.oidc is not None:
+            redirect_host = self.oidc.redirect_uri.split("/")[2]
+            if redirect_host not in hosts:
+                raise ConfigError(f"--sso-redirect-uri: {redirect_host} is not a Host this console"
+                                  " answers to (--allow-host)")  # fmt: skip
         routes = [
             *(Route(path, self.static, methods=["GET"]) for path in STATIC_FILES),
+            Route(LOGIN_PATH, self.sso_login, methods=["GET"]),
+            Route(CALLBACK_PATH, self.sso_callback, methods=["GET"]),
             Route("/api/session", self.whoami, methods=["GET"]),
             Route("/api/session", self.sign_in, methods=["POST"]),
             Route("/api/session/end", self.sign_out, methods=["POST"]),
@@ -226,6 +304,8 @@ class Console:
     def close(self) -> None:
         self.feeds.stop_all()
         self.connections.close()
+        if self.oidc is not None:
+            self.oidc.close()
 
     # ------------------------------------------------------------ the page
 
@@ -251,23 +331,33 @@ class Console:
             return error(403, "missing or wrong CSRF token; reload the page")
         return session
 
-    def _cookie(self, value: str, *, clear: bool = False) -> str:
-        parts = [f"{self.cookie}={value}", "Path=/", "HttpOnly", "SameSite=Strict"]
+    def _cookie(
+        self, value: str, *, clear: bool = False, name: str | None = None,
+        same_site: str = "Strict", max_age: int | None = None,
+    ) -> str:  # fmt: skip
+        parts = [f"{name or self.cookie}={value}", "Path=/", "HttpOnly", f"SameSite={same_site}"]
         if clear:
             parts.append("Max-Age=0")
+        elif max_age is not None:
+            parts.append(f"Max-Age={max_age}")
         if self.settings.tls:
             parts.append("Secure")
         return "; ".join(parts)
 
-    @staticmethod
-    def _whoami(session: Session) -> dict[str, Any]:
+    def _session_ended(self, session: Session) -> None:
+        # Nobody of this client is signed in: the console holds no credential of theirs.
+        if not self.sessions.of_client(session.client_id):
+            self.connections.forget(session.client_id)
+
+    def _whoami(self, session: Session) -> dict[str, Any]:
         return {"client": escape(session.client_id), "approver": escape(session.approver),
-                "csrf": session.csrf}  # fmt: skip
+                "csrf": session.csrf, "sso": self.oidc is not None}  # fmt: skip
 
     async def whoami(self, request: Request) -> Response:
         session = self._session(request)
         if session is None:
-            return error(401, "not signed in")
+            return JSONResponse({"error": "not signed in", "sso": self.oidc is not None},
+                                status_code=401)  # fmt: skip
         return JSONResponse(self._whoami(session))
 
     async def sign_in(self, request: Request) -> Response:
@@ -294,17 +384,126 @@ class Console:
             self.refused(SIGN_IN, source, "not an approver", f"client {escape(client.id)}")
             return error(403, f"client {client.id} is no approver: the console is for clients"
                           " with the approve role and an approver key in the policy")  # fmt: skip
-        self.connections.ensure(client.id, token)
-        self.sessions.end(request.cookies.get(self.cookie), "signed in again")
-        try:
-            session_id, session = self.sessions.open(client.id, approver)
-        except SessionsFull as exc:
-            self.refused(SIGN_IN, source, "sessions full", f"client {escape(client.id)}")
-            return error(503, f"{exc}; try again when one ends")
-        log.info("%s signed in to the console", client.id)
+        opened = self._open_session(request, source, client, approver, token)
+        if isinstance(opened, str):
+            return error(503, f"{opened}; try again when one ends")
+        session_id, session = opened
         response = JSONResponse(self._whoami(session))
         response.headers.append("set-cookie", self._cookie(session_id))
         return response
+
+    def _open_session(
+        self, request: Request, source: str, client: Client, approver: str, bearer: Bearer,
+        how: str = "",
+    ) -> tuple[str, Session] | str:  # fmt: skip
+        """A session for an approver whose credential was just proven: its id
+        and itself, or why not (every slot taken). The browser's old session ends."""
+        self.sessions.end(request.cookies.get(self.cookie), "signed in again")
+        self.connections.ensure(client.id, bearer)
+        try:
+            opened = self.sessions.open(client.id, approver)
+        except SessionsFull as exc:
+            self.refused(SIGN_IN, source, "sessions full", f"client {escape(client.id)}")
+            if not self.sessions.of_client(client.id):
+                self.connections.forget(client.id)
+            return str(exc)
+        log.info("%s signed in to the console%s", client.id, how)
+        return opened
+
+    # ------------------------------------------------------------ SSO
+
+    def _back_to_page(self, reason_key: str | None = None) -> RedirectResponse:
+        """To the page; with ``reason_key`` (a fixed key the page has a text
+        for) when the sign-in did not go through."""
+        url = "/" if reason_key is None else f"/#sso-error={reason_key}"
+        return RedirectResponse(url, status_code=303)
+
+    def _sso_throttled(self, source: str) -> Response | None:
+        throttled = self.throttle.check(source)
+        if throttled is None:
+            return None
+        self.refused(SIGN_IN, source, f"SSO: throttled ({throttled.limit})")
+        response = self._back_to_page("throttled")
+        response.headers["retry-after"] = str(throttled.retry_after_s)
+        return response
+
+    def _sso_refused(self, source: str, refused: SsoRefused, detail: str = "") -> Response:
+        if refused.failure:
+            self.throttle.failed(source)
+        self.refused(SIGN_IN, source, f"SSO: {refused.reason}", detail)
+        return self._back_to_page(refused.kind)
+
+    async def sso_login(self, request: Request) -> Response:
+        """Start a sign-in at the provider: a pending login bound to this
+        browser, and the browser sent to the authorization endpoint."""
+        source = source_of(request.scope)
+        if self.oidc is None:
+            return error(404, "single sign-on is not set up on this console")
+        throttled = self._sso_throttled(source)
+        if throttled is not None:
+            return throttled
+        try:
+            started = self.pending.begin(source)
+            url = await run_in_threadpool(self.oidc.authorization_url, started)
+        except SsoRefused as refused:
+            return self._sso_refused(source, refused)
+        response = RedirectResponse(url, status_code=303)
+        response.headers.append("set-cookie", self._cookie(
+            started.browser, name=self.sso_cookie, same_site="Lax", max_age=int(PENDING_TTL_S)
+        ))  # fmt: skip
+        return response
+
+    async def sso_callback(self, request: Request) -> Response:
+        source = source_of(request.scope)
+        if self.oidc is None:
+            return error(404, "single sign-on is not set up on this console")
+        throttled = self._sso_throttled(source)
+        if throttled is not None:
+            return throttled
+        response = await self._sso_finish(request, source, self.oidc)
+        # The pending login is over, whichever way it went.
+        response.headers.append("set-cookie", self._cookie("", clear=True, name=self.sso_cookie,
+                                                           same_site="Lax"))  # fmt: skip
+        return response
+
+    async def _sso_finish(self, request: Request, source: str, oidc: OidcClient) -> Response:
+        query = request.query_params
+        try:
+            login = self.pending.take(query.get("state"), request.cookies.get(self.sso_cookie))
+            issuer = query.get("iss")
+            if issuer is not None and issuer != oidc.provider.issuer:  # RFC 9207: mix-up
+                raise SsoRefused(IDP, "the callback names another issuer")
+            if "error" in query or not query.get("code"):
+                code = query.get("error", "")
+                raise SsoRefused(IDP, "the provider answered "
+                                 + (code if IDP_ERROR.match(code) else "an error"))  # fmt: skip
+            tokens = await run_in_threadpool(oidc.exchange, query["code"], login)
+            claims = await run_in_threadpool(oidc.verify_id_token, tokens, login)
+            client = identity(self.policy, oidc.provider, claims)
+        except SsoRefused as refused:
+            return self._sso_refused(source, refused)
+        approver = self.policy.approver_identity(client)
+        if approver is None or not is_approver(self.policy, client):
+            # As a bearer sign-in: a refusal, logged, not a failed guess.
+            self.refused(SIGN_IN, source, "SSO: not an approver", f"client {escape(client.id)}")
+            return self._back_to_page("not-approver")
+        bearer = SsoBearer(oidc, tokens, on_lost=functools.partial(self._sso_lost, client.id))
+        opened = self._open_session(request, source, client, approver, bearer, " (SSO)")
+        if isinstance(opened, str):
+            return self._back_to_page(FULL)
+        response = self._back_to_page()
+        response.headers.append("set-cookie", self._cookie(opened[0]))
+        return response
+
+    def _sso_lost(self, client_id: str) -> None:
+        """A person's access token can no longer be refreshed (a gRPC thread
+        says so): their sessions end, and their pages say why."""
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(
+                    self.sessions.end_client, client_id,
+                    "your single sign-on expired; sign in again",
+                )  # fmt: skip
 
     async def sign_out(self, request: Request) -> Response:
         session = self._changing(request)
@@ -459,15 +658,15 @@ class _ConsoleServer(ListenerServer):
 
 
 def serve_console(
-    connect: Callable[[str], RegistryClient],
+    connect: Callable[[TokenProvider], RegistryClient],
     settings: ConsoleSettings,
     *,
     address: str,
     announce: Callable[[str], None] | None = None,
 ) -> None:
-    """Serve the console until SIGINT/SIGTERM (blocking). ``connect(token)``
-    opens a registry client whose bearer is ``token``; ``announce`` gets the
-    URL once the socket listens (default: a line on stderr)."""
+    """Serve the console until SIGINT/SIGTERM (blocking). ``connect(bearer)``
+    opens a registry client that asks ``bearer`` for its token on every call;
+    ``announce`` gets the URL once the socket listens (default: a line on stderr)."""
     logs.quiet_http_clients()  # no request URL (a credential, some are) in this process's log
     settings.check()
     sock = bind(settings.host, settings.port)

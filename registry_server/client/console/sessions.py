@@ -45,11 +45,17 @@ class SessionsFull(Exception):
 
 class Sessions:
     def __init__(
-        self, *, max_sessions: int, idle_s: float, clock: Callable[[], float] = time.monotonic
+        self,
+        *,
+        max_sessions: int,
+        idle_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        on_end: Callable[[Session], None] = lambda session: None,
     ) -> None:
         self.max_sessions = max_sessions
         self.idle_s = idle_s
         self._clock = clock
+        self._on_end = on_end  # told after a session ended (its client's credential may go)
         self._by_digest: dict[bytes, Session] = {}
 
     def __len__(self) -> int:
@@ -101,6 +107,14 @@ class Sessions:
         for digest in list(self._by_digest):
             self._end(digest, reason)
 
+    def end_client(self, client_id: str, reason: str) -> None:
+        """End every session of one client (its credential is gone)."""
+        for digest in [d for d, s in self._by_digest.items() if s.client_id == client_id]:
+            self._end(digest, reason)
+
+    def of_client(self, client_id: str) -> int:
+        return sum(1 for s in self._by_digest.values() if s.client_id == client_id)
+
     def _idle(self, session: Session) -> bool:
         return self._clock() - session.last_used > self.idle_s
 
@@ -111,6 +125,7 @@ class Sessions:
         for end_stream in list(session.streams.values()):
             end_stream(reason)
         session.streams.clear()
+        self._on_end(session)
 
 
 def _digest(session_id: str) -> bytes:

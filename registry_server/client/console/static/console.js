@@ -558,6 +558,7 @@
     session.csrf = who.csrf;
     session.client = who.client;
     session.approver = who.approver;
+    $('sso').hidden = !who.sso; // for when this session ends
     text($('who-client'), who.client);
     text($('who-approver'), who.approver);
     $('who').hidden = false;
@@ -602,8 +603,34 @@
     signedOut('Signed out.');
   });
 
+  // Why an SSO sign-in did not go through: the console sends the browser
+  // back with one of these keys (#sso-error=KEY), never with its details.
+  const SSO_ERRORS = {
+    state: 'That sign-in was not started in this browser, was already used or took too long. Sign in again.',
+    idp: 'The identity provider did not sign you in.',
+    exchange: 'The identity provider refused to complete the sign-in. Sign in again.',
+    token: 'The identity provider\'s answer could not be verified, so you are not signed in.',
+    'not-approver': 'Your account is not an approver here: none of your groups gives the approve role with an approver key in the policy.',
+    throttled: 'Too many failed sign-ins; wait a few minutes and try again.',
+    unavailable: 'The identity provider could not be reached; try again later.',
+    full: 'Too many people are signed in right now; try again when a session ends.',
+  };
+
+  function ssoError() {
+    const match = /^#sso-error=([a-z-]{1,32})$/.exec(window.location.hash);
+    if (!match) return '';
+    window.history.replaceState(null, '', window.location.pathname);
+    return Object.hasOwn(SSO_ERRORS, match[1]) ? SSO_ERRORS[match[1]] : 'The SSO sign-in did not go through.';
+  }
+
   // A reload keeps the session (its cookie) but not the CSRF token: ask for it.
+  const refused = ssoError();
   api('GET', '/api/session').then((answer) => {
-    if (answer.ok) signedIn(answer.data);
+    if (answer.ok) {
+      signedIn(answer.data);
+      return;
+    }
+    $('sso').hidden = !answer.data.sso;
+    text($('sign-in-error'), refused);
   });
 })();
