@@ -85,7 +85,10 @@ def deployment(
     tmp = tmp_path_factory.mktemp("identity")
     d = Deployment(None, tmp / "data", tmp / "policy.yaml", idp)  # type: ignore[arg-type]
     d.write_policy()
-    d.server = spawn_server(d.data_dir, "--policy", str(d.policy_file), cwd=ROOT)
+    # DEBUG: every log line a token, a key fetch or a refusal could make is made.
+    d.server = spawn_server(
+        d.data_dir, "--policy", str(d.policy_file), "--log-level", "DEBUG", cwd=ROOT
+    )
     tool = parse_definition({
         "name": "whoami_echo", "description": "echoes its input",
         "parameters": {"type": "object"}, "safety_level": "safe",
@@ -178,6 +181,8 @@ def test_every_bad_token_is_unauthenticated_and_logged_without_it(
     log = deployment.log_text()
     assert "access token refused: provider testidp: expired" in log
     assert "audience not accepted" in log
+    assert "eyJ" not in log  # no JWT, nor any part of one that starts like one
+    assert "/jwks" not in log and "openid-configuration" not in log  # no fetch URLs
     for token in [real, *bad.values()]:
         assert token.split(".")[-1] not in log or not token.split(".")[-1]
         assert token not in log

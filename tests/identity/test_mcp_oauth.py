@@ -16,8 +16,9 @@ import json
 import re
 import ssl
 import sys
+import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urljoin, urlsplit
@@ -65,6 +66,8 @@ class World:
     resource_url: str
     redirect_uri: str
     data_dir: Path
+    bridge_secret: str
+    seen_secrets: list[str] = field(default_factory=list)  # codes and tokens the host got
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +93,7 @@ def world(idp: IdP, tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]
         }],
     }, sort_keys=False))  # fmt: skip
     data = tmp / "data"
-    server = spawn_server(data, "--policy", str(policy), cwd=ROOT)
+    server = spawn_server(data, "--policy", str(policy), "--log-level", "DEBUG", cwd=ROOT)
     tool = parse_definition({
         "name": "echo_back", "description": "echoes its input",
         "parameters": {"type": "object", "properties": {"text": {"type": "string"}}},
@@ -102,10 +105,10 @@ def world(idp: IdP, tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]
             "--address", server.address, "--http", f"127.0.0.1:{port}",
             "--policy", str(policy), "--oauth-provider", "testidp",
             "--resource-url", resource_url, "--oauth-scope", MCP_SCOPE,
-            "--oauth-client-id", BRIDGE_CLIENT]  # fmt: skip
+            "--oauth-client-id", BRIDGE_CLIENT, "--log-level", "DEBUG"]  # fmt: skip
     env = {"PATH": "/usr/bin:/bin", "TOOLREG_OAUTH_CLIENT_SECRET": secret}
     proc, _url, log = spawn_until(argv, SERVING, what="toolreg mcp --http", cwd=ROOT, env=env)
-    yield World(idp, server, proc, log, resource_url, redirect_uri, data)
+    yield World(idp, server, proc, log, resource_url, redirect_uri, data, secret)
     proc.terminate()
     proc.wait(30)
     server.stop()
@@ -185,6 +188,7 @@ def connect_and_call(world: World, login: str) -> tuple[Any, Browser, list[int]]
         if response.url.path == "/mcp":
             statuses.append(response.status_code)
 
+    storage = Memory(world.redirect_uri)
     provider = OAuthClientProvider(
         server_url=world.resource_url,
         client_metadata=OAuthClientMetadata(
@@ -192,7 +196,7 @@ def connect_and_call(world: World, login: str) -> tuple[Any, Browser, list[int]]
             token_endpoint_auth_method="none",
             grant_types=["authorization_code", "refresh_token"], response_types=["code"],
         ),
-        storage=Memory(world.redirect_uri),
+        storage=storage,
         redirect_handler=redirect,
         callback_handler=callback,
     )  # fmt: skip
@@ -211,7 +215,13 @@ def connect_and_call(world: World, login: str) -> tuple[Any, Browser, list[int]]
             assert [t.name for t in tools.tools] == ["echo_back"]
             return await session.call_tool("echo_back", {"text": "hello from alice"})
 
-    return anyio.run(run), browser, statuses
+    try:
+        return anyio.run(run), browser, statuses
+    finally:
+        if browser.result is not None:
+            world.seen_secrets.append(browser.result.code)
+        if storage.tokens is not None:
+            world.seen_secrets += [storage.tokens.access_token, storage.tokens.refresh_token or ""]
 
 
 def test_the_sdks_oauth_client_connects_from_nothing_to_a_tool_call(world: World) -> None:
@@ -274,3 +284,18 @@ def test_a_person_the_policy_grants_nothing_gets_no_tools(world: World) -> None:
     with pytest.raises(BaseException) as caught:
         connect_and_call(world, "mallory")
     assert "testidp.mallory" in repr(caught.value) or "no role" in repr(caught.value), caught
+
+
+def test_no_token_code_or_secret_reaches_a_log(world: World) -> None:
+    """Both processes ran at DEBUG through every flow above (the metadata, the
+    provider's discovery and JWKS, the token exchange, refused tokens)."""
+    time.sleep(0.5)  # the logs are read as the processes write them
+    bridge_log = "".join(world.bridge_log)
+    server_log = "".join(world.server.log)
+    assert "token exchange" in bridge_log or "OAuth tokens of identity provider" in bridge_log
+    assert world.seen_secrets, "the flows above gave the host a code and tokens"
+    for secret in [world.bridge_secret, *filter(None, world.seen_secrets)]:
+        assert secret not in bridge_log and secret not in server_log
+    for log in (bridge_log, server_log):
+        assert "eyJ" not in log  # no JWT of any kind: access, exchanged, ID token
+        assert "/token" not in log and "/jwks" not in log  # library URL lines stay out
