@@ -27,6 +27,7 @@ This is pure logic: verifying tokens and fetching keys is ``api.auth``'s.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -54,6 +55,8 @@ DEFAULT_MAX_TOKEN_LIFETIME_S = 86_400  # seconds from iat to exp an access token
 MAX_TOKEN_LIFETIME_S = 7 * 86_400  # seconds
 DEFAULT_JWKS_REFRESH_S = 300  # seconds between refreshes of a provider's keys while in use
 DEFAULT_MIN_REFRESH_INTERVAL_S = 30  # seconds: at most one fetch per interval, however many kids
+SUBJECT_DIGEST_HEX = 24  # hex digits (96 bits) of a subject's sha256 in a hashed client id
+SUBJECT_IDS = ("verbatim", "sha256")
 MAX_URL_CHARS = 2_048  # characters of an issuer or JWKS URL
 CLAIM_PATH = r"^[A-Za-z_][A-Za-z0-9_:/.-]{0,127}$"  # a claim name, dots for nesting
 PROVIDER_ID = r"^[a-z0-9][a-z0-9_-]{0,31}$"
@@ -104,6 +107,9 @@ class IdentityProvider:
     client_claim: str = "sub"  # the claim whose value names the client
     groups_claim: str | None = "groups"  # dotted path (realm_access.roles); None: no groups
     client_id_prefix: str = ""  # prefix of group-mapped client ids ("<id>." unless set)
+    # "verbatim": the id is prefix + subject, refused when that is not a valid id;
+    # "sha256": prefix + 24 hex digits of the subject's sha256 (mixed-case subjects, as Okta's)
+    subject_ids: str = "verbatim"
     groups: tuple[GroupGrant, ...] = ()
     denied_subjects: frozenset[str] = frozenset()
     # act.sub values (RFC 8693) that may act for subjects: the bridges that exchange tokens
@@ -139,6 +145,9 @@ class IdentityProvider:
     def client_id(self, subject: str) -> str | None:
         """The id of the group-mapped client of ``subject``; None when it
         would not be a valid client id (then the token is nobody)."""
+        if self.subject_ids == "sha256":
+            digest = hashlib.sha256(subject.encode("utf-8", "surrogatepass")).hexdigest()
+            return self.client_id_prefix + digest[:SUBJECT_DIGEST_HEX]
         candidate = self.client_id_prefix + subject
         return candidate if re.fullmatch(ID_PATTERN, candidate) else None
 

@@ -273,6 +273,7 @@ def _identity_provider(p: _IdentityProviderIn, where: str) -> IdentityProvider:
         id=p.id, issuer=p.issuer, audiences=tuple(p.audiences), algorithms=tuple(p.algorithms),
         clock_skew_s=p.clock_skew_s, max_token_lifetime_s=p.max_token_lifetime_s,
         client_claim=p.client_claim, groups_claim=p.groups_claim, client_id_prefix=_prefix(p),
+        subject_ids=p.subject_ids,
         groups=tuple(
             GroupGrant(
                 group=g.group, roles=frozenset(Role(r) for r in g.roles),

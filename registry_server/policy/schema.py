@@ -45,6 +45,7 @@ from registry_server.policy.identity import (
     MAX_SUBJECT_CLAIM_CHARS,
     MAX_TOKEN_LIFETIME_S,
     PROVIDER_ID,
+    SUBJECT_IDS,
     check_provider_url,
 )
 from registry_server.policy.model import (
@@ -385,6 +386,7 @@ class _IdentityProviderIn(_Strict):
     client_claim: str = "sub"
     groups_claim: str | None = "groups"
     client_id_prefix: str | None = None
+    subject_ids: str = "verbatim"
     groups: list[_GroupGrantIn] = Field(default_factory=list, max_length=MAX_GROUP_MAPPINGS)
     denied_subjects: list[str] = Field(default_factory=list, max_length=MAX_DENIED_SUBJECTS)
     actors: list[str] = Field(default_factory=list, max_length=MAX_AUDIENCES)
@@ -431,6 +433,13 @@ class _IdentityProviderIn(_Strict):
         # Never empty: group-mapped ids must not be able to take a file client's id.
         if value is not None and (not value or not re.fullmatch(ID_PATTERN, value + "x")):
             raise ValueError(f"{value!r} does not start a valid client id ({ID_PATTERN})")
+        return value
+
+    @field_validator("subject_ids")
+    @classmethod
+    def _subject_ids(cls, value: str) -> str:
+        if value not in SUBJECT_IDS:
+            raise ValueError(f"must be one of {', '.join(SUBJECT_IDS)}")
         return value
 
     @field_validator("denied_subjects", "actors")

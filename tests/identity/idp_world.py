@@ -139,7 +139,8 @@ class IdP:
             "token_endpoint_auth_method": "client_secret_basic",
         }  # fmt: skip
         self.exchangers[client_id] = {
-            "subject_audience": subject_audience, "resources": list(resources)
+            "subject_audience": subject_audience,
+            "resources": list(resources),
         }
         self._read_clients_again()
         return secret

@@ -431,3 +431,15 @@ def test_an_exchanged_token_names_its_actor_only_if_the_policy_does(
     for bad_act in ({"sub": "someone-else"}, "toolreg-mcp", {"sub": 7}):
         with pytest.raises(TokenRefused):
             AccessTokens(fetcher_for=lambda _p: idp.fetch).verify(allowed, idp.token(act=bad_act))
+
+
+def test_mixed_case_subjects_can_be_hashed_into_ids(tmp_path: Path) -> None:
+    verbatim = load(tmp_path).identity_providers[0]
+    assert verbatim.client_for("0oaAbC123", frozenset({"agents"})) is None
+    hashed = load(tmp_path, subject_ids="sha256").identity_providers[0]
+    one = hashed.client_for("0oaAbC123", frozenset({"agents"}))
+    other = hashed.client_for("0oaabc123", frozenset({"agents"}))
+    assert one is not None and other is not None and one.id != other.id
+    assert one.id.startswith("corp.") and len(one.id) == len("corp.") + 24
+    with pytest.raises(PolicyError, match="subject_ids"):
+        load(tmp_path, subject_ids="lowercase")
