@@ -367,6 +367,14 @@ class Page:
 @pytest.fixture
 def browsers(tmp_path: Path, deployment: Deployment) -> Iterator[Callable[[], Page]]:
     """Opens approvers' browsers, each a fresh profile; all are closed after the test."""
+    yield from open_browsers(tmp_path, deployment.console)
+
+
+def open_browsers(
+    tmp_path: Path, console: ConsoleProcess, extra_flags: tuple[str, ...] = ()
+) -> Iterator[Callable[[], Page]]:
+    """The ``browsers`` fixture's body, for other tiers' fixtures (a console of
+    their own, more Chromium flags)."""
     for path, what in ((CHROMIUM, "chromium"), (CHROMEDRIVER, "chromium-driver")):
         if not path.is_file():
             pytest.fail(f"{path} is missing: the browser tests need Debian's {what}"
@@ -376,14 +384,14 @@ def browsers(tmp_path: Path, deployment: Deployment) -> Iterator[Callable[[], Pa
     def open_page() -> Page:
         options = webdriver.ChromeOptions()
         options.binary_location = str(CHROMIUM)
-        for flag in CHROMIUM_FLAGS:
+        for flag in (*CHROMIUM_FLAGS, *extra_flags):
             options.add_argument(flag)
         profile = tmp_path / f"chromium-profile-{len(opened)}"
         options.add_argument(f"--user-data-dir={profile}")
         options.set_capability("goog:loggingPrefs", {"performance": "ALL", "browser": "ALL"})
         driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
         opened.append(driver)
-        return Page(driver, deployment.console)
+        return Page(driver, console)
 
     yield open_page
     for driver in opened:
