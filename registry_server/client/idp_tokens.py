@@ -1,7 +1,9 @@
 """Access tokens from the organization's identity provider, for clients
 (docs/identity.md): an agent's, by the OAuth 2.0 client-credentials grant,
 with the registry as the resource (RFC 8707), kept and fetched again before
-it expires. Pass one as ``token=`` to ``RegistryClient.connect``.
+it expires; a person's, from ``toolreg login`` (authorization code with
+PKCE), kept in the token store and refreshed with its refresh token. Pass one
+as ``token=`` to ``RegistryClient.connect``.
 
 The client secret and the tokens are never logged or put in an error: a
 failed fetch says which endpoint refused, with the HTTP status and the
@@ -13,9 +15,12 @@ from __future__ import annotations
 import ssl
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 
 import httpx
+
+from registry_server.client.token_store import StoredLogin, StoreError, TokenStore
 
 REFRESH_MARGIN_S = 30.0  # seconds before expiry when a token is fetched again
 DEFAULT_LIFETIME_S = 60.0  # seconds assumed when the answer names no expires_in
@@ -43,8 +48,7 @@ class ClientCredentials:
         ca_file: str | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not token_endpoint.startswith("https://") and not _loopback_http(token_endpoint):
-            raise ValueError("token_endpoint must be an https:// URL (http only to loopback)")
+        check_endpoint(token_endpoint, "token_endpoint")
         self._endpoint = token_endpoint
         self._auth = (client_id, client_secret)
         self._form = {"grant_type": "client_credentials"}
@@ -52,12 +56,7 @@ class ClientCredentials:
             self._form["resource"] = resource
         if scope:
             self._form["scope"] = scope
-        self._http = httpx.Client(
-            verify=ssl.create_default_context(cafile=ca_file),
-            timeout=FETCH_TIMEOUT_S,
-            follow_redirects=False,
-            trust_env=False,
-        )
+        self._http = https_client(ca_file)
         self._clock = clock
         self._lock = threading.Lock()
         self._token: str | None = None
@@ -73,30 +72,141 @@ class ClientCredentials:
 
     def _fetch(self) -> tuple[str, float]:
         self.fetches += 1
-        try:
-            answer = self._http.post(self._endpoint, data=self._form, auth=self._auth)
-        except httpx.HTTPError as exc:
-            raise TokenError(f"token endpoint unreachable ({type(exc).__name__})") from None
-        if len(answer.content) > MAX_ANSWER_BYTES:
-            raise TokenError("token endpoint's answer is too large")
-        try:
-            body = answer.json()
-        except ValueError:
-            body = {}
-        if answer.status_code != 200 or not isinstance(body, dict):
-            code = body.get("error") if isinstance(body, dict) else None
-            shown = code if isinstance(code, str) and code.isidentifier() else "no error code"
-            raise TokenError(f"token endpoint refused: HTTP {answer.status_code} ({shown})")
-        token = body.get("access_token")
-        if not isinstance(token, str) or not token:
-            raise TokenError("token endpoint's answer has no access_token")
-        lifetime = body.get("expires_in")
-        if not isinstance(lifetime, int | float) or lifetime <= 0:
-            lifetime = DEFAULT_LIFETIME_S
-        return token, float(lifetime)
+        answer = token_request(self._http, self._endpoint, self._form, auth=self._auth)
+        return answer.access_token, answer.lifetime
 
     def close(self) -> None:
         self._http.close()
+
+
+class StoredLoginTokens:
+    """A person's tokens from ``toolreg login`` for one registry address
+    (``token_store``): the stored access token, refreshed with the refresh
+    token by the first call that finds it within ``REFRESH_MARGIN_S`` of
+    expiry, the rotated refresh token written back. The refresh holds the
+    store's lock and reads the file again first, so a refresh another process
+    just made is used rather than repeated. A refresh that fails raises
+    TokenError: the person signs in again."""
+
+    def __init__(
+        self, store: TokenStore, address: str, *, clock: Callable[[], float] = time.time
+    ) -> None:
+        self._store = store
+        self._address = address
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._login: StoredLogin | None = None
+        self.refreshes = 0
+
+    def __call__(self) -> str:
+        with self._lock:
+            if self._login is None or self._due(self._login):
+                self._login = self._current()
+            return self._login.access_token
+
+    def _due(self, login: StoredLogin) -> bool:
+        return self._clock() >= login.expires_at - REFRESH_MARGIN_S
+
+    def _current(self) -> StoredLogin:
+        try:
+            with self._store.locked(self._address):
+                login = self._store.load(self._address)
+                if login is None:
+                    raise TokenError(f"no sign-in is stored for {self._address}")
+                if self._due(login):
+                    login = self._refresh(login)
+                    self._store.save(login)
+                return login
+        except (StoreError, OSError) as exc:
+            raise TokenError(str(exc)) from None
+
+    def _refresh(self, login: StoredLogin) -> StoredLogin:
+        if not login.refresh_token:
+            raise TokenError("the access token expired and no refresh token was stored")
+        try:
+            check_endpoint(login.token_endpoint, "the stored token endpoint")
+        except ValueError as exc:
+            raise TokenError(str(exc)) from None
+        form = {
+            "grant_type": "refresh_token", "refresh_token": login.refresh_token,
+            "client_id": login.client_id, "resource": login.resource,
+        }  # fmt: skip
+        self.refreshes += 1
+        with https_client(login.ca_file) as http:
+            answer = token_request(http, login.token_endpoint, form)
+        return replace(
+            login,
+            access_token=answer.access_token,
+            expires_at=self._clock() + answer.lifetime,
+            refresh_token=answer.refresh_token or login.refresh_token,
+        )
+
+
+@dataclass(frozen=True)
+class TokenAnswer:
+    """A token endpoint's successful answer (RFC 6749 section 5.1)."""
+
+    access_token: str = field(repr=False)
+    lifetime: float  # seconds from now
+    refresh_token: str | None = field(default=None, repr=False)
+    id_token: str | None = field(default=None, repr=False)
+    scope: str | None = None
+
+
+def https_client(ca_file: str | None = None) -> httpx.Client:
+    """An HTTP client for an identity provider: TLS verified against
+    ``ca_file`` (else the system's CAs), no redirects, no proxy variables."""
+    return httpx.Client(
+        verify=ssl.create_default_context(cafile=ca_file),
+        timeout=FETCH_TIMEOUT_S,
+        follow_redirects=False,
+        trust_env=False,
+    )
+
+
+def check_endpoint(url: str, what: str) -> None:
+    """An identity provider's endpoint must be https (plain http only to loopback)."""
+    if not url.startswith("https://") and not _loopback_http(url):
+        raise ValueError(f"{what} must be an https:// URL (http only to loopback)")
+
+
+def token_request(
+    http: httpx.Client,
+    endpoint: str,
+    form: Mapping[str, str],
+    *,
+    auth: tuple[str | bytes, str | bytes] | None = None,
+) -> TokenAnswer:
+    """POST one grant to a token endpoint; its answer, or TokenError naming
+    only the HTTP status and the provider's OAuth ``error`` code."""
+    try:
+        answer = http.post(endpoint, data=dict(form), auth=auth or httpx.USE_CLIENT_DEFAULT)
+    except httpx.HTTPError as exc:
+        raise TokenError(f"token endpoint unreachable ({type(exc).__name__})") from None
+    if len(answer.content) > MAX_ANSWER_BYTES:
+        raise TokenError("token endpoint's answer is too large")
+    try:
+        body = answer.json()
+    except ValueError:
+        body = {}
+    if answer.status_code != 200 or not isinstance(body, dict):
+        code = body.get("error") if isinstance(body, dict) else None
+        shown = code if isinstance(code, str) and code.isidentifier() else "no error code"
+        raise TokenError(f"token endpoint refused: HTTP {answer.status_code} ({shown})")
+    token = body.get("access_token")
+    if not isinstance(token, str) or not token:
+        raise TokenError("token endpoint's answer has no access_token")
+    lifetime = body.get("expires_in")
+    if not isinstance(lifetime, int | float) or isinstance(lifetime, bool) or lifetime <= 0:
+        lifetime = DEFAULT_LIFETIME_S
+
+    def text(name: str) -> str | None:
+        value = body.get(name)
+        return value if isinstance(value, str) and value else None
+
+    return TokenAnswer(
+        token, float(lifetime), text("refresh_token"), text("id_token"), text("scope")
+    )
 
 
 def _loopback_http(url: str) -> bool:

@@ -19,6 +19,7 @@ from registry_server.client.cli.common import Connection, fail
 from registry_server.client.cli.console import console_serve
 from registry_server.client.cli.execute import exec_tool
 from registry_server.client.cli.keys import keys_app
+from registry_server.client.cli.login import login, logout
 from registry_server.client.cli.mcp import mcp_serve
 from registry_server.client.cli.policy import policy_app
 from registry_server.client.cli.server import reap, serve
@@ -43,6 +44,8 @@ app.command("exec")(exec_tool)
 app.command()(reap)
 app.command("mcp")(mcp_serve)
 app.command("console")(console_serve)
+app.command()(login)
+app.command()(logout)
 
 
 @app.callback()

@@ -3,15 +3,18 @@ options, and the one-line failure that ends a command."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated, Literal, NoReturn
 
 import grpc
 import typer
 
 from registry_server.client import registry_client as client_mod
+from registry_server.client.idp_tokens import StoredLoginTokens, TokenError
 from registry_server.client.registry_client import RegistryClient, describe_rpc_error, open_channel
+from registry_server.client.token_store import TokenStore
 from registry_server.domain.errors import ToolregError
 from registry_server.domain.files import read_credential
 from registry_server.domain.models import SafetyLevel
@@ -63,14 +66,28 @@ def parse_level(text: str | None) -> SafetyLevel | None:
         fail(f"--max-level: {exc}", 2)
 
 
+class Bearer(enum.Enum):
+    ROOT = "root"  # the root options' --token, else the address's stored sign-in
+
+
 def connect(
-    ctx: typer.Context, address: str | None, *, token: str | client_mod.TokenProvider | None = None
+    ctx: typer.Context,
+    address: str | None,
+    *,
+    token: str | client_mod.TokenProvider | Literal[Bearer.ROOT] | None = Bearer.ROOT,
 ) -> RegistryClient:
-    """A client with the root options' TLS and bearer (``token`` overrides the bearer)."""
+    """A client with the root options' TLS and bearer: ``--token``/TOOLREG_TOKEN,
+    else the sign-in ``toolreg login`` stored for the address. A ``token``
+    given overrides that (falling back to ``--token`` only, never to a stored
+    sign-in: the console and ``mcp --http`` pass each caller's own)."""
     conn = ctx.find_root().obj
     if not isinstance(conn, Connection):
         conn = Connection()
     target = address or client_mod.default_address()
+    if isinstance(token, Bearer):
+        bearer = conn.token or _stored_sign_in(target)
+    else:
+        bearer = token or conn.token
 
     def read(path: Path | None, what: str) -> bytes | None:
         try:
@@ -79,11 +96,28 @@ def connect(
             fail(exc.message, 2)
 
     channel = open_channel(
-        target, token=token or conn.token, tls_ca=read(conn.tls_ca, "TLS CA"),
+        target, token=bearer, tls_ca=read(conn.tls_ca, "TLS CA"),
         tls_cert=read(conn.tls_cert, "client certificate"),
         tls_key=read(conn.tls_key, "client key"), tls=conn.tls,
     )  # fmt: skip
     return RegistryClient(target, channel=channel)
+
+
+def _stored_sign_in(address: str) -> client_mod.TokenProvider | None:
+    """The provider of the address's stored sign-in, refreshing it; a refresh
+    that fails ends the command with one line."""
+    store = TokenStore()
+    if not store.path_for(address).exists():
+        return None
+    tokens = StoredLoginTokens(store, address)
+
+    def token() -> str:
+        try:
+            return tokens()
+        except TokenError as exc:
+            fail(f"the sign-in for {address} cannot be used ({exc}); run toolreg login again")
+
+    return token
 
 
 def rpc_failed(err: grpc.RpcError, address: str) -> NoReturn:
