@@ -6,6 +6,7 @@ tests/adapters/test_mcp_sdk_mapping.py."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -13,11 +14,14 @@ from registry_server.client.http_listener import parse_endpoint
 from registry_server.client.mcp_http_settings import (
     DEFAULT_MAX_BODY_BYTES,
     HttpSettings,
+    OAuthSettings,
     check_settings,
+    oauth_settings,
 )
 from registry_server.domain.arguments import MAX_ARGUMENTS_BYTES
 from registry_server.domain.errors import ConfigError
 from registry_server.policy.clients import Client, Role
+from registry_server.policy.identity import IdentityProvider
 from registry_server.policy.model import Policy
 from tests.factories import sha
 
@@ -94,3 +98,61 @@ def test_development_mode_on_loopback_and_tls_beyond_it_are_fine() -> None:
 
 def test_the_body_cap_leaves_room_for_the_largest_arguments() -> None:
     assert DEFAULT_MAX_BODY_BYTES > MAX_ARGUMENTS_BYTES
+
+
+# ------------------------------------------------------------------ OAuth (--oauth-provider)
+
+IDP = IdentityProvider("corp", "https://idp.example.test", ("https://registry.example.test",))
+IDP_POLICY = dataclasses.replace(POLICY, identity_providers=(IDP,))
+
+
+def oauth(**changes: object) -> OAuthSettings:
+    base = OAuthSettings(
+        provider=IDP, resource_url="https://mcp.example.test/mcp", scopes=("mcp:tools",),
+        client_id="toolreg-mcp", client_secret="s3cret", registry_resource="https://registry.example.test",
+    )  # fmt: skip
+    return dataclasses.replace(base, **changes)  # type: ignore[arg-type]
+
+
+def test_the_metadata_url_inserts_the_well_known_part_before_the_path() -> None:
+    assert oauth().metadata_url == (
+        "https://mcp.example.test/.well-known/oauth-protected-resource/mcp"
+    )
+
+
+@pytest.mark.parametrize(
+    ("changes", "needle"),
+    [
+        ({"resource_url": "http://mcp.example.test/mcp"}, "must use https"),
+        ({"resource_url": "https://mcp.example.test/other"}, "its path is /mcp"),
+        ({"resource_url": "https://u:p@mcp.example.test/mcp"}, "must not carry a user"),
+        ({"client_id": ""}, "--oauth-client-id"),
+        ({"client_secret": ""}, "TOOLREG_OAUTH_CLIENT_SECRET"),
+        ({"registry_resource": ""}, "--registry-resource"),
+    ],
+)
+def test_oauth_settings_fail_closed(changes: dict[str, object], needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        check_settings(settings(policy=IDP_POLICY, oauth=oauth(**changes)))
+
+
+def test_oauth_settings_from_the_cli_options(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TOOLREG_OAUTH_CLIENT_SECRET", "from-env")
+    made = oauth_settings(IDP_POLICY, "corp", resource_url="http://127.0.0.1:9/mcp",
+                          client_id="toolreg-mcp")  # fmt: skip
+    assert made.client_secret == "from-env"  # plain http to loopback is fine here
+    assert made.registry_resource == "https://registry.example.test"  # the provider's audience
+    assert "from-env" not in repr(made)
+    secret_file = tmp_path / "secret"
+    secret_file.write_text("from-file\n")
+    made = oauth_settings(IDP_POLICY, "corp", resource_url="https://m.test/mcp",
+                          client_id="c", client_secret_file=secret_file)  # fmt: skip
+    assert made.client_secret == "from-file"
+    with pytest.raises(ConfigError, match="not in"):
+        oauth_settings(IDP_POLICY, "other", resource_url="https://m.test/mcp")
+    with pytest.raises(ConfigError, match="needs --policy"):
+        oauth_settings(None, "corp", resource_url="https://m.test/mcp")
+    with pytest.raises(ConfigError, match="--resource-url"):
+        oauth_settings(IDP_POLICY, "corp", resource_url=None)
