@@ -433,18 +433,25 @@ class Console:
         self.refused(SIGN_IN, source, f"SSO: {refused.reason}", detail)
         return self._back_to_page(refused.kind)
 
-    async def sso_login(self, request: Request) -> Response:
-        """Start a sign-in at the provider: a pending login bound to this
-        browser, and the browser sent to the authorization endpoint."""
+    def _sso_gate(self, request: Request) -> tuple[str, OidcClient] | Response:
+        """Where an SSO step comes from and the provider's client, unless SSO
+        is off (404) or the source is throttled (before anything is read)."""
         source = source_of(request.scope)
         if self.oidc is None:
             return error(404, "single sign-on is not set up on this console")
         throttled = self._sso_throttled(source)
-        if throttled is not None:
-            return throttled
+        return throttled if throttled is not None else (source, self.oidc)
+
+    async def sso_login(self, request: Request) -> Response:
+        """Start a sign-in at the provider: a pending login bound to this
+        browser, and the browser sent to the authorization endpoint."""
+        gate = self._sso_gate(request)
+        if isinstance(gate, Response):
+            return gate
+        source, oidc = gate
         try:
             started = self.pending.begin(source)
-            url = await run_in_threadpool(self.oidc.authorization_url, started)
+            url = await run_in_threadpool(oidc.authorization_url, started)
         except SsoRefused as refused:
             return self._sso_refused(source, refused)
         response = RedirectResponse(url, status_code=303)
@@ -454,13 +461,10 @@ class Console:
         return response
 
     async def sso_callback(self, request: Request) -> Response:
-        source = source_of(request.scope)
-        if self.oidc is None:
-            return error(404, "single sign-on is not set up on this console")
-        throttled = self._sso_throttled(source)
-        if throttled is not None:
-            return throttled
-        response = await self._sso_finish(request, source, self.oidc)
+        gate = self._sso_gate(request)
+        if isinstance(gate, Response):
+            return gate
+        response = await self._sso_finish(request, *gate)
         # The pending login is over, whichever way it went.
         response.headers.append("set-cookie", self._cookie("", clear=True, name=self.sso_cookie,
                                                            same_site="Lax"))  # fmt: skip

@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 from registry_server.client.console.throttle import DEFAULT_WINDOW_S, MAX_WINDOW_S, MIN_WINDOW_S
 from registry_server.client.http_listener import check_listener, parse_endpoint
 from registry_server.domain.errors import ConfigError
+from registry_server.domain.files import read_credential
 from registry_server.policy.clients import Client, Role
 from registry_server.policy.identity import IdentityProvider
 from registry_server.policy.loader import load_policy
@@ -261,10 +262,7 @@ def _client_secret(path: Path | None) -> str:
         raise ConfigError(f"the SSO client secret: ${SSO_SECRET_ENV} or"
                           " --sso-client-secret-file, not both")  # fmt: skip
     if path is not None:
-        try:
-            data = path.read_bytes()[: MAX_SECRET_BYTES + 1]
-        except OSError as exc:
-            raise ConfigError(f"--sso-client-secret-file {path}: {exc.strerror}") from None
+        data = read_credential(path, "SSO client secret file")
         if len(data) > MAX_SECRET_BYTES:
             raise ConfigError(f"--sso-client-secret-file {path}: over {MAX_SECRET_BYTES} bytes")
         try:
