@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import os
 import signal
 import socket
 import threading
@@ -24,6 +25,7 @@ from starlette.types import ASGIApp
 
 from registry_server.domain.errors import ConfigError
 
+MAX_SECRET_BYTES = 4_096  # bytes of a client secret file
 MAX_CONNECTIONS = 256  # HTTP connections and requests at once (uvicorn answers 503 beyond)
 MAX_HEADER_BYTES = 16 * 1024  # bytes of a request's line and headers (h11 answers 400 beyond)
 KEEP_ALIVE_S = 5  # seconds an idle keep-alive connection stays open
@@ -163,3 +165,24 @@ class ListenerServer(uvicorn.Server):
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+
+def read_client_secret(env: str, path: Path | None, option: str) -> str:
+    """A client secret at an identity provider, from ``$env`` or the file
+    ``option`` names (one, not both; "" with neither): never an argument,
+    where other users of the host would see it."""
+    from_env = os.environ.get(env)
+    if from_env is not None and path is not None:
+        raise ConfigError(f"the client secret: ${env} or {option}, not both")
+    if path is None:
+        return (from_env or "").strip()
+    try:
+        data = path.read_bytes()[: MAX_SECRET_BYTES + 1]
+    except OSError as exc:
+        raise ConfigError(f"{option} {path}: {exc.strerror or exc}") from None
+    if len(data) > MAX_SECRET_BYTES:
+        raise ConfigError(f"{option} {path}: over {MAX_SECRET_BYTES} bytes")
+    try:
+        return data.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise ConfigError(f"{option} {path}: not UTF-8 text") from None

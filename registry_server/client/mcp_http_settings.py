@@ -4,13 +4,17 @@ the server, so that reading and checking them does not import the MCP SDK."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from registry_server.client.http_listener import check_listener, is_loopback, parse_endpoint
+from registry_server.client.http_listener import (
+    check_listener,
+    is_loopback,
+    parse_endpoint,
+    read_client_secret,
+)
 from registry_server.domain.arguments import MAX_ARGUMENTS_BYTES
 from registry_server.domain.errors import ConfigError
 from registry_server.domain.models import SafetyLevel
@@ -24,7 +28,6 @@ DEFAULT_MAX_BODY_BYTES = MAX_ARGUMENTS_BYTES + 64 * 1024
 DEFAULT_MAX_SESSIONS = 64  # MCP sessions open at once; the next gets 503 until one ends
 DEFAULT_SESSION_IDLE_S = 600.0  # seconds without a request before a session is closed
 CLIENT_SECRET_ENV = "TOOLREG_OAUTH_CLIENT_SECRET"  # the bridge's secret at the IdP (never argv)
-MAX_SECRET_BYTES = 4_096  # bytes of a client secret file
 
 
 @dataclass(frozen=True)
@@ -137,15 +140,7 @@ def oauth_settings(
         raise ConfigError(f"--oauth-provider {provider_id!r}: not in {policy.source} ({known})")
     if not resource_url:
         raise ConfigError("--oauth-provider needs --resource-url: this bridge's public MCP URL")
-    secret = os.environ.get(CLIENT_SECRET_ENV, "")
-    if client_secret_file is not None:
-        try:
-            data = client_secret_file.read_bytes()[: MAX_SECRET_BYTES + 1]
-        except OSError as exc:
-            raise ConfigError(f"--oauth-client-secret-file: {exc.strerror or exc}") from None
-        if len(data) > MAX_SECRET_BYTES:
-            raise ConfigError(f"--oauth-client-secret-file: larger than {MAX_SECRET_BYTES} bytes")
-        secret = data.decode("utf-8", "replace").strip()
+    secret = read_client_secret(CLIENT_SECRET_ENV, client_secret_file, "--oauth-client-secret-file")
     return OAuthSettings(
         provider=provider, resource_url=resource_url, scopes=tuple(scopes),
         client_id=client_id or "", client_secret=secret,

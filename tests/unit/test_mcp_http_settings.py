@@ -147,6 +147,10 @@ def test_oauth_settings_from_the_cli_options(
     assert "from-env" not in repr(made)
     secret_file = tmp_path / "secret"
     secret_file.write_text("from-file\n")
+    with pytest.raises(ConfigError, match="not both"):
+        oauth_settings(IDP_POLICY, "corp", resource_url="https://m.test/mcp",
+                       client_id="c", client_secret_file=secret_file)  # fmt: skip
+    monkeypatch.delenv("TOOLREG_OAUTH_CLIENT_SECRET")
     made = oauth_settings(IDP_POLICY, "corp", resource_url="https://m.test/mcp",
                           client_id="c", client_secret_file=secret_file)  # fmt: skip
     assert made.client_secret == "from-file"
