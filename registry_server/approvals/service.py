@@ -51,6 +51,7 @@ from registry_server.domain.pages import Page, PageQuery, PageTokens, page_size
 from registry_server.domain.text import checked_reason
 from registry_server.policy.live import PolicySource, source_of
 from registry_server.policy.model import EffectiveRule, Policy
+from registry_server.signing import passkeys
 from registry_server.signing.tokens import (
     MAX_REQUEST_ID_CHARS,
     MAX_TOKEN_CHARS,
@@ -121,6 +122,9 @@ class Approved:
     approvals: tuple[VerifiedApproval, ...]
     request_id: str | None
     rule: EffectiveRule
+    # passkey approvals given with the call (not stored with a request): their
+    # counters advance when the call spends them
+    fresh_passkeys: tuple[VerifiedApproval, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -167,22 +171,28 @@ class Approvals:
 
     def check_token(
         self, token: str, *, tool_name: str, tool_digest: str, args_digest: str, caller: str,
-        rule: EffectiveRule, not_before: float = 0.0,
+        rule: EffectiveRule, not_before: float = 0.0, fresh: bool = True,
     ) -> VerifiedApproval:  # fmt: skip
         """Every token rule (docs/approvals.md) except spending the jti; raises
         Denied. ``not_before``: the tool's ``tokens_not_before`` (a token
-        issued before it was deleted or disabled does not count)."""
+        issued before it was deleted or disabled does not count). A passkey
+        approval (signing/passkeys.py) is checked by the same rules, and when
+        ``fresh`` (not one a request already holds, whose counter was checked
+        when it was attached) its signature counter must go up."""
+        policy = self.policy
         try:
-            approval = verify(
-                token,
-                keys=self.policy.approver_keys(),
-                audience=self.policy.audience,
-                tool_name=tool_name,
-                tool_digest=tool_digest,
-                args_digest=args_digest,
-                requester=caller,
-                max_ttl_s=rule.max_token_ttl_s,
-            )
+            if passkeys.is_envelope(token):
+                approval = passkeys.verify(
+                    token, credentials=policy.passkey_credentials(), webauthn=policy.webauthn,
+                    audience=policy.audience, tool_name=tool_name, tool_digest=tool_digest,
+                    args_digest=args_digest, requester=caller, max_ttl_s=rule.max_token_ttl_s,
+                )  # fmt: skip
+            else:
+                approval = verify(
+                    token, keys=policy.approver_keys(), audience=policy.audience,
+                    tool_name=tool_name, tool_digest=tool_digest, args_digest=args_digest,
+                    requester=caller, max_ttl_s=rule.max_token_ttl_s,
+                )  # fmt: skip
         except TokenRejected as exc:
             raise Denied(exc.reason) from None
         if not self.policy.eligible(approval.approver, rule):
@@ -199,6 +209,11 @@ class Approvals:
             )
         if self._jti_used(approval.jti):
             raise Replayed(f"token of '{approval.approver}' was already used (replayed jti)")
+        if fresh and approval.passkey is not None:
+            with self._store.reading() as reads:
+                last = reads.passkey_counter(approval.passkey.credential_id)
+            if not passkeys.counter_advances(last, approval.passkey.sign_count):
+                raise Denied(_counter_went_back(approval, last))
         return approval
 
     def _jti_used(self, jti: str) -> bool:
@@ -226,6 +241,7 @@ class Approvals:
             self._check_request_matches(request, call)
             offered += self._stored_tokens(request_id)
         approvals: dict[str, VerifiedApproval] = {}
+        inline_jtis: set[str] = set()
         for index, token in enumerate(offered, start=1):
             inline = index <= len(tokens)
             which = f"approval token {index}" if inline else "a stored approval"
@@ -233,7 +249,7 @@ class Approvals:
                 approval = self.check_token(
                     token, tool_name=tool.name, tool_digest=tool.digest,
                     args_digest=call.arguments_digest, caller=call.caller, rule=rule,
-                    not_before=tool.tokens_not_before,
+                    not_before=tool.tokens_not_before, fresh=inline,
                 )  # fmt: skip
             except Denied as exc:
                 if not inline:
@@ -247,8 +263,13 @@ class Approvals:
                     f" call with approval_request_id={approval.request_id}"
                 )
             approvals.setdefault(approval.approver, approval)  # one approver counts once
+            if inline:
+                inline_jtis.add(approval.jti)
         if self._missing(rule, approvals) == 0:
-            return Approved(tuple(approvals.values()), request_id or None, rule)
+            fresh = tuple(
+                a for a in approvals.values() if a.passkey is not None and a.jti in inline_jtis
+            )
+            return Approved(tuple(approvals.values()), request_id or None, rule, fresh)
         if request is None:
             self._refuse_if_rejected(call)
             request = self._open_request(call, rule)
@@ -275,6 +296,13 @@ class Approvals:
         """Spend the approval and write the call's audit record, in one
         transaction: a crash after this can never let the same tokens run the
         call twice. Raises Denied when another call spent them first."""
+        used = [
+            {"approver": a.approver, **a.passkey.audit()}
+            for a in approved.approvals
+            if a.passkey is not None
+        ]
+        if used:
+            audit_record = {**audit_record, "passkeys": used}
         with self._store.unit_of_work() as uow:
             _consume(uow, approved, execution_id)
             seq = audit.append(uow, "execution", audit_record)
@@ -520,13 +548,20 @@ class Approvals:
             raise PermissionDenied(
                 f"approval rejected: token is for request {approval.request_id}, not {request_id}"
             )
+        passkey = approval.passkey
         with self._store.unit_of_work() as uow:
+            if passkey is not None and not uow.advance_passkey_counter(
+                passkey.credential_id, approval.approver, passkey.sign_count, time.time()
+            ):
+                last = uow.passkey_counter(passkey.credential_id)
+                raise PermissionDenied(f"approval rejected: {_counter_went_back(approval, last)}")
             uow.put_approval_token(
                 request_id, approval.approver, approval.jti, token, approval.expires_at
             )
             events.record(uow, events.APPROVAL_ADDED, request_id, {
                 "event": "approved", "request_id": request_id, "approver": approval.approver,
                 "jti": approval.jti, "submitted_by": submitted_by,
+                **({"passkey": passkey.audit()} if passkey is not None else {}),
             }, self.hooks, actor=approval.approver)  # fmt: skip
             stored = uow.request(request_id)
             if (
@@ -646,10 +681,27 @@ def _parsed_snapshot(manifest: str) -> ToolDefinition:
     return parse_definition(strict_json.loads(manifest, "tool_manifest"))
 
 
+def _counter_went_back(approval: VerifiedApproval, last: int | None) -> str:
+    count = approval.passkey.sign_count if approval.passkey else 0
+    return (
+        f"passkey of '{approval.approver}' signed with counter {count}, not above {last}"
+        " already seen: its signature counter went back (a cloned authenticator, or an"
+        " assertion older than one already used)"
+    )
+
+
 def _consume(uow: UnitOfWork, approved: Approved, execution_id: str) -> None:
     now = time.time()
     for approval in approved.approvals:
         if not uow.use_jti(approval.jti, approval.approver, execution_id, now):
             raise Replayed(f"token of '{approval.approver}' was already used (replayed jti)")
+    for approval in approved.fresh_passkeys:
+        assert approval.passkey is not None  # fresh_passkeys holds passkey approvals only
+        if not uow.advance_passkey_counter(
+            approval.passkey.credential_id, approval.approver, approval.passkey.sign_count, now
+        ):
+            raise Denied(
+                _counter_went_back(approval, uow.passkey_counter(approval.passkey.credential_id))
+            )
     if approved.request_id and not uow.consume_request(approved.request_id, now):
         raise Denied(f"approval request {approved.request_id} is no longer usable")

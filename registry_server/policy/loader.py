@@ -46,6 +46,8 @@ from registry_server.policy.schema import (
     _RegisterIn,
 )
 from registry_server.signing.keys import public_key_from_text, raw_public_bytes
+from registry_server.signing.passkeys import PasskeyCredential, WebAuthnSettings
+from registry_server.signing.passkeys import public_key_from_text as passkey_key_from_text
 
 Loc = tuple[int | str, ...]
 
@@ -145,6 +147,8 @@ def _cross_check(policy: _PolicyIn) -> Iterator[tuple[Loc, str]]:
                 f"duplicate approver id {approver.id!r} (also approvers[{first}])",
             )
         first_id.setdefault(approver.id, i)
+        if approver.public_key is None:
+            continue
         raw = raw_public_bytes(public_key_from_text(approver.public_key))
         if raw in first_key:
             other = first_key[raw]
@@ -156,6 +160,7 @@ def _cross_check(policy: _PolicyIn) -> Iterator[tuple[Loc, str]]:
                 ),
             )
         first_key.setdefault(raw, i)
+    yield from _passkey_cross_check(policy)
 
     known_groups = {g for a in policy.approvers for g in a.groups}
     first_match: dict[tuple[str | None, ...], int] = {}
@@ -216,6 +221,31 @@ def _cross_check(policy: _PolicyIn) -> Iterator[tuple[Loc, str]]:
                 ("webhooks", i, "id"),
                 f"duplicate webhook id {webhook_id!r} (also webhooks[{first}])",
             )
+
+
+def _passkey_cross_check(policy: _PolicyIn) -> Iterator[tuple[Loc, str]]:
+    """One passkey (by id, or by key) counts for one approver; passkeys need a
+    relying party (``webauthn``) to be verified against."""
+    first_id: dict[str, tuple[int, int]] = {}
+    first_key: dict[str, tuple[int, int]] = {}
+    for i, approver in enumerate(policy.approvers):
+        if approver.passkeys and policy.webauthn is None:
+            yield (
+                ("approvers", i, "passkeys"),
+                "passkeys need the policy's webauthn: {rp_id, origins}",
+            )
+        for j, passkey in enumerate(approver.passkeys):
+            for seen, value, what in (
+                (first_id, passkey.id, "id"), (first_key, passkey.public_key, "public_key"),
+            ):  # fmt: skip
+                if value in seen:
+                    a, b = seen[value]
+                    yield (
+                        ("approvers", i, "passkeys", j, what),
+                        f"same passkey {what} as approvers[{a}].passkeys[{b}]"
+                        f" ({policy.approvers[a].id!r}); one passkey must not count twice",
+                    )
+                seen.setdefault(value, (i, j))
 
 
 def _identity_cross_check(policy: _PolicyIn) -> Iterator[tuple[Loc, str]]:
@@ -302,9 +332,20 @@ def _freeze(policy: _PolicyIn, source: str) -> Policy:
         audience=policy.audience,
         approval_request_ttl_s=policy.approval_request_ttl_s,
         approvers=tuple(
-            Approver(a.id, public_key_from_text(a.public_key), tuple(a.groups))
+            Approver(
+                a.id,
+                None if a.public_key is None else public_key_from_text(a.public_key),
+                tuple(a.groups),
+                tuple(
+                    PasskeyCredential(a.id, p.id, passkey_key_from_text(p.public_key))
+                    for p in a.passkeys
+                ),
+            )
             for a in policy.approvers
         ),
+        webauthn=None
+        if policy.webauthn is None
+        else WebAuthnSettings(policy.webauthn.rp_id, tuple(policy.webauthn.origins)),
         rules=tuple(
             ApprovalRule(
                 match=RuleMatch(

@@ -27,6 +27,7 @@ from registry_server.policy.identity import IdentityProvider
 from registry_server.policy.seen import SeenIdentities
 from registry_server.policy.webhooks import WebhookSpec
 from registry_server.signing.keys import public_key_from_text, raw_public_bytes
+from registry_server.signing.passkeys import PasskeyCredential, WebAuthnSettings
 
 GROUP_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
 SHA256_HEX_PATTERN = r"^[0-9a-fA-F]{64}$"
@@ -60,8 +61,9 @@ class PolicyError(Exception):
 @dataclass(frozen=True)
 class Approver:
     id: str
-    public_key: Ed25519PublicKey = field(repr=False)
+    public_key: Ed25519PublicKey | None = field(repr=False)  # None: passkeys only
     groups: tuple[str, ...] = ()
+    passkeys: tuple[PasskeyCredential, ...] = ()  # WebAuthn credentials (signing/passkeys.py)
 
 
 @dataclass(frozen=True)
@@ -187,12 +189,16 @@ class Policy:
     identity_providers: tuple[IdentityProvider, ...] = ()  # policy/identity.py
     # The group-mapped clients this server has seen (shared across reloads).
     seen: SeenIdentities = field(default_factory=SeenIdentities, compare=False, repr=False)
+    webauthn: WebAuthnSettings | None = None  # the relying party of passkey approvals
     _by_id: Mapping[str, Approver] = field(init=False, repr=False, compare=False)
+    _by_credential: Mapping[str, PasskeyCredential] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # Built once: the approval path looks approvers up for every token.
         by_id = MappingProxyType({a.id: a for a in self.approvers})
         object.__setattr__(self, "_by_id", by_id)
+        credentials = {c.credential_id: c for a in self.approvers for c in a.passkeys}
+        object.__setattr__(self, "_by_credential", MappingProxyType(credentials))
 
     def approver(self, approver_id: str) -> Approver | None:
         return self._by_id.get(approver_id)
@@ -250,7 +256,13 @@ class Policy:
         return client.id if client.id in self._by_id else None
 
     def approver_keys(self) -> Mapping[str, Ed25519PublicKey]:
-        return MappingProxyType({a.id: a.public_key for a in self.approvers})
+        return MappingProxyType(
+            {a.id: a.public_key for a in self.approvers if a.public_key is not None}
+        )
+
+    def passkey_credentials(self) -> Mapping[str, PasskeyCredential]:
+        """Every approver's passkeys, by credential id (canonical base64url)."""
+        return self._by_credential
 
     def rule_for(
         self, *, tool_name: str, categories: Sequence[str], level: SafetyLevel

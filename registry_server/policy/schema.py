@@ -69,6 +69,7 @@ from registry_server.policy.model import (
     SHA256_HEX_PATTERN,
 )
 from registry_server.policy.webhooks import MAX_WEBHOOKS, _WebhookIn, check_url
+from registry_server.signing import passkeys
 from registry_server.signing.keys import public_key_from_text
 from sandbox_runner.egress import rules
 
@@ -106,10 +107,51 @@ def _check_groups(values: list[str]) -> list[str]:
     return values
 
 
+MAX_PASSKEYS_PER_APPROVER = 16
+
+
+class _PasskeyIn(_Strict):
+    """One WebAuthn credential of an approver: what the console's enrolment prints."""
+
+    id: str  # the credential id, base64url
+    public_key: str  # the COSE_Key, base64url
+
+    @field_validator("id")
+    @classmethod
+    def _id(cls, value: str) -> str:
+        return passkeys.canonical_credential_id(value)  # raises ValueError with the reason
+
+    @field_validator("public_key")
+    @classmethod
+    def _key(cls, value: str) -> str:
+        passkeys.public_key_from_text(value)
+        return value
+
+
+class _WebAuthnIn(_Strict):
+    """The relying party passkey approvals are made for, and where."""
+
+    rp_id: str
+    origins: list[str] = Field(min_length=1, max_length=passkeys.MAX_ORIGINS)
+
+    @field_validator("rp_id")
+    @classmethod
+    def _rp_id(cls, value: str) -> str:
+        return passkeys.check_rp_id(value)
+
+    @model_validator(mode="after")
+    def _origins(self) -> _WebAuthnIn:
+        for origin in self.origins:
+            passkeys.check_origin(origin, self.rp_id)
+        _check_unique(self.origins, "origin")
+        return self
+
+
 class _ApproverIn(_Strict):
     id: str
-    public_key: str
+    public_key: str | None = None  # Ed25519; an approver has it, passkeys, or both
     groups: list[str] = Field(default_factory=list)
+    passkeys: list[_PasskeyIn] = Field(default_factory=list, max_length=MAX_PASSKEYS_PER_APPROVER)
 
     @field_validator("id")
     @classmethod
@@ -118,9 +160,16 @@ class _ApproverIn(_Strict):
 
     @field_validator("public_key")
     @classmethod
-    def _key(cls, value: str) -> str:
-        public_key_from_text(value)  # raises ValueError with the reason
+    def _key(cls, value: str | None) -> str | None:
+        if value is not None:
+            public_key_from_text(value)  # raises ValueError with the reason
         return value
+
+    @model_validator(mode="after")
+    def _some_key(self) -> _ApproverIn:
+        if self.public_key is None and not self.passkeys:
+            raise ValueError("an approver needs a public_key, passkeys, or both")
+        return self
 
     @field_validator("groups")
     @classmethod
@@ -464,6 +513,7 @@ class _PolicyIn(_Strict):
         DEFAULT_APPROVAL_REQUEST_TTL_S, ge=1, le=MAX_APPROVAL_REQUEST_TTL_S
     )
     approvers: list[_ApproverIn] = Field(default_factory=list)
+    webauthn: _WebAuthnIn | None = None  # needed when an approver has passkeys
     approval_rules: list[_RuleIn] = Field(default_factory=list)
     profiles: _ProfilesIn = Field(default_factory=lambda: _ProfilesIn())
     clients: list[_ClientIn] = Field(default_factory=list)

@@ -66,6 +66,32 @@ class TokenRejected(Exception):
 
 
 @dataclass(frozen=True)
+class PasskeyEvidence:
+    """What a verified passkey assertion (signing/passkeys.py) says of its
+    authenticator, for the counter rule and the audit log."""
+
+    credential_id: str
+    sign_count: int
+    user_present: bool
+    user_verified: bool
+    backup_eligible: bool
+    backed_up: bool
+
+    def flags(self) -> dict[str, bool]:
+        return {
+            "UP": self.user_present, "UV": self.user_verified,
+            "BE": self.backup_eligible, "BS": self.backed_up,
+        }  # fmt: skip
+
+    def audit(self) -> dict[str, object]:
+        return {
+            "credential_id": self.credential_id,
+            "sign_count": self.sign_count,
+            "flags": self.flags(),
+        }
+
+
+@dataclass(frozen=True)
 class VerifiedApproval:
     approver: str  # the token's iss, a known approver whose key verified it
     jti: str
@@ -73,6 +99,8 @@ class VerifiedApproval:
     expires_at: int  # seconds since the epoch
     request_id: str | None  # the approval request it was signed for, if any
     requester: str = ""  # the client whose call it approves
+    # A passkey approval (signing/passkeys.py): its credential, counter and flags
+    passkey: PasskeyEvidence | None = None
 
 
 # -------------------------------------------------------------------- minting
@@ -206,6 +234,30 @@ def verify(
         raise TokenRejected("not a valid JWT (issuer unreadable)")
 
     # Only a signed token gets reasons about its content.
+    return check_claims(
+        claims, issuer, audience=audience, tool_name=tool_name, tool_digest=tool_digest,
+        args_digest=args_digest, requester=requester, max_ttl_s=max_ttl_s, now=current,
+        leeway_s=leeway_s,
+    )  # fmt: skip
+
+
+def check_claims(
+    claims: Mapping[str, Any],
+    approver: str,
+    *,
+    audience: str,
+    tool_name: str,
+    tool_digest: str,
+    args_digest: str,
+    requester: str,
+    max_ttl_s: int,
+    now: float,
+    leeway_s: int = 30,
+) -> VerifiedApproval:
+    """The rules on signed approval claims that an Ed25519 token and a passkey
+    approval share (what they bind, times, lifetime, jti, req); raises
+    TokenRejected. Only claims whose signature verified may be checked here."""
+    current = now
     aud = claims["aud"]
     if not isinstance(aud, str) or aud != audience:
         raise TokenRejected(
@@ -263,7 +315,7 @@ def verify(
             f"claim 'req' must be printable ASCII of at most {MAX_REQUEST_ID_CHARS} characters"
         )
     return VerifiedApproval(
-        approver=issuer,
+        approver=approver,
         jti=jti,
         issued_at=issued_at,
         expires_at=expires_at,

@@ -144,6 +144,10 @@ class StoreReads(Protocol):
 
     def jti_used(self, jti: str) -> bool: ...
 
+    def passkey_counter(self, credential_id: str) -> int | None:
+        """The last signature counter accepted for this passkey (None: never used)."""
+        ...
+
     def request(self, request_id: str) -> ApprovalRequestRecord | None: ...
 
     def requests(
@@ -255,6 +259,15 @@ class UnitOfWork(StoreReads, Protocol):
 
     def use_jti(self, jti: str, approver: str, execution_id: str, now: float) -> bool:
         """Mark a token spent; False when it already was."""
+        ...
+
+    def advance_passkey_counter(
+        self, credential_id: str, approver: str, sign_count: int, now: float
+    ) -> bool:
+        """Store ``sign_count`` as the passkey's last counter when it goes up
+        (or stays 0 for an authenticator that does not count,
+        ``passkeys.counter_advances``); False, storing nothing, when it does
+        not: a clone, or an assertion older than one already accepted."""
         ...
 
     def add_request(self, request: ApprovalRequestRecord) -> None: ...

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 from registry_server.domain.errors import StoreError
+from registry_server.signing.passkeys import counter_advances
 from registry_server.store.base import (
     APPROVED,
     CONSUMED,
@@ -40,6 +41,7 @@ class _Data:
     requests: dict[str, ApprovalRequestRecord] = field(default_factory=dict)
     tokens: dict[str, dict[str, str]] = field(default_factory=dict)  # request -> approver -> token
     spent: dict[str, str] = field(default_factory=dict)  # jti -> execution id
+    counters: dict[str, int] = field(default_factory=dict)  # passkey credential id -> count
     secrets: dict[str, str] = field(default_factory=dict)  # name -> value (keep_secret)
     audit: list[AuditEntry] = field(default_factory=list)
     events: list[ApprovalEventRecord] = field(default_factory=list)
@@ -56,6 +58,7 @@ class _Data:
             requests=dict(self.requests),
             tokens={request: dict(by) for request, by in self.tokens.items()},
             spent=dict(self.spent),
+            counters=dict(self.counters),
             secrets=dict(self.secrets),
             audit=list(self.audit),
             events=list(self.events),
@@ -75,6 +78,9 @@ class _Reads:
 
     def jti_used(self, jti: str) -> bool:
         return jti in self._data.spent
+
+    def passkey_counter(self, credential_id: str) -> int | None:
+        return self._data.counters.get(credential_id)
 
     def request(self, request_id: str) -> ApprovalRequestRecord | None:
         return self._data.requests.get(request_id)
@@ -206,6 +212,14 @@ class _Writes(_Reads):
         if jti in self._data.spent:
             return False
         self._data.spent[jti] = execution_id
+        return True
+
+    def advance_passkey_counter(
+        self, credential_id: str, approver: str, sign_count: int, now: float
+    ) -> bool:
+        if not counter_advances(self._data.counters.get(credential_id), sign_count):
+            return False
+        self._data.counters[credential_id] = sign_count
         return True
 
     def add_request(self, request: ApprovalRequestRecord) -> None:

@@ -161,6 +161,15 @@ _MIGRATIONS: list[str] = [
         created_at  DOUBLE PRECISION NOT NULL
     );
     """,
+    # 6: as the SQLite store's 9th: each passkey's last signature counter
+    """
+    CREATE TABLE passkey_counters (
+        credential_id  TEXT PRIMARY KEY,
+        approver       TEXT NOT NULL,
+        sign_count     BIGINT NOT NULL,
+        updated_at     DOUBLE PRECISION NOT NULL
+    );
+    """,
 ]
 
 

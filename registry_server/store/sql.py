@@ -158,6 +158,12 @@ class SqlReads:
     def jti_used(self, jti: str) -> bool:
         return bool(self._all("SELECT 1 FROM used_nonces WHERE jti = ?", (jti,)))
 
+    def passkey_counter(self, credential_id: str) -> int | None:
+        rows = self._all(
+            "SELECT sign_count FROM passkey_counters WHERE credential_id = ?", (credential_id,)
+        )
+        return int(str(rows[0][0])) if rows else None
+
     def request(self, request_id: str) -> ApprovalRequestRecord | None:
         rows = self._all(
             f"SELECT {_REQUEST_COLUMNS} FROM approval_requests WHERE id = ?", (request_id,)
@@ -383,6 +389,22 @@ class SqlWrites(SqlReads):
             (jti, approver, now, execution_id),
         ).rowcount
         return bool(inserted == 1)
+
+    def advance_passkey_counter(
+        self, credential_id: str, approver: str, sign_count: int, now: float
+    ) -> bool:
+        # One conditional upsert: of two transactions advancing one passkey to
+        # the same count, on any number of servers, the second changes nothing.
+        changed = self._run(
+            "INSERT INTO passkey_counters (credential_id, approver, sign_count, updated_at)"
+            " VALUES (?, ?, ?, ?) ON CONFLICT (credential_id) DO UPDATE SET"
+            " approver = excluded.approver, sign_count = excluded.sign_count,"
+            " updated_at = excluded.updated_at"
+            " WHERE passkey_counters.sign_count < excluded.sign_count"
+            " OR (passkey_counters.sign_count = 0 AND excluded.sign_count = 0)",
+            (credential_id, approver, sign_count, now),
+        ).rowcount
+        return bool(changed == 1)
 
     def add_request(self, request: ApprovalRequestRecord) -> None:
         r = request

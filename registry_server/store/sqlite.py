@@ -155,6 +155,15 @@ _MIGRATIONS: list[str] = [
         created_at  REAL NOT NULL
     );
     """,
+    # 9: each passkey's last signature counter (a counter that goes back is a clone)
+    """
+    CREATE TABLE passkey_counters (
+        credential_id  TEXT PRIMARY KEY,   -- base64url, as the policy lists it
+        approver       TEXT NOT NULL,
+        sign_count     INTEGER NOT NULL,
+        updated_at     REAL NOT NULL
+    );
+    """,
 ]
 
 
