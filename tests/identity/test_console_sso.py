@@ -53,6 +53,7 @@ from tests.browser.conftest import (
     wait_for,
     write_tools,
 )
+from tests.browser.test_console_browser import csp_violations
 from tests.factories import sha
 from tests.identity.idp_world import RESOURCE, IdP, SigningKey, free_port
 
@@ -440,6 +441,7 @@ def test_an_approver_signs_in_with_sso_and_approves_in_chromium(
             timeout=CALL_TIMEOUT_S,
         )  # fmt: skip
         assert done.success, done
+        assert csp_violations(page) == []
     log = world.log()
     assert "testidp.alice approved request" in log
     assert world.secret not in log
@@ -454,3 +456,4 @@ def test_a_refused_sso_sign_in_is_shown_on_the_page(
               in page.by_id("sign-in-error").text)  # fmt: skip
     assert page.by_id("sso").is_displayed()
     assert "#" not in page.driver.current_url
+    assert csp_violations(page) == []
