@@ -94,6 +94,8 @@ class GroupGrant:
     max_safety_level: SafetyLevel | None = None  # for execute; None: the client default (safe)
     register: RegisterGrant | None = None
     quota: Quota | None = None
+    # approval-rule groups a member is in, when it is also one of the policy's approvers
+    approver_groups: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -168,6 +170,11 @@ class IdentityProvider:
             register=register if register is not None else RegisterGrant(),
             quota=quota if quota is not None else Quota(),
         )
+
+    def approver_groups_of(self, groups: frozenset[str]) -> tuple[str, ...]:
+        """The approval-rule groups these IdP groups give (in file order)."""
+        given = (a for g in self.groups if g.group in groups for a in g.approver_groups)
+        return tuple(dict.fromkeys(given))
 
 
 def _rank(level: SafetyLevel) -> int:

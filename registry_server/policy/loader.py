@@ -38,6 +38,7 @@ from registry_server.policy.model import (
     RuleMatch,
 )
 from registry_server.policy.schema import (
+    _ApproverIn,
     _CeilingIn,
     _ClientIn,
     _IdentityProviderIn,
@@ -162,7 +163,18 @@ def _cross_check(policy: _PolicyIn) -> Iterator[tuple[Loc, str]]:
         first_key.setdefault(raw, i)
     yield from _passkey_cross_check(policy)
 
-    known_groups = {g for a in policy.approvers for g in a.groups}
+    # Approvers whose ids a provider's subjects take may also be in the groups
+    # its mappings give (policy/identity.py): count them as such here.
+    idp_groups = {
+        _prefix(p): {a for g in p.groups for a in g.approver_groups}
+        for p in policy.identity_providers
+    }
+
+    def groups_of(approver: _ApproverIn) -> set[str]:
+        given = (gs for prefix, gs in idp_groups.items() if approver.id.startswith(prefix))
+        return set(approver.groups).union(*given)
+
+    known_groups = {g for a in policy.approvers for g in groups_of(a)}
     first_match: dict[tuple[str | None, ...], int] = {}
     for i, rule in enumerate(policy.approval_rules):
         match = (rule.match.tool, rule.match.category, rule.match.level)
@@ -180,7 +192,7 @@ def _cross_check(policy: _PolicyIn) -> Iterator[tuple[Loc, str]]:
                     f"unknown group {group!r} (no approver is in it)",
                 )
         eligible = sorted(
-            {a.id for a in policy.approvers if not rule.groups or set(a.groups) & set(rule.groups)}
+            {a.id for a in policy.approvers if not rule.groups or groups_of(a) & set(rule.groups)}
         )
         if rule.approvals_required > len(eligible):
             who = f" ({', '.join(eligible)})" if eligible else ""
@@ -312,6 +324,7 @@ def _identity_provider(p: _IdentityProviderIn, where: str) -> IdentityProvider:
                 ),
                 register=None if g.grant is None else _register_grant(g.grant),
                 quota=None if g.quotas is None else _quota(g.quotas),
+                approver_groups=tuple(g.approver_groups),
             )
             for g in p.groups
         ),

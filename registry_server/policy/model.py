@@ -9,7 +9,7 @@ import hashlib
 import hmac
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -201,7 +201,21 @@ class Policy:
         object.__setattr__(self, "_by_credential", MappingProxyType(credentials))
 
     def approver(self, approver_id: str) -> Approver | None:
-        return self._by_id.get(approver_id)
+        """The approver, in its groups of the file and, when it is a
+        group-mapped client this server has seen, the approval-rule groups its
+        identity provider's groups give it now (never those of a denied subject)."""
+        approver = self._by_id.get(approver_id)
+        if approver is None or not self.identity_providers:
+            return approver
+        sighting = self.seen.get(approver_id)
+        provider = None if sighting is None else self.identity_provider(sighting.provider)
+        if sighting is None or provider is None or sighting.subject in provider.denied_subjects:
+            return approver
+        if provider.client_id(sighting.subject) != approver_id:
+            return approver
+        extra = provider.approver_groups_of(sighting.groups)
+        groups = tuple(dict.fromkeys((*approver.groups, *extra)))
+        return approver if groups == approver.groups else replace(approver, groups=groups)
 
     def client(self, client_id: str) -> Client | None:
         """A client of the file, else a group-mapped client of an identity
@@ -292,7 +306,7 @@ class Policy:
 
     def eligible(self, approver_id: str, rule: EffectiveRule) -> bool:
         """Whether this approver counts towards at least one requirement."""
-        approver = self._by_id.get(approver_id)
+        approver = self.approver(approver_id)
         return approver is not None and any(r.admits(approver.groups) for r in rule.requirements)
 
     def client_by_token(self, token: str) -> Client | None:

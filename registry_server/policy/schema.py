@@ -403,11 +403,17 @@ class _GroupGrantIn(_Strict):
     max_safety_level: str | None = None
     grant: _RegisterIn | None = Field(None, alias="register")
     quotas: _QuotaIn | None = None
+    approver_groups: list[str] = Field(default_factory=list, max_length=MAX_GRANT_ENTRIES)
 
     @field_validator("roles")
     @classmethod
     def _roles(cls, value: list[str]) -> list[str]:
         return _check_roles(value)
+
+    @field_validator("approver_groups")
+    @classmethod
+    def _approver_groups(cls, value: list[str]) -> list[str]:
+        return _check_groups(value)
 
     @field_validator("max_safety_level")
     @classmethod

@@ -443,3 +443,39 @@ def test_mixed_case_subjects_can_be_hashed_into_ids(tmp_path: Path) -> None:
     assert one.id.startswith("corp.") and len(one.id) == len("corp.") + 24
     with pytest.raises(PolicyError, match="subject_ids"):
         load(tmp_path, subject_ids="lowercase")
+
+
+def test_idp_groups_give_a_seen_approver_its_rule_groups_now(tmp_path: Path) -> None:
+    groups = provider_yaml()["groups"] + [
+        {"group": "sre-oncall", "roles": ["approve"], "approver_groups": ["sre"]}
+    ]
+    path = tmp_path / "policy.yaml"
+    policy_doc = {
+        "audience": "toolreg-test",
+        "approvers": [{"id": "corp.alice", "public_key": KEY_A}],
+        "approval_rules": [
+            {"match": {"level": "dangerous"}, "approvals_required": 1, "groups": ["sre"]}
+        ],
+        "identity_providers": [provider_yaml(groups=groups)],
+    }
+    path.write_text(yaml.safe_dump(policy_doc))
+    live = LivePolicy(lambda: load_policy(path))  # "sre" is known only through the mapping
+    rule = live.current.rule_for(tool_name="t", categories=(), level=SafetyLevel.DANGEROUS)
+    assert not live.current.eligible("corp.alice", rule)  # not seen: the file's groups only
+    live.current.seen.saw("corp.alice", Sighting("corp", "alice", frozenset({"sre-oncall"})))
+    assert live.current.eligible("corp.alice", rule)
+    assert live.current.approver("corp.alice").groups == ("sre",)  # type: ignore[union-attr]
+    assert rule.missing([live.current.approver("corp.alice")]) == 0  # type: ignore[list-item]
+    # Taken away at the IdP (the next token's groups), or denied here: not eligible.
+    live.current.seen.saw("corp.alice", Sighting("corp", "alice", frozenset({"agents"})))
+    assert not live.current.eligible("corp.alice", rule)
+    live.current.seen.saw("corp.alice", Sighting("corp", "alice", frozenset({"sre-oncall"})))
+    policy_doc["identity_providers"] = [provider_yaml(groups=groups, denied_subjects=["alice"])]
+    path.write_text(yaml.safe_dump(policy_doc))
+    live.reload()
+    assert not live.current.eligible("corp.alice", rule)
+    # Without the mapping, the rule's group is nobody's: refused at load, naming it.
+    policy_doc["identity_providers"] = [provider_yaml()]
+    path.write_text(yaml.safe_dump(policy_doc))
+    with pytest.raises(PolicyError, match="unknown group 'sre'"):
+        load_policy(path)
