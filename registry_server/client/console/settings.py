@@ -26,9 +26,12 @@ from typing import Self
 from urllib.parse import urlsplit
 
 from registry_server.client.console.throttle import DEFAULT_WINDOW_S, MAX_WINDOW_S, MIN_WINDOW_S
-from registry_server.client.http_listener import check_listener, parse_endpoint
+from registry_server.client.http_listener import (
+    check_listener,
+    parse_endpoint,
+    read_client_secret,
+)
 from registry_server.domain.errors import ConfigError
-from registry_server.domain.files import read_credential
 from registry_server.policy.clients import Client, Role
 from registry_server.policy.identity import IdentityProvider
 from registry_server.policy.loader import load_policy
@@ -45,7 +48,6 @@ DEFAULT_MAX_BODY_BYTES = 64 * 1024
 SIGNIN_WINDOW_ENV = "TOOLREG_CONSOLE_SIGNIN_WINDOW_S"
 SSO_SECRET_ENV = "TOOLREG_CONSOLE_SSO_CLIENT_SECRET"  # the console's client secret at the IdP
 DEFAULT_SSO_SCOPES = ("groups",)  # asked beside openid: the scope that brings the groups claim
-MAX_SECRET_BYTES = 4_096  # bytes of a client secret file
 CALLBACK_PATH = "/auth/callback"
 
 
@@ -257,20 +259,7 @@ def sso_could_sign_in(policy: Policy, provider: IdentityProvider) -> bool:
 def _client_secret(path: Path | None) -> str:
     """From $TOOLREG_CONSOLE_SSO_CLIENT_SECRET or a file (one, not both);
     never an argument, where other users of the host would see it."""
-    from_env = os.environ.get(SSO_SECRET_ENV)
-    if from_env is not None and path is not None:
-        raise ConfigError(f"the SSO client secret: ${SSO_SECRET_ENV} or"
-                          " --sso-client-secret-file, not both")  # fmt: skip
-    if path is not None:
-        data = read_credential(path, "SSO client secret file")
-        if len(data) > MAX_SECRET_BYTES:
-            raise ConfigError(f"--sso-client-secret-file {path}: over {MAX_SECRET_BYTES} bytes")
-        try:
-            secret = data.decode("utf-8").strip()
-        except UnicodeDecodeError:
-            raise ConfigError(f"--sso-client-secret-file {path}: not UTF-8 text") from None
-    else:
-        secret = (from_env or "").strip()
+    secret = read_client_secret(SSO_SECRET_ENV, path, "--sso-client-secret-file")
     if not secret:
         raise ConfigError(f"SSO needs the console's client secret: set ${SSO_SECRET_ENV} or"
                           " give --sso-client-secret-file FILE")  # fmt: skip
