@@ -121,10 +121,11 @@ export class ToolregClient {
 
   /**
    * A client for `address` (default: $TOOLREG_ADDRESS or 127.0.0.1:50051).
-   * `token` is sent as `authorization: Bearer`. `tls: true` uses TLS verified
-   * against the system's CAs; `tls: {ca, cert, key}` gives PEMs (text, bytes
-   * or file paths; cert + key = mutual TLS). The connection opens on the
-   * first call.
+   * `token` is sent as `authorization: Bearer`: a string, or a provider
+   * asked before every call (`clientCredentials(...)`, or your own function).
+   * `tls: true` uses TLS verified against the system's CAs; `tls: {ca, cert,
+   * key}` gives PEMs (text, bytes or file paths; cert + key = mutual TLS).
+   * The connection opens on the first call.
    */
   static connect(options: ClientOptions = {}): ToolregClient {
     return new ToolregClient(openConnection(options), options.timeoutMs ?? DEFAULT_TIMEOUT_MS);

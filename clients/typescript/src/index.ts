@@ -25,7 +25,15 @@ export {
   type ConnectionOptions,
   type PemSource,
   type TlsOptions,
+  type TokenProvider,
 } from "./transport.js";
+export {
+  clientCredentials,
+  REFRESH_MARGIN_MS,
+  TokenError,
+  type ClientCredentialsOptions,
+  type ClientCredentialsProvider,
+} from "./tokens.js";
 export type {
   ApprovalEvent,
   ApprovalEventType,

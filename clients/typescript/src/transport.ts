@@ -23,11 +23,17 @@ export interface TlsOptions {
   serverName?: string;
 }
 
+/**
+ * Gives the bearer token to send now; asked before every call, so a token it
+ * refreshes is used from the next call on (e.g. `clientCredentials(...)`).
+ */
+export type TokenProvider = () => string | Promise<string>;
+
 export interface ConnectionOptions {
   /** "host:port" (default: $TOOLREG_ADDRESS, else 127.0.0.1:50051), or an http:// or https:// URL. */
   address?: string;
-  /** Sent as `authorization: Bearer <token>` on every call; never logged. */
-  token?: string;
+  /** Sent as `authorization: Bearer <token>` on every call; never logged. A provider is asked per call. */
+  token?: string | TokenProvider;
   /** TLS: `true` verifies the server against the system's CAs; an object gives PEMs. */
   tls?: true | TlsOptions;
 }
@@ -42,7 +48,7 @@ export function defaultAddress(): string {
   return process.env[ADDRESS_ENV] || DEFAULT_ADDRESS;
 }
 
-function pem(value: PemSource | undefined, what: string): Buffer | undefined {
+export function pem(value: PemSource | undefined, what: string): Buffer | undefined {
   if (value === undefined) return undefined;
   if (typeof value !== "string") return Buffer.from(value);
   if (value.includes("-----BEGIN ")) return Buffer.from(value, "utf8");
@@ -67,10 +73,11 @@ function baseUrl(address: string, tls: boolean): string {
   return url.origin;
 }
 
-function bearer(token: string): Interceptor {
-  const header = `Bearer ${token}`;
+function bearer(token: string | TokenProvider): Interceptor {
   return (next) => async (req) => {
-    req.header.set("authorization", header);
+    const value = typeof token === "string" ? token : await token();
+    if (typeof value !== "string" || !value) throw new Error("the token provider gave no token");
+    req.header.set("authorization", `Bearer ${value}`);
     return next(req);
   };
 }

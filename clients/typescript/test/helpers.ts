@@ -4,7 +4,13 @@
 import { strict as assert } from "node:assert";
 import { createHash, createPrivateKey, randomBytes, sign } from "node:crypto";
 
-import { RpcError, ToolregClient, type ApprovalRequestView, type ClientOptions } from "toolreg-client";
+import {
+  RpcError,
+  ToolregClient,
+  type ApprovalRequestView,
+  type ClientOptions,
+  type TokenProvider,
+} from "toolreg-client";
 
 /** A variable the pytest driver sets; a missing one fails the test (never a skip). */
 export function env(name: string): string {
@@ -36,7 +42,7 @@ export const tokens = {
 const open: ToolregClient[] = [];
 
 /** A client of the plain (no TLS) server; more options for the TLS servers. */
-export function connect(token: string | undefined, options: ClientOptions = {}): ToolregClient {
+export function connect(token: string | TokenProvider | undefined, options: ClientOptions = {}): ToolregClient {
   const client = ToolregClient.connect({ address: env("TOOLREG_ADDRESS"), token, ...options });
   open.push(client);
   return client;
