@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, urljoin, urlsplit
+from urllib.parse import parse_qs, urlencode, urljoin, urlsplit
 
 import httpx
 import pytest
@@ -457,3 +457,24 @@ def test_a_refused_sso_sign_in_is_shown_on_the_page(
     assert page.by_id("sso").is_displayed()
     assert "#" not in page.driver.current_url
     assert csp_violations(page) == []
+
+
+def test_an_authorization_request_with_another_nonce_is_refused_at_the_callback(
+    world: World, browser: Browser
+) -> None:
+    """Someone between the console and the provider swaps the nonce in the
+    authorization request: the provider then issues a real ID token, signed
+    with its real key, carrying that other nonce; the console refuses it."""
+    url = browser.start()
+    parts = urlsplit(url)
+    query = {k: v[0] for k, v in parse_qs(parts.query).items()}
+    query["nonce"] = "swapped-" + query["nonce"][8:]
+    tampered = parts._replace(query=urlencode(query)).geturl()
+    callback_url = browser.login_at_provider(tampered, "alice")
+    answer = browser.callback(callback_url)
+    refused_with(answer, "token")
+    assert browser.whoami().status_code == 401
+    log = world.log()
+    assert "ID token nonce mismatch" in log
+    for value in secrets_of(callback_url):
+        assert value not in log
