@@ -479,3 +479,22 @@ def test_idp_groups_give_a_seen_approver_its_rule_groups_now(tmp_path: Path) -> 
     path.write_text(yaml.safe_dump(policy_doc))
     with pytest.raises(PolicyError, match="unknown group 'sre'"):
         load_policy(path)
+
+
+def test_static_tokens_and_mtls_subjects_keep_working_beside_providers(
+    idp: Keys, tmp_path: Path
+) -> None:
+    clients = [
+        {"id": "admin", "token_sha256": sha("admin-secret"), "roles": ["admin"]},
+        {"id": "svc", "mtls_subject": "CN=svc,O=Acme", "roles": ["execute"]},
+    ]
+    policy = load_policy(write(tmp_path, [provider_yaml()], clients))
+    auth = Authenticator(policy, AccessTokens(fetcher_for=lambda _p: idp.fetch))
+    assert auth.identify((("authorization", "Bearer admin-secret"),), {}).id == "admin"
+    tls = {"transport_security_type": [b"ssl"], "x509_subject": [b"CN=svc,O=Acme"]}
+    assert auth.identify((), tls).id == "svc"
+    assert auth.identify((("authorization", f"Bearer {idp.token()}"),), tls).id == "corp.bob"
+    assert idp.fetched  # only the JWT needed the provider's keys
+    with pytest.raises(AuthError) as caught:  # a static-looking unknown token is never a JWT
+        auth.identify((("authorization", "Bearer nobody-secret"),), {})
+    assert caught.value.message == "unknown bearer token"
