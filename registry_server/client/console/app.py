@@ -69,6 +69,7 @@ from registry_server.api import logs
 from registry_server.client.console import views
 from registry_server.client.console.feed import Feeds, Page
 from registry_server.client.console.guard import Guard, error, shown, source_of
+from registry_server.client.console.passkey_routes import PasskeyRoutes, signer_of
 from registry_server.client.console.sessions import Session, Sessions, SessionsFull
 from registry_server.client.console.settings import (
     CALLBACK_PATH,
@@ -103,7 +104,7 @@ from registry_server.client.registry_client import (
 from registry_server.client.terminal import escape
 from registry_server.domain.errors import ConfigError
 from registry_server.policy.clients import Client
-from registry_server.signing.tokens import MAX_TOKEN_CHARS, peek_issuer
+from registry_server.signing.tokens import MAX_TOKEN_CHARS
 from registry_server.wire import convert
 
 log = logging.getLogger("toolreg.console")
@@ -249,6 +250,7 @@ class Console:
             Route("/api/requests/{request_id}", self.detail, methods=["GET"]),
             Route("/api/requests/{request_id}/approve", self.approve, methods=["POST"]),
             Route("/api/requests/{request_id}/reject", self.reject, methods=["POST"]),
+            *PasskeyRoutes(self, rpc_refusal).routes(),
         ]
         app = Starlette(routes=routes, lifespan=self._lifespan)
         guarded = Guard(
@@ -608,7 +610,7 @@ class Console:
     ) -> Response:
         if len(token) > MAX_TOKEN_CHARS:
             return error(400, f"the token is longer than {MAX_TOKEN_CHARS} characters")
-        if peek_issuer(token) != session.approver:
+        if signer_of(self.policy, token) != session.approver:
             # A console user signs as itself; a token of someone else is not theirs to hand in.
             return error(403, f"the token is not signed as {escape(session.approver)},"
                           " the approver you are signed in as")  # fmt: skip

@@ -91,6 +91,131 @@
   }
 
   const utf8 = new TextEncoder();
+
+  function fromBase64url(value) {
+    const binary = atob(value.replace(/-/g, '+').replace(/_/g, '/'));
+    return Uint8Array.from(binary, (c) => c.charCodeAt(0));
+  }
+
+  // ------------------------------------------------------------ passkeys
+
+  // Passkeys (WebAuthn) sign in the authenticator, never in this page: the
+  // page asks the console for the options or the claims, hands the browser a
+  // challenge, and sends back what the authenticator made. The challenge of
+  // an approval is SHA-256 of the canonical claims the console sent, computed
+  // here with WebCrypto over those very bytes.
+  const passkeys = { enabled: false, credentials: [] };
+
+  async function loadPasskeys() {
+    const answer = await api('GET', '/api/passkeys');
+    passkeys.enabled = answer.ok && answer.data.enabled;
+    passkeys.credentials = passkeys.enabled ? answer.data.credentials : [];
+    $('passkey-panel').hidden = !passkeys.enabled;
+    const count = passkeys.credentials.length;
+    text($('passkey-count'), count ? `(${count} in the policy for ${session.approver})`
+      : `(none in the policy for ${session.approver} yet)`);
+    for (const card of cards.values()) updateButtons(card);
+  }
+
+  function passkeyFailure(err) {
+    if (err && err.name === 'NotAllowedError') return 'The passkey prompt was cancelled or timed out.';
+    if (err && err.name === 'InvalidStateError') return 'This authenticator already holds a passkey of yours.';
+    return `The passkey did not answer: ${err && err.message ? err.message : err}`;
+  }
+
+  async function enrolPasskey() {
+    const status = $('passkey-status');
+    text(status, 'Creating a passkey\u2026');
+    const options = await api('POST', '/api/passkeys/enrol/options');
+    if (!options.ok) {
+      text(status, options.data.error);
+      return;
+    }
+    const o = options.data;
+    let credential;
+    try {
+      credential = await navigator.credentials.create({
+        publicKey: {
+          challenge: fromBase64url(o.challenge),
+          rp: o.rp,
+          user: { id: fromBase64url(o.user.id), name: o.user.name, displayName: o.user.displayName },
+          pubKeyCredParams: o.algorithms.map((alg) => ({ type: 'public-key', alg })),
+          excludeCredentials: o.exclude.map((id) => ({ type: 'public-key', id: fromBase64url(id) })),
+          authenticatorSelection: { residentKey: 'preferred', requireResidentKey: false, userVerification: 'required' },
+          attestation: 'none',
+          timeout: o.timeout_ms,
+        },
+      });
+    } catch (err) {
+      text(status, passkeyFailure(err));
+      return;
+    }
+    const answer = await api('POST', '/api/passkeys/enrol', {
+      body: {
+        credential_id: base64url(new Uint8Array(credential.rawId)),
+        client_data_json: base64url(new Uint8Array(credential.response.clientDataJSON)),
+        attestation_object: base64url(new Uint8Array(credential.response.attestationObject)),
+      },
+    });
+    if (!answer.ok) {
+      text(status, answer.data.error);
+      return;
+    }
+    const lines = $('passkey-lines');
+    text(lines, answer.data.policy_lines);
+    lines.hidden = false;
+    text(status, 'Passkey created. Send these lines to an operator: it approves once they are in the policy.');
+  }
+
+  function approveWithPasskey(card) {
+    const detail = card.detail;
+    if (!detail || !detail.signable) return;
+    withBusy(card, async () => {
+      setOutcome(card, 'Asking your passkey\u2026', '');
+      const path = `/api/requests/${encodeURIComponent(card.id)}`;
+      const given = await api('GET', `${path}/passkey-claims`);
+      if (!given.ok) {
+        setOutcome(card, given.data.error, 'bad');
+        return;
+      }
+      const claims = given.data.claims;
+      let assertion;
+      try {
+        const challenge = new Uint8Array(await crypto.subtle.digest('SHA-256', utf8.encode(claims)));
+        assertion = await navigator.credentials.get({
+          publicKey: {
+            challenge,
+            rpId: given.data.rp_id,
+            allowCredentials: given.data.credentials.map((id) => ({ type: 'public-key', id: fromBase64url(id) })),
+            userVerification: 'required',
+            timeout: given.data.timeout_ms,
+          },
+        });
+      } catch (err) {
+        setOutcome(card, passkeyFailure(err), 'bad');
+        return;
+      }
+      const response = assertion.response;
+      const answer = await api('POST', `${path}/approve-passkey`, {
+        body: {
+          claims,
+          credential_id: base64url(new Uint8Array(assertion.rawId)),
+          authenticator_data: base64url(new Uint8Array(response.authenticatorData)),
+          client_data_json: base64url(new Uint8Array(response.clientDataJSON)),
+          signature: base64url(new Uint8Array(response.signature)),
+        },
+      });
+      if (!answer.ok) {
+        setOutcome(card, answer.data.error, 'bad');
+        return;
+      }
+      const after = answer.data.request;
+      setOutcome(card, `Approved with a passkey as ${session.approver}: ${after.approved_by.length} of `
+        + `${after.approvals_required} approvals, state ${after.state}.`, 'ok');
+    });
+  }
+
+  $('passkey-enrol').addEventListener('click', () => enrolPasskey());
   const segment = (value) => base64url(utf8.encode(JSON.stringify(value)));
 
   // ----------------------------------------------------------- key files
@@ -313,6 +438,7 @@
       argumentsHeading: root.querySelector('.arguments-heading'),
       argumentsText: root.querySelector('.arguments'),
       approve: root.querySelector('.approve'),
+      approvePasskey: root.querySelector('.approve-passkey'),
       reason: root.querySelector('.reason'),
       reject: root.querySelector('.reject'),
       notSignable: root.querySelector('.not-signable'),
@@ -327,6 +453,7 @@
     };
     root.dataset.requestId = id;
     card.approve.addEventListener('click', () => approve(card));
+    card.approvePasskey.addEventListener('click', () => approveWithPasskey(card));
     card.reject.addEventListener('click', () => reject(card));
     cards.set(id, card);
     $('requests').prepend(root);
@@ -367,6 +494,8 @@
   function updateButtons(card) {
     const open = OPEN_STATES.has(card.state);
     card.approve.disabled = card.busy || card.stale || !open || !card.detail || !card.detail.signable;
+    card.approvePasskey.hidden = passkeys.credentials.length === 0;
+    card.approvePasskey.disabled = card.approve.disabled;
     card.reject.disabled = card.busy || !open;
     card.reason.disabled = !open;
     text(card.notSignable, open && card.detail && !card.detail.signable ? card.detail.not_signable : '');
@@ -567,6 +696,7 @@
     text($('sign-in-error'), '');
     setStatus('Connecting\u2026', '');
     watch();
+    loadPasskeys();
   }
 
   function signedOut(reason) {
@@ -581,6 +711,9 @@
     $('sign-in').hidden = false;
     $('key-file').value = '';
     $('key-passphrase').value = '';
+    text($('passkey-lines'), '');
+    $('passkey-lines').hidden = true;
+    text($('passkey-status'), '');
     text($('sign-in-error'), reason || '');
     setStatus('Not signed in', '');
   }
