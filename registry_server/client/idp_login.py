@@ -19,7 +19,6 @@ step and, from the provider, its OAuth ``error`` code only.
 from __future__ import annotations
 
 import base64
-import hashlib
 import hmac
 import html
 import json
@@ -37,6 +36,7 @@ from registry_server.client.idp_tokens import (
     MAX_ANSWER_BYTES,
     TokenAnswer,
     check_endpoint,
+    s256,
     token_request,
 )
 
@@ -119,8 +119,7 @@ class Request:
 
     @property
     def challenge(self) -> str:
-        digest = hashlib.sha256(self.verifier.encode("ascii")).digest()
-        return base64.urlsafe_b64encode(digest).rstrip(b"=").decode("ascii")
+        return s256(self.verifier)
 
     def url(
         self, provider: Discovery, client_id: str, redirect_uri: str, *, scope: str, resource: str

@@ -12,6 +12,9 @@ provider's OAuth ``error`` code only.
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import json
 import ssl
 import threading
 import time
@@ -26,10 +29,16 @@ REFRESH_MARGIN_S = 30.0  # seconds before expiry when a token is fetched again
 DEFAULT_LIFETIME_S = 60.0  # seconds assumed when the answer names no expires_in
 FETCH_TIMEOUT_S = 10.0  # seconds for one token request
 MAX_ANSWER_BYTES = 64 * 1024  # bytes of a token endpoint's answer
+MAX_TOKEN_CHARS = 8_192  # characters of an access, refresh or ID token kept from an answer
 
 
 class TokenError(Exception):
-    """The identity provider did not give a token (no secret in the message)."""
+    """The identity provider did not give a token (no secret in the message);
+    ``unreachable``: no answer at all (worth trying again), not a refusal."""
+
+    def __init__(self, message: str, *, unreachable: bool = False) -> None:
+        super().__init__(message)
+        self.unreachable = unreachable
 
 
 class ClientCredentials:
@@ -170,6 +179,12 @@ def check_endpoint(url: str, what: str) -> None:
         raise ValueError(f"{what} must be an https:// URL (http only to loopback)")
 
 
+def s256(verifier: str) -> str:
+    """The PKCE S256 challenge of a verifier (RFC 7636, section 4.2)."""
+    digest = hashlib.sha256(verifier.encode("ascii")).digest()
+    return base64.urlsafe_b64encode(digest).rstrip(b"=").decode("ascii")
+
+
 def token_request(
     http: httpx.Client,
     endpoint: str,
@@ -179,30 +194,39 @@ def token_request(
 ) -> TokenAnswer:
     """POST one grant to a token endpoint; its answer, or TokenError naming
     only the HTTP status and the provider's OAuth ``error`` code."""
+    raw = b""
     try:
-        answer = http.post(endpoint, data=dict(form), auth=auth or httpx.USE_CLIENT_DEFAULT)
+        # Read as it comes, up to the cap: the answer's size is the provider's to choose.
+        with http.stream(
+            "POST", endpoint, data=dict(form), auth=auth or httpx.USE_CLIENT_DEFAULT
+        ) as answer:
+            for chunk in answer.iter_bytes():
+                raw += chunk
+                if len(raw) > MAX_ANSWER_BYTES:
+                    raise TokenError("token endpoint's answer is too large")
+            status = answer.status_code
     except httpx.HTTPError as exc:
-        raise TokenError(f"token endpoint unreachable ({type(exc).__name__})") from None
-    if len(answer.content) > MAX_ANSWER_BYTES:
-        raise TokenError("token endpoint's answer is too large")
+        raise TokenError(
+            f"token endpoint unreachable ({type(exc).__name__})", unreachable=True
+        ) from None
     try:
-        body = answer.json()
+        body = json.loads(raw)
     except ValueError:
         body = {}
-    if answer.status_code != 200 or not isinstance(body, dict):
+    if status != 200 or not isinstance(body, dict):
         code = body.get("error") if isinstance(body, dict) else None
         shown = code if isinstance(code, str) and code.isidentifier() else "no error code"
-        raise TokenError(f"token endpoint refused: HTTP {answer.status_code} ({shown})")
+        raise TokenError(f"token endpoint refused: HTTP {status} ({shown})")
     token = body.get("access_token")
-    if not isinstance(token, str) or not token:
-        raise TokenError("token endpoint's answer has no access_token")
+    if not isinstance(token, str) or not token or len(token) > MAX_TOKEN_CHARS:
+        raise TokenError("token endpoint's answer has no usable access_token")
     lifetime = body.get("expires_in")
     if not isinstance(lifetime, int | float) or isinstance(lifetime, bool) or lifetime <= 0:
         lifetime = DEFAULT_LIFETIME_S
 
     def text(name: str) -> str | None:
         value = body.get(name)
-        return value if isinstance(value, str) and value else None
+        return value if isinstance(value, str) and value and len(value) <= MAX_TOKEN_CHARS else None
 
     return TokenAnswer(
         token, float(lifetime), text("refresh_token"), text("id_token"), text("scope")

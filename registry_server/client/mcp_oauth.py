@@ -49,6 +49,7 @@ from starlette.types import Send
 
 from registry_server.api.auth.access_tokens import AccessTokens, TokenRefused
 from registry_server.api.auth.jwks import FetchError, HttpFetcher
+from registry_server.client.idp_tokens import TokenError, token_request
 from registry_server.client.mcp_http_settings import OAuthSettings
 from registry_server.client.registry_client import RegistryClient
 from registry_server.policy.model import Policy
@@ -59,8 +60,6 @@ TOKEN_EXCHANGE = "urn:ietf:params:oauth:grant-type:token-exchange"
 ACCESS_TOKEN_TYPE = "urn:ietf:params:oauth:token-type:access_token"
 EXCHANGE_MARGIN_S = 30.0  # seconds before expiry when a registry token is exchanged again
 EXCHANGE_TIMEOUT_S = 10.0  # seconds for one token exchange
-MAX_EXCHANGE_ANSWER_BYTES = 64 * 1024  # bytes of a token endpoint's answer
-DEFAULT_LIFETIME_S = 60.0  # seconds assumed when the exchange names no expires_in
 MAX_PEOPLE = 256  # registry connections kept for people (least recently used closed)
 
 
@@ -212,28 +211,15 @@ class TokenExchange:
             "requested_token_type": ACCESS_TOKEN_TYPE,
         }  # fmt: skip
         try:
-            answer = self._http.post(
-                self._token_endpoint(), data=form, auth=(settings.client_id, settings.client_secret)
-            )
-        except (httpx.HTTPError, FetchError) as exc:
-            raise ExchangeError(f"token exchange failed ({type(exc).__name__})") from None
-        body = answer.json() if len(answer.content) <= MAX_EXCHANGE_ANSWER_BYTES else {}
-        token = body.get("access_token") if isinstance(body, dict) else None
-        if answer.status_code != 200 or not isinstance(token, str):
-            code = body.get("error") if isinstance(body, dict) else None
-            shown = code if isinstance(code, str) and code.isidentifier() else "no error code"
-            raise ExchangeError(f"token exchange refused: HTTP {answer.status_code} ({shown})")
-        lifetime = body.get("expires_in")
-        if isinstance(lifetime, int | float) and lifetime > 0:
-            return token, float(lifetime)
-        return token, DEFAULT_LIFETIME_S
+            endpoint = self._token_endpoint()
+        except FetchError as exc:
+            raise TokenError(f"token exchange: no token endpoint ({exc})") from None
+        auth = (settings.client_id, settings.client_secret)
+        answer = token_request(self._http, endpoint, form, auth=auth)
+        return answer.access_token, answer.lifetime
 
     def close(self) -> None:
         self._http.close()
-
-
-class ExchangeError(Exception):
-    """The provider did not exchange a host's token (no token in the message)."""
 
 
 class People:

@@ -10,10 +10,10 @@ from typing import Any
 import httpx
 import pytest
 
+from registry_server.client.idp_tokens import TokenError
 from registry_server.client.mcp_http_settings import OAuthSettings
 from registry_server.client.mcp_oauth import (
     MAX_PEOPLE,
-    ExchangeError,
     People,
     TokenExchange,
 )
@@ -72,11 +72,11 @@ def test_a_persons_token_is_exchanged_once_until_near_expiry(idp: FakeIdP) -> No
 
 def test_a_refused_exchange_names_the_status_never_a_token(idp: FakeIdP) -> None:
     idp.answer = (400, {"error": "invalid_grant", "error_description": "host-a is bad"})
-    with pytest.raises(ExchangeError) as caught:
+    with pytest.raises(TokenError) as caught:
         exchange(idp, [0.0]).registry_token("host-a")
-    assert str(caught.value) == "token exchange refused: HTTP 400 (invalid_grant)"
+    assert str(caught.value) == "token endpoint refused: HTTP 400 (invalid_grant)"
     idp.answer = (200, {"token_type": "Bearer"})
-    with pytest.raises(ExchangeError, match="HTTP 200"):
+    with pytest.raises(TokenError, match="no usable access_token"):
         exchange(idp, [0.0]).registry_token("host-a")
 
 

@@ -27,10 +27,9 @@ from registry_server.client.console.sso import (
     PendingLogins,
     SsoBearer,
     SsoRefused,
-    Tokens,
     identity,
-    s256,
 )
+from registry_server.client.idp_tokens import TokenAnswer, s256
 from registry_server.domain.errors import ConfigError
 from registry_server.policy.clients import Client, Role
 from registry_server.policy.identity import GroupGrant, IdentityProvider
@@ -207,11 +206,11 @@ def test_claims_make_the_client_as_the_registry_maps_an_access_token() -> None:
 
 
 class FakeOidc:
-    def __init__(self, answers: list[Tokens | SsoRefused]) -> None:
+    def __init__(self, answers: list[TokenAnswer | SsoRefused]) -> None:
         self.answers = answers
         self.asked: list[str] = []
 
-    def refresh(self, refresh_token: str) -> Tokens:
+    def refresh(self, refresh_token: str) -> TokenAnswer:
         self.asked.append(refresh_token)
         answer = self.answers.pop(0)
         if isinstance(answer, SsoRefused):
@@ -221,11 +220,11 @@ class FakeOidc:
 
 def test_the_access_token_is_refreshed_before_it_expires_and_lost_once() -> None:
     clock = Clock()
-    oidc = FakeOidc([Tokens("at-2", "rt-2", None, 300), Tokens("at-3", None, None, 300),
-                     SsoRefused(UNAVAILABLE, "down", failure=False), Tokens("at-4", None, None, 300),
+    oidc = FakeOidc([TokenAnswer("at-2", 300, "rt-2", None), TokenAnswer("at-3", 300, None, None),
+                     SsoRefused(UNAVAILABLE, "down", failure=False), TokenAnswer("at-4", 300, None, None),
                      SsoRefused(EXCHANGE, "token endpoint refused: HTTP 400 (invalid_grant)")])  # fmt: skip
     lost: list[bool] = []
-    bearer = SsoBearer(oidc, Tokens("at-1", "rt-1", "id", 300),  # type: ignore[arg-type]
+    bearer = SsoBearer(oidc, TokenAnswer("at-1", 300, "rt-1", "id"),  # type: ignore[arg-type]
                        on_lost=lambda: lost.append(True), clock=clock)  # fmt: skip
     assert bearer() == "at-1" and oidc.asked == []
     clock.now += 269  # 31 s left: still good

@@ -64,7 +64,7 @@ class HttpFetcher:
         except (OSError, ssl.SSLError) as exc:
             raise FetchError(f"ca_file: cannot load CA certificates ({exc})") from None
         self._provider = provider
-        self._client = httpx.Client(
+        self.client = httpx.Client(
             verify=verify,
             timeout=httpx.Timeout(FETCH_TIMEOUT_S),
             follow_redirects=False,
@@ -78,7 +78,7 @@ class HttpFetcher:
         except ValueError as exc:
             raise FetchError(str(exc)) from None
         try:
-            with self._client.stream("GET", url) as answer:
+            with self.client.stream("GET", url) as answer:
                 if answer.status_code != 200:
                     raise FetchError(f"HTTP {answer.status_code}")
                 body = b""
@@ -97,7 +97,7 @@ class HttpFetcher:
         return document
 
     def close(self) -> None:
-        self._client.close()
+        self.client.close()
 
 
 class ProviderKeys:

@@ -35,10 +35,8 @@ client secret: errors carry fixed texts (``SsoRefused.reason``).
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import hmac
-import json
 import logging
 import secrets
 import threading
@@ -49,12 +47,18 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlencode
 
-import httpx
 import jwt
 
 from registry_server.api.auth.jwks import DISCOVERY_PATH, FetchError, HttpFetcher, ProviderKeys
 from registry_server.client.console.settings import SsoSettings
 from registry_server.client.console.throttle import source_key
+from registry_server.client.idp_tokens import (
+    MAX_TOKEN_CHARS,
+    TokenAnswer,
+    TokenError,
+    s256,
+    token_request,
+)
 from registry_server.policy.clients import Client
 from registry_server.policy.identity import IdentityProvider, check_provider_url
 from registry_server.policy.model import Policy
@@ -67,10 +71,7 @@ MAX_PENDING = 1_024  # pending sign-ins at once; beyond, a new one is refused
 MAX_PENDING_PER_SOURCE = 16  # per source address; its oldest goes first
 RANDOM_BYTES = 32  # of a state, a nonce and a browser binding (256 bits each)
 VERIFIER_BYTES = 48  # of a PKCE code verifier: 64 characters (RFC 7636: 43 to 128)
-MAX_ANSWER_BYTES = 64 * 1024  # bytes of a token endpoint's answer
-MAX_TOKEN_CHARS = 8_192  # characters of an ID or access token
 REFRESH_MARGIN_S = 30.0  # seconds before its expiry when an access token is refreshed
-DEFAULT_LIFETIME_S = 60.0  # seconds assumed when the token endpoint names no expires_in
 
 
 class SsoRefused(Exception):
@@ -97,12 +98,6 @@ def _random(n: int = RANDOM_BYTES) -> str:
 
 def _digest(value: str) -> bytes:
     return hashlib.sha256(value.encode("utf-8", "surrogatepass")).digest()
-
-
-def s256(verifier: str) -> str:
-    """The PKCE S256 challenge of a verifier (RFC 7636, section 4.2)."""
-    digest = hashlib.sha256(verifier.encode("ascii")).digest()
-    return base64.urlsafe_b64encode(digest).rstrip(b"=").decode("ascii")
 
 
 # ----------------------------------------------------------- pending logins
@@ -200,42 +195,6 @@ class Endpoints:
     token: str
 
 
-@dataclass(frozen=True)
-class Tokens:
-    """What the token endpoint gave (never logged: ``repr`` hides it)."""
-
-    access_token: str = field(repr=False)
-    refresh_token: str | None = field(repr=False)
-    id_token: str | None = field(repr=False)
-    expires_in: float
-
-
-class TokenEndpoint(HttpFetcher):
-    """The provider's discovery document and keys (GET, as the registry
-    fetches them), and its token endpoint (POST), with the provider's TLS
-    settings: no redirects, no proxies from the environment, answers capped."""
-
-    def post_form(
-        self, url: str, form: Mapping[str, str], auth: tuple[str, str]
-    ) -> tuple[int, dict[str, Any]]:
-        """The status and the JSON object answered ({} when it is none)."""
-        body = b""
-        try:
-            with self._client.stream("POST", url, data=dict(form), auth=auth) as answer:
-                for chunk in answer.iter_bytes():
-                    body += chunk
-                    if len(body) > MAX_ANSWER_BYTES:
-                        raise FetchError(f"answer larger than {MAX_ANSWER_BYTES} bytes")
-                status = answer.status_code
-        except httpx.HTTPError as exc:
-            raise FetchError(f"{type(exc).__name__}: no usable answer") from None
-        try:
-            value = json.loads(body)
-        except ValueError:
-            value = None
-        return status, value if isinstance(value, dict) else {}
-
-
 class OidcClient:
     """The console as an OAuth client of one provider."""
 
@@ -248,7 +207,7 @@ class OidcClient:
         redirect_uri: str,
         scopes: tuple[str, ...],
         resource: str,
-        endpoint: TokenEndpoint | None = None,
+        endpoint: HttpFetcher | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.provider = provider
@@ -257,7 +216,7 @@ class OidcClient:
         self.redirect_uri = redirect_uri
         self.scope = " ".join(dict.fromkeys(("openid", *scopes)))
         self.resource = resource
-        self._endpoint = endpoint or TokenEndpoint(provider)
+        self._endpoint = endpoint or HttpFetcher(provider)
         self.keys = ProviderKeys(provider, self._endpoint)
         self._clock = clock
         self._lock = threading.Lock()
@@ -311,7 +270,7 @@ class OidcClient:
         }
         return f"{self.endpoints().authorization}?{urlencode(query)}"
 
-    def exchange(self, code: str, login: PendingLogin) -> Tokens:
+    def exchange(self, code: str, login: PendingLogin) -> TokenAnswer:
         return self._token_request(
             {
                 "grant_type": "authorization_code",
@@ -322,38 +281,25 @@ class OidcClient:
             }
         )
 
-    def refresh(self, refresh_token: str) -> Tokens:
+    def refresh(self, refresh_token: str) -> TokenAnswer:
         return self._token_request(
             {"grant_type": "refresh_token", "refresh_token": refresh_token,
              "resource": self.resource}
         )  # fmt: skip
 
-    def _token_request(self, form: dict[str, str]) -> Tokens:
+    def _token_request(self, form: dict[str, str]) -> TokenAnswer:
         url = self.endpoints().token
         try:
-            status, body = self._endpoint.post_form(url, form, (self.client_id, self._secret))
-        except FetchError as exc:
-            log.warning("SSO provider %s: token endpoint failed (%s)", self.provider.id, exc)
-            raise SsoRefused(UNAVAILABLE, "token endpoint unreachable", failure=False) from None
-        if status != 200:
-            code = body.get("error")
-            shown = code if isinstance(code, str) and code.isidentifier() else "no error code"
-            raise SsoRefused(EXCHANGE, f"token endpoint refused: HTTP {status} ({shown})")
-        access, refresh, id_token = (body.get(k) for k in ("access_token", "refresh_token",
-                                                          "id_token"))  # fmt: skip
-        if not isinstance(access, str) or not access or len(access) > MAX_TOKEN_CHARS:
-            raise SsoRefused(EXCHANGE, "token endpoint's answer has no usable access_token")
-        lifetime = body.get("expires_in")
-        if not isinstance(lifetime, int | float) or lifetime <= 0:
-            lifetime = DEFAULT_LIFETIME_S
-        return Tokens(
-            access,
-            refresh if isinstance(refresh, str) and refresh else None,
-            id_token if isinstance(id_token, str) and id_token else None,
-            float(lifetime),
-        )
+            return token_request(
+                self._endpoint.client, url, form, auth=(self.client_id, self._secret)
+            )
+        except TokenError as exc:
+            if exc.unreachable:
+                log.warning("SSO provider %s: token endpoint failed (%s)", self.provider.id, exc)
+                raise SsoRefused(UNAVAILABLE, "token endpoint unreachable", failure=False) from None
+            raise SsoRefused(EXCHANGE, str(exc)) from None
 
-    def verify_id_token(self, tokens: Tokens, login: PendingLogin) -> dict[str, Any]:
+    def verify_id_token(self, tokens: TokenAnswer, login: PendingLogin) -> dict[str, Any]:
         """The ID token's claims once its signature, issuer, audience, times
         and nonce hold, and the access token is for the same subject."""
         token = tokens.id_token
@@ -447,7 +393,7 @@ class SsoBearer:
     def __init__(
         self,
         oidc: OidcClient,
-        tokens: Tokens,
+        tokens: TokenAnswer,
         on_lost: Callable[[], None] = lambda: None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -457,7 +403,7 @@ class SsoBearer:
         self._lock = threading.Lock()
         self._access = tokens.access_token
         self._refresh = tokens.refresh_token
-        self._expires_at = clock() + tokens.expires_in
+        self._expires_at = clock() + tokens.lifetime
         self._lost = False
         self.refreshes = 0
 
@@ -482,7 +428,7 @@ class SsoBearer:
         self.refreshes += 1
         self._access = tokens.access_token
         self._refresh = tokens.refresh_token or self._refresh  # rotated, or kept
-        self._expires_at = self._clock() + tokens.expires_in
+        self._expires_at = self._clock() + tokens.lifetime
 
     def _lose(self, reason: str) -> None:
         self._lost = True
