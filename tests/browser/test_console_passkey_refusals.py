@@ -19,18 +19,16 @@ import hashlib
 from collections.abc import Callable
 from typing import Any
 
-import yaml
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.virtual_authenticator import Credential
 
 from registry_server.client.registry_client import RegistryClient
 from tests.browser.conftest import CALL_TIMEOUT_S, TOKENS, Page
 from tests.browser.test_console_passkeys import (  # noqa: F401 (fixtures)
-    ADMIN_TOKEN,
     World,
+    approvers_with_passkeys,
     browsers,
-    enrol,
-    with_authenticator,
+    trust_passkeys,
     world,
 )
 
@@ -71,24 +69,8 @@ def test_other_arguments_a_cloned_passkey_and_no_user_verification_are_refused(
     world: World,  # noqa: F811
     browsers: Callable[[], Page],  # noqa: F811
 ) -> None:
-    alice, bob = with_authenticator(browsers()), with_authenticator(browsers())
-    for page, who in ((alice, "alice"), (bob, "bob")):
-        page.console = world.console
-        page.sign_in(who)
-        page.wait("the passkey panel", lambda d, p=page: p.by_id("passkey-panel").is_displayed())
-    enrolled = {e["approver"]: e for e in (enrol(alice), enrol(bob))}
-    policy: dict[str, Any] = yaml.safe_load(world.policy.read_text())
-    for approver in policy["approvers"]:
-        if approver["id"] in enrolled:
-            entry = enrolled[approver["id"]]
-            approver["passkeys"] = [{"id": entry["id"], "public_key": entry["public_key"]}]
-    world.policy.write_text(yaml.safe_dump(policy, sort_keys=False))
-    with RegistryClient.connect(world.server.address, token=ADMIN_TOKEN) as admin:
-        admin.reload_policy()
-    world.restart_console()
-    for page, who in ((alice, "alice"), (bob, "bob")):
-        page.console = world.console
-        page.sign_in(who)
+    alice, bob, enrolled = approvers_with_passkeys(world, browsers)
+    trust_passkeys(world, enrolled, alice, bob)
 
     agent = RegistryClient.connect(world.server.address, token=TOKENS["agent"])
     first = agent.execute_tool("deploy_note", {"note": "first"}, timeout=CALL_TIMEOUT_S)

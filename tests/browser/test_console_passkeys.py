@@ -133,15 +133,40 @@ def approve_with_passkey(page: Page, request_id: str) -> str:
     return page.outcome(request_id, expect="Approved with a passkey")
 
 
-def test_two_approvers_enrol_passkeys_approve_and_the_call_runs(
+def approvers_with_passkeys(
     world: World, browsers: Callable[[], Page]
-) -> None:
+) -> tuple[Page, Page, dict[str, dict[str, str]]]:
+    """alice's and bob's browsers, each with a virtual authenticator, signed
+    in, each having enrolled a passkey: the pages and what each printed."""
     alice, bob = with_authenticator(browsers()), with_authenticator(browsers())
     for page, who in ((alice, "alice"), (bob, "bob")):
         page.console = world.console
         page.sign_in(who)
         page.wait("the passkey panel", lambda d, p=page: p.by_id("passkey-panel").is_displayed())
-    enrolled = {e["approver"]: e for e in (enrol(alice), enrol(bob))}
+    return alice, bob, {e["approver"]: e for e in (enrol(alice), enrol(bob))}
+
+
+def trust_passkeys(world: World, enrolled: dict[str, dict[str, str]], *pages: Page) -> None:
+    """The operator adds the printed lines and reloads the policy; the console
+    restarts to read it, and the pages sign in to it again."""
+    policy: dict[str, Any] = yaml.safe_load(world.policy.read_text())
+    for approver in policy["approvers"]:
+        if approver["id"] in enrolled:
+            entry = enrolled[approver["id"]]
+            approver["passkeys"] = [{"id": entry["id"], "public_key": entry["public_key"]}]
+    world.policy.write_text(yaml.safe_dump(policy, sort_keys=False))
+    with RegistryClient.connect(world.server.address, token=ADMIN_TOKEN) as admin:
+        admin.reload_policy()
+    world.restart_console()
+    for page, who in zip(pages, ("alice", "bob")[: len(pages)], strict=True):
+        page.console = world.console
+        page.sign_in(who)
+
+
+def test_two_approvers_enrol_passkeys_approve_and_the_call_runs(
+    world: World, browsers: Callable[[], Page]
+) -> None:
+    alice, bob, enrolled = approvers_with_passkeys(world, browsers)
     assert set(enrolled) == {"alice", "bob"}
     assert enrolled["alice"]["id"] != enrolled["bob"]["id"]
 
@@ -154,16 +179,7 @@ def test_two_approvers_enrol_passkeys_approve_and_the_call_runs(
     assert not card.find_element(By.CSS_SELECTOR, "button.approve-passkey").is_displayed()
 
     # The operator adds the printed lines and reloads the policy.
-    policy: dict[str, Any] = yaml.safe_load(world.policy.read_text())
-    for approver in policy["approvers"]:
-        if approver["id"] in enrolled:
-            entry = enrolled[approver["id"]]
-            approver["passkeys"] = [{"id": entry["id"], "public_key": entry["public_key"]}]
-    world.policy.write_text(yaml.safe_dump(policy, sort_keys=False))
-    admin = RegistryClient.connect(world.server.address, token=ADMIN_TOKEN)
-    admin.reload_policy()
-    admin.close()
-    world.restart_console()
+    trust_passkeys(world, enrolled)
 
     note = "rotate the signing certificate"
     result = agent.execute_tool("deploy_note", {"note": note}, timeout=CALL_TIMEOUT_S)
