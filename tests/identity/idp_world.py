@@ -106,11 +106,17 @@ class IdP:
         return secret
 
     def add_login_client(
-        self, client_id: str, redirect_uris: Sequence[str], *, public: bool = True
+        self,
+        client_id: str,
+        redirect_uris: Sequence[str],
+        *,
+        public: bool = True,
+        native: bool = False,
     ) -> str:
         """A client that signs people in (authorization code with PKCE, refresh
-        tokens): public (no secret: a CLI, a browser) or confidential. Its
-        secret, "" for a public one."""
+        tokens): public (no secret: a CLI, a browser) or confidential; native
+        (RFC 8252 section 7.3: any port on a registered loopback redirect, as a
+        CLI's one-shot listener needs) or web. Its secret, "" for a public one."""
         secret = "" if public else uuid.uuid4().hex
         self.clients[client_id] = secret
         self.metadata[client_id] = {
@@ -119,6 +125,7 @@ class IdP:
             "response_types": ["code"], "redirect_uris": list(redirect_uris),
             "token_endpoint_auth_method": "none" if public else "client_secret_basic",
             **({} if public else {"client_secret": secret}),
+            **({"application_type": "native"} if native else {}),
         }  # fmt: skip
         self._read_clients_again()
         return secret

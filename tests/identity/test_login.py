@@ -104,11 +104,7 @@ class World:
 @pytest.fixture(scope="module")
 def world(idp: IdP, tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     if CLI_CLIENT not in idp.clients:
-        idp.add_login_client(CLI_CLIENT, ["http://127.0.0.1/callback"], public=True)
-        # A native app (RFC 8252 7.3): oidc-provider then accepts any port on a
-        # registered loopback redirect; IdP.add_login_client registers web clients.
-        idp.metadata[CLI_CLIENT]["application_type"] = "native"
-        idp.restart()
+        idp.add_login_client(CLI_CLIENT, ["http://127.0.0.1/callback"], public=True, native=True)
     idp.add_person(PERSON, groups=["toolreg-people"])
     if AGENT_CLIENT not in idp.clients:
         idp.add_client(AGENT_CLIENT, groups=["toolreg-agents"])
