@@ -498,3 +498,34 @@ def test_static_tokens_and_mtls_subjects_keep_working_beside_providers(
     with pytest.raises(AuthError) as caught:  # a static-looking unknown token is never a JWT
         auth.identify((("authorization", "Bearer nobody-secret"),), {})
     assert caught.value.message == "unknown bearer token"
+
+
+def test_a_verified_token_is_not_checked_again_but_who_it_is_is_decided_anew(
+    idp: Keys, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tokens = AccessTokens(fetcher_for=lambda _p: idp.fetch)
+    checks: list[str] = []
+    real = tokens._checked_claims
+    monkeypatch.setattr(tokens, "_checked_claims", lambda *a: checks.append("x") or real(*a))
+    policy = load(tmp_path)
+    token = idp.token()
+    first = tokens.verify(policy, token)
+    assert tokens.verify(policy, token) == first and len(checks) == 1  # the signature once
+    # A reload that denies the subject holds at once, cached or not.
+    assert load(tmp_path, denied_subjects=["bob"]).identity_providers[0].denied_subjects
+    with pytest.raises(TokenRefused, match="denied"):
+        tokens.verify(load(tmp_path, denied_subjects=["bob"]), token)
+    # Changed provider settings (another audience list): checked again, and refused.
+    with pytest.raises(TokenRefused, match="audience"):
+        tokens.verify(load(tmp_path, audiences=["https://elsewhere.test"]), token)
+    # The key withdrawn at the provider: once its keys are refreshed (they are
+    # due: jwks_refresh_s has passed), the token is nobody, cached or not.
+    tokens.verify(policy, token)
+    idp.jwks["keys"] = [k for k in idp.jwks["keys"] if k["kid"] != "ec-1"]
+    keys = tokens.keys(policy.identity_providers[0])
+    keys._fetched_at = keys._attempted_at = -1e9
+    tokens.verify(policy, token)  # still the cached keys; the refresh starts behind it
+    assert keys._background is not None
+    keys._background.join(10)
+    with pytest.raises(TokenRefused, match="no known key"):
+        tokens.verify(policy, token)
