@@ -8,6 +8,9 @@ a test can ask for real tokens and also forge ones that differ in one way.
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 import json
 import time
 from collections.abc import Iterator
@@ -18,6 +21,7 @@ from typing import Any
 import grpc
 import pytest
 import yaml
+from cryptography.hazmat.primitives import serialization
 
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
@@ -171,6 +175,7 @@ def test_every_bad_token_is_unauthenticated_and_logged_without_it(
         "missing exp": idp.forge(exp=None),
         "signed by a key the IdP never published": idp.forge(SigningKey("ES256")),
         "payload changed": f"{header}.{idp.forge().split('.')[1]}.{signature}",
+        "HS256 signed with the IdP's published RSA key": hs256_with_public_key(idp),
     }
     for case, token in bad.items():
         code, details = code_of(list_tools(deployment, token))
@@ -275,3 +280,24 @@ def _b64decode(part: str) -> bytes:
     import base64
 
     return base64.urlsafe_b64decode(part + "=" * (-len(part) % 4))
+
+
+def hs256_with_public_key(idp: IdP) -> str:
+    """The key-confusion attack: HMAC-SHA256 keyed with the RSA public key the
+    provider publishes (its JWKS), with that key's kid; a verifier that took
+    the algorithm from the token would check it with the same public bytes."""
+    rsa_key = next(k for k in idp.keys if k.alg == "RS256")
+    public_pem = rsa_key.key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    header = {"alg": "HS256", "typ": "at+jwt", "kid": rsa_key.kid}
+    now = int(time.time())
+    claims = {"iss": idp.issuer, "aud": RESOURCE, "sub": "agent-1", "iat": now, "exp": now + 300,
+              "groups": ["toolreg-agents"]}  # fmt: skip
+    signing_input = f"{_b64(header)}.{_b64(claims)}"
+    mac = hmac.new(public_pem, signing_input.encode(), hashlib.sha256).digest()
+    return f"{signing_input}.{base64.urlsafe_b64encode(mac).rstrip(b'=').decode()}"
+
+
+def _b64(value: dict[str, Any]) -> str:
+    return base64.urlsafe_b64encode(json.dumps(value).encode()).rstrip(b"=").decode()
