@@ -68,16 +68,19 @@ def discover(http: httpx.Client, issuer: str) -> Discovery:
     except ValueError as exc:
         raise LoginError(str(exc)) from None
     url = f"{issuer.rstrip('/')}/.well-known/openid-configuration"
+    raw = b""
     try:
-        answer = http.get(url)
+        with http.stream("GET", url) as answer:  # read up to the cap, as it comes
+            if answer.status_code != 200:
+                raise LoginError(f"{url} answered HTTP {answer.status_code}")
+            for chunk in answer.iter_bytes():
+                raw += chunk
+                if len(raw) > MAX_ANSWER_BYTES:
+                    raise LoginError(f"{url} is too large")
     except httpx.HTTPError as exc:
         raise LoginError(f"cannot read {url} ({type(exc).__name__}: {exc})") from None
-    if answer.status_code != 200:
-        raise LoginError(f"{url} answered HTTP {answer.status_code}")
-    if len(answer.content) > MAX_ANSWER_BYTES:
-        raise LoginError(f"{url} is too large")
     try:
-        doc = answer.json()
+        doc = json.loads(raw)
     except ValueError:
         doc = None
     if not isinstance(doc, dict):

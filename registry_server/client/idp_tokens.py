@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 import httpx
 
 from registry_server.client.token_store import StoredLogin, StoreError, TokenStore
+from registry_server.policy.identity import check_provider_url
 
 REFRESH_MARGIN_S = 30.0  # seconds before expiry when a token is fetched again
 DEFAULT_LIFETIME_S = 60.0  # seconds assumed when the answer names no expires_in
@@ -174,9 +175,10 @@ def https_client(ca_file: str | None = None) -> httpx.Client:
 
 
 def check_endpoint(url: str, what: str) -> None:
-    """An identity provider's endpoint must be https (plain http only to loopback)."""
-    if not url.startswith("https://") and not _loopback_http(url):
-        raise ValueError(f"{what} must be an https:// URL (http only to loopback)")
+    """An identity provider's endpoint must be https (plain http only to a
+    loopback host), with no user or password: parsed, never matched by prefix
+    ("http://127.0.0.1:1@evil.example/" is evil.example)."""
+    check_provider_url(url, what, allow_http_loopback=True)
 
 
 def s256(verifier: str) -> str:
@@ -231,7 +233,3 @@ def token_request(
     return TokenAnswer(
         token, float(lifetime), text("refresh_token"), text("id_token"), text("scope")
     )
-
-
-def _loopback_http(url: str) -> bool:
-    return url.startswith(("http://127.0.0.1:", "http://localhost:", "http://[::1]:"))

@@ -52,6 +52,7 @@ from registry_server.api.auth.jwks import FetchError, HttpFetcher
 from registry_server.client.idp_tokens import TokenError, token_request
 from registry_server.client.mcp_http_settings import OAuthSettings
 from registry_server.client.registry_client import RegistryClient
+from registry_server.policy.identity import check_provider_url
 from registry_server.policy.model import Policy
 
 log = logging.getLogger("toolreg.mcp")
@@ -180,11 +181,14 @@ class TokenExchange:
             cached = self._cache.get(key)
             if cached is not None and self._clock() < cached[1] - EXCHANGE_MARGIN_S:
                 return cached[0]
-            token, lifetime = self._exchange(subject_token)
+        # Not under the lock: one person's slow exchange must not hold up another's
+        # calls (two calls of one person may both exchange, once).
+        token, lifetime = self._exchange(subject_token)
+        with self._lock:
             self._cache[key] = (token, self._clock() + lifetime)
             while len(self._cache) > MAX_PEOPLE * 4:
                 self._cache.popitem(last=False)
-            return token
+        return token
 
     def _token_endpoint(self) -> str:
         if self._endpoint is None:
@@ -199,6 +203,12 @@ class TokenExchange:
                 endpoint, str
             ):
                 raise FetchError("the discovery document names another issuer or no token endpoint")
+            try:  # the bridge's secret and hosts' tokens go there: https only
+                check_provider_url(
+                    endpoint, "token_endpoint", self._settings.provider.allow_http_loopback
+                )
+            except ValueError as exc:
+                raise FetchError(str(exc)) from None
             self._endpoint = endpoint
         return self._endpoint
 

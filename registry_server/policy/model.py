@@ -8,6 +8,7 @@ import functools
 import hashlib
 import hmac
 import re
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
@@ -213,6 +214,10 @@ class Policy:
             return approver
         if provider.client_id(sighting.subject) != approver_id:
             return approver
+        if time.time() >= sighting.expires_at:
+            # Approvals are signed offline: the IdP's groups count only while
+            # the token that showed them is valid (fail closed to the file's).
+            return approver
         extra = provider.approver_groups_of(sighting.groups)
         groups = tuple(dict.fromkeys((*approver.groups, *extra)))
         return approver if groups == approver.groups else replace(approver, groups=groups)
@@ -244,11 +249,21 @@ class Policy:
 
     def same_person(self, approver_id: str, client_id: str) -> bool:
         """An approver never approves a call of their own: same id, or the
-        client the policy links to them (``clients[].approver``)."""
+        client the policy links to them (``clients[].approver``), or the
+        identity provider subject a client is pinned to."""
         if approver_id == client_id:
             return True
         client = self.client(client_id)
-        return client is not None and client.approver == approver_id
+        if client is None:
+            return False
+        if client.approver == approver_id:
+            return True
+        # A client pinned to an IdP subject is that subject's person, whose
+        # group-mapped id (and so approver id) is the provider's prefix + subject.
+        if client.idp_subject is not None:
+            provider = self.identity_provider(client.idp_subject[0])
+            return provider is not None and provider.client_id(client.idp_subject[1]) == approver_id
+        return False
 
     def quota_for(self, client_id: str) -> Quota:
         """The client's own quota over the policy's default."""

@@ -16,6 +16,8 @@ class Sighting:
     provider: str
     subject: str
     groups: frozenset[str]
+    issued_at: float = 0.0  # the token's iat: an older token never replaces a newer one
+    expires_at: float = float("inf")  # its exp: approver groups hold no longer (model.py)
 
 
 @dataclass(eq=False)
@@ -29,8 +31,13 @@ class SeenIdentities:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def saw(self, client_id: str, sighting: Sighting) -> None:
+        """Keep the sighting unless one of a newer token is kept already: a
+        still-valid old token (with groups the IdP has since taken away) must
+        not win over the IdP's latest word."""
         with self._lock:
-            self._by_id[client_id] = sighting
+            kept = self._by_id.get(client_id)
+            if kept is None or sighting.issued_at >= kept.issued_at:
+                self._by_id[client_id] = sighting
             self._by_id.move_to_end(client_id)
             while len(self._by_id) > self.capacity:
                 self._by_id.popitem(last=False)

@@ -21,7 +21,6 @@ from registry_server.client.console.settings import (
 )
 from registry_server.client.console.sso import (
     EXCHANGE,
-    FULL,
     STATE,
     UNAVAILABLE,
     PendingLogins,
@@ -90,13 +89,16 @@ def test_pending_sign_ins_are_capped_per_source_and_overall() -> None:
         pending.take(first.state, first.browser)
     for started in (second, third):
         assert pending.take(started.state, started.browser) is started.login
-    for n in range(5):
-        pending.begin(f"10.0.1.{n}")
-    with pytest.raises(SsoRefused) as caught:
-        pending.begin("10.0.2.1")
-    assert caught.value.kind == FULL and not caught.value.failure
-    clock.now += 601  # the full table expires
-    pending.begin("10.0.2.1")
+    # Full: room is made from the source holding the most, never refused.
+    mine = pending.begin("10.0.9.9")  # one sign-in of a person
+    flood = [pending.begin(f"10.0.1.{n % 2}") for n in range(40)]  # two sources, many each
+    assert len(pending) == 5
+    assert pending.take(mine.state, mine.browser) is mine.login  # still there
+    assert pending.take(flood[-1].state, flood[-1].browser) is flood[-1].login
+    for n in range(5):  # five sources of one each: the oldest goes
+        pending.begin(f"10.0.3.{n}")
+    newest = pending.begin("10.0.2.1")
+    assert len(pending) == 5 and pending.take(newest.state, newest.browser) is newest.login
 
 
 def test_the_verifier_and_nonce_stay_here_and_the_challenge_is_s256() -> None:

@@ -313,6 +313,10 @@ def bad_tokens(idp: Keys) -> dict[str, str]:
         "signed by another key": idp.token(ec.generate_private_key(ec.SECP256R1())),
         "RSA key's kid on an ES256 token": idp.token(kid="rsa-1"),
         "a denied subject": idp.token(sub="fired-person"),
+        "iat a string": idp.token(iat=str(now)),
+        "exp a boolean": idp.token(exp=True),
+        "an ID token (nonce)": idp.token(nonce="n-1"),
+        "an ID token (at_hash)": idp.token(at_hash="abc"),
         "not a JWT": "eyJhbGciOiJFUzI1NiJ9.not-base64!.x",
         "huge": "eyJ" + "a" * 9000 + ".b.c",
     }
@@ -529,3 +533,75 @@ def test_a_verified_token_is_not_checked_again_but_who_it_is_is_decided_anew(
     keys._background.join(10)
     with pytest.raises(TokenRefused, match="no known key"):
         tokens.verify(policy, token)
+
+
+def test_an_older_token_never_replaces_a_newer_ones_groups_and_they_end_with_it(
+    idp: Keys, tmp_path: Path
+) -> None:
+    groups = provider_yaml()["groups"] + [
+        {"group": "sre-oncall", "roles": ["approve"], "approver_groups": ["sre"]}
+    ]
+    path = tmp_path / "policy.yaml"
+    path.write_text(yaml.safe_dump({
+        "audience": "toolreg-test",
+        "approvers": [{"id": "corp.alice", "public_key": KEY_A}],
+        "approval_rules": [{"match": {"level": "dangerous"}, "approvals_required": 1,
+                            "groups": ["sre"]}],
+        "identity_providers": [provider_yaml(groups=groups)],
+    }))  # fmt: skip
+    policy = load_policy(path)
+    rule = policy.rule_for(tool_name="t", categories=(), level=SafetyLevel.DANGEROUS)
+    tokens = AccessTokens(fetcher_for=lambda _p: idp.fetch)
+    now = int(time.time())
+    old = idp.token(sub="alice", groups=["sre-oncall"], iat=now - 600, exp=now + 600)
+    new = idp.token(sub="alice", groups=["agents"], iat=now - 10, exp=now + 600)
+    tokens.verify(policy, old)
+    assert policy.eligible("corp.alice", rule)
+    tokens.verify(policy, new)  # the IdP took her out of sre-oncall
+    assert not policy.eligible("corp.alice", rule)
+    tokens.verify(policy, old)  # her older token, still valid, does not put her back
+    assert not policy.eligible("corp.alice", rule)
+    # Groups shown by a token count only while it is valid.
+    policy.seen.saw("corp.alice", Sighting("corp", "alice", frozenset({"sre-oncall"}),
+                                           now, now - 1))  # fmt: skip
+    assert not policy.eligible("corp.alice", rule)
+
+
+def test_a_cached_token_whose_key_was_replaced_under_its_kid_is_checked_again(
+    idp: Keys, tmp_path: Path
+) -> None:
+    policy = load(tmp_path)
+    tokens = AccessTokens(fetcher_for=lambda _p: idp.fetch)
+    token = idp.token()
+    tokens.verify(policy, token)
+    other = ec.generate_private_key(ec.SECP256R1())
+    idp.jwks["keys"] = [Keys.public_jwk(other, "ec-1")]  # the same kid, another key
+    keys = tokens.keys(policy.identity_providers[0])
+    keys._fetched_at = keys._attempted_at = -1e9  # the keys are due for a refresh
+    tokens.verify(policy, token)  # answered from the cache while the refresh runs
+    assert keys._background is not None
+    keys._background.join(10)
+    with pytest.raises(TokenRefused, match="bad signature"):
+        tokens.verify(policy, token)
+
+
+def test_a_client_pinned_to_a_subject_is_the_approver_of_that_subject(tmp_path: Path) -> None:
+    clients = [{"id": "alice-agent", "idp": {"provider": "corp", "subject": "alice"},
+                "roles": ["execute"]}]  # fmt: skip
+    policy = load_policy(write(tmp_path, [provider_yaml()], clients))
+    assert policy.same_person("corp.alice", "alice-agent")
+    assert not policy.same_person("corp.bob", "alice-agent")
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["http://127.0.0.1:1@evil.example/token", "http://evil.example/token",
+     "https://user:pw@idp.example.test/token", "http://localhost.evil.example:80/token"],
+)  # fmt: skip
+def test_client_side_endpoints_are_parsed_not_prefix_matched(url: str) -> None:
+    from registry_server.client.idp_tokens import check_endpoint
+
+    with pytest.raises(ValueError):
+        check_endpoint(url, "token_endpoint")
+    check_endpoint("http://127.0.0.1:8080/token", "token_endpoint")
+    check_endpoint("https://idp.example.test/token", "token_endpoint")

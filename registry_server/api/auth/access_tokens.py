@@ -67,6 +67,7 @@ class _Signed:
     kid: str | None
     alg: str
     claims: dict[str, Any]
+    key: jwt.PyJWK  # the very key that verified it: a replaced key under the same kid is not it
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,10 @@ class AccessTokens:
         except TokenRefused as refused:
             self._log_refusal(refused)
             raise
+        except Exception as exc:  # a token must never be an unexpected error: refuse it
+            internal = TokenRefused(INVALID, f"rejected (internal: {type(exc).__name__})")
+            self._log_refusal(internal)
+            raise internal from None
 
     def _verify(self, policy: Policy, token: str) -> Verified:
         if len(token) > MAX_ACCESS_TOKEN_CHARS:
@@ -138,7 +143,7 @@ class AccessTokens:
         still = (
             self._clock() < found.claims["exp"]
             and policy.provider_for_issuer(found.provider.issuer) == found.provider
-            and self.keys(found.provider).key_for(found.kid, found.alg) is not None
+            and self.keys(found.provider).key_for(found.kid, found.alg) is found.key
         )
         if not still:
             with self._lock:
@@ -173,7 +178,7 @@ class AccessTokens:
         if key is None:
             raise TokenRefused(INVALID, "no known key for this token's kid", provider.id)
         claims = self._checked_claims(token, key, alg, provider)
-        return _Signed(provider, kid, alg, claims)
+        return _Signed(provider, kid, alg, claims, key)
 
     def _who(self, policy: Policy, provider: IdentityProvider, claims: dict[str, Any]) -> Verified:
         """The client a verified token's claims make under the policy now."""
@@ -190,7 +195,8 @@ class AccessTokens:
         client = provider.client_for(subject, groups)
         if client is None:
             raise TokenRefused(INVALID, "subject is not a usable client id", provider.id)
-        policy.seen.saw(client.id, Sighting(provider.id, subject, groups))
+        seen = Sighting(provider.id, subject, groups, claims["iat"], claims["exp"])
+        policy.seen.saw(client.id, seen)
         return Verified(client, provider.id, subject, actor)
 
     def _checked_claims(
@@ -216,9 +222,15 @@ class AccessTokens:
             raise TokenRefused(INVALID, "bad signature", provider.id) from None
         except jwt.PyJWTError as exc:
             raise TokenRefused(INVALID, f"rejected ({type(exc).__name__})", provider.id) from None
-        lifetime = claims["exp"] - claims["iat"]
-        if not isinstance(lifetime, int | float) or lifetime > provider.max_token_lifetime_s:
+        for name in ("exp", "iat", "nbf"):
+            value = claims.get(name)
+            if name in claims and (isinstance(value, bool) or not isinstance(value, int | float)):
+                raise TokenRefused(INVALID, f"claim {name} is not a number", provider.id)
+        if claims["exp"] - claims["iat"] > provider.max_token_lifetime_s:
             raise TokenRefused(INVALID, "lifetime above the policy's cap", provider.id)
+        if any(name in claims for name in ID_TOKEN_CLAIMS):
+            # An ID token for a client whose id is also an accepted audience.
+            raise TokenRefused(INVALID, "an ID token, not an access token", provider.id)
         return claims
 
     def _log_refusal(self, refused: TokenRefused) -> None:
@@ -259,6 +271,8 @@ def _actor(claims: dict[str, Any], provider: IdentityProvider) -> str | None:
     return f"{provider.id}:{sub}"
 
 
+# Claims only ID tokens carry (OpenID Connect Core 1.0, section 2): never an access token's.
+ID_TOKEN_CLAIMS = ("nonce", "at_hash", "c_hash")
 _ACCESS_TYPES = frozenset({"at+jwt", "application/at+jwt", "jwt"})
 
 __all__ = ["AccessTokens", "FetchError", "TokenRefused", "Verified", "looks_like_jwt"]

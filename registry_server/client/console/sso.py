@@ -41,7 +41,7 @@ import logging
 import secrets
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -143,8 +143,9 @@ class PendingLogins:
         return len(self._by_state)
 
     def begin(self, address: str) -> Started:
-        """A new pending sign-in from ``address``; SsoRefused(FULL) when every
-        slot is taken by one that has not expired."""
+        """A new pending sign-in from ``address``. A full table makes room
+        from the source holding the most (its oldest goes): sources that fill
+        it can push out only their own, never a newcomer's one sign-in."""
         now = self._clock()
         self._expire(now)
         source = source_key(address)
@@ -152,7 +153,10 @@ class PendingLogins:
         for key in mine[: max(0, len(mine) - self.per_source + 1)]:
             del self._by_state[key]  # this source's oldest make room for its newest
         if len(self._by_state) >= self.max_pending:
-            raise SsoRefused(FULL, "too many pending SSO sign-ins", failure=False)
+            counts = Counter(p.source for p in self._by_state.values())
+            heaviest = max(counts.values())
+            oldest = next(k for k, p in self._by_state.items() if counts[p.source] == heaviest)
+            del self._by_state[oldest]
         state, browser = _random(), _random()
         login = PendingLogin(
             verifier=secrets.token_urlsafe(VERIFIER_BYTES),
