@@ -475,3 +475,22 @@ def test_the_examples_commented_quotas_load_when_uncommented(tmp_path: Path) -> 
     assert policy.quotas.servers == 3
     assert policy.quota_for("agent-1") == Quota(2, 8, 1.0, 20, 32)
     assert policy.quota_for("alice") == Quota(4, 8, 10.0, 20, 32)
+
+
+def test_the_example_policys_comment_on_write_file_is_what_the_server_does() -> None:
+    """examples/policy.yaml says: every matching rule applies at once, so
+    write_file (category files) needs 2 from security, 1 from ops and 1 from
+    anyone, with tokens usable 600 s; alice (security, ops) and bob do it."""
+    policy = load_policy(EXAMPLE)
+    rule = policy.rule_for(tool_name="write_file", categories=["files"], level=DANGEROUS)
+    assert rule.describe() == (
+        "2 approval(s) from security and 1 approval(s) from ops and 1 approval(s) from any approver"
+    )
+    assert rule.max_token_ttl_s == 600
+    alice, bob, carol = (policy.approver(a) for a in ("alice", "bob", "carol"))
+    assert rule.missing([alice, bob]) == 0  # type: ignore[list-item]
+    assert rule.missing([alice]) == 1  # type: ignore[list-item]
+    assert rule.missing([bob, carol]) == 1  # type: ignore[list-item]  (one from security)
+    # A category a registrant chooses cannot lower what the level demands.
+    lighter = policy.rule_for(tool_name="t", categories=["files"], level=DANGEROUS)
+    assert lighter.approvals_required == 1 and len(lighter.requirements) == 2
