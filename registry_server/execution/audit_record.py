@@ -22,6 +22,9 @@ class AuditRecord:
         self.tool: ToolDefinition | None = None
         self.args_digest = ""
         self.approved: Approved | None = None
+        # Whether the call got past every check before the sandbox (its level's
+        # approval gate included): a call refused earlier is never "allowed".
+        self.passed_gate = False
         self.runtime = ""
         self.gvisor_network = ""  # runsc-net only: netstack or hostinet (sandbox_plan.Runtime)
         self.limits: Limits | None = None
@@ -88,7 +91,10 @@ def decision_of(outcome: Outcome, record: AuditRecord) -> str:
         Status.INVALID_ARGUMENTS: "invalid_arguments",
         Status.APPROVAL_REQUIRED: "approval_required",
         Status.APPROVAL_DENIED: "approval_denied",
+        Status.TOOL_DISABLED: "disabled",  # before or after the gate: it never ran
     }
     if outcome.status in refused:
         return refused[outcome.status]
+    if not record.passed_gate:
+        return "refused"  # disabled, no runtime for it, its owner's grant gone, ...
     return "approved" if record.approved else "allowed"

@@ -208,6 +208,7 @@ class Executor:
         """Dangerous tools: whether enough valid approvals exist (checked, not yet
         spent: ``_start`` spends them); kept in ``record.approved``."""
         if tool.safety_level is not SafetyLevel.DANGEROUS:
+            record.passed_gate = True
             return
         call = record.call
         with tracing.step(tracing.APPROVAL) as span:
@@ -228,6 +229,7 @@ class Executor:
                 raise _refusal(record, Status.APPROVAL_REQUIRED, decision.message, decision.request)
             span.set_attribute(tracing.DECISION, "approved")
         record.approved = decision
+        record.passed_gate = True
 
     def _plan_sandbox(
         self,

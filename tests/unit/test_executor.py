@@ -722,7 +722,7 @@ def test_no_approval_is_asked_for_a_call_the_engine_cannot_run(
     assert (outcome.status, outcome.error) == (Status.SANDBOX_ERROR, NO_NET_FIX)
     assert outcome.approval_request is None
     assert env.approvals.list_requests() == []
-    assert [e["decision"] for e in env.executions()] == ["allowed"]
+    assert [e["decision"] for e in env.executions()] == ["refused"]  # never "allowed"
     assert env.backend.prepared == []
     # Once the engine can run it, the same call asks for its approval as usual.
     env.backend.available_runtimes = GVISOR_ALL

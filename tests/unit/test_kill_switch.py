@@ -216,8 +216,8 @@ def test_a_disabled_tools_calls_are_refused_with_the_reason_and_audited(env: Env
     assert (outcome.status, outcome.success) == (Status.TOOL_DISABLED, False)
     assert outcome.error == "Tool 'echo' is disabled: prints secrets"
     entry = env.executions()[-1]
-    assert (entry["status"], entry["tool"], entry["execution_id"]) == (
-        "TOOL_DISABLED", "echo", outcome.execution_id,
+    assert (entry["status"], entry["tool"], entry["execution_id"], entry["decision"]) == (
+        "TOOL_DISABLED", "echo", outcome.execution_id, "disabled",
     )  # fmt: skip
     assert env.backend.prepared == []
     admin_switch(env, "echo", True)
@@ -229,6 +229,7 @@ def test_a_disabled_dangerous_tool_opens_no_approval_request(env: Env) -> None:
     outcome = env.call("wipe", approval_tokens=env.tokens(WIPE))
     assert outcome.status is Status.TOOL_DISABLED
     assert env.approvals.list_requests() == []
+    assert env.executions()[-1]["decision"] == "disabled"  # never "allowed"
 
 
 def test_a_call_waiting_for_a_slot_does_not_start_once_its_tool_is_disabled(env: Env) -> None:
@@ -243,6 +244,7 @@ def test_a_call_waiting_for_a_slot_does_not_start_once_its_tool_is_disabled(env:
     )
     [prepared] = env.backend.prepared
     assert prepared.discarded and prepared.finished_input is None
+    assert env.executions()[-1]["decision"] == "disabled"
     assert env.idle()
 
 
