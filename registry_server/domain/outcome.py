@@ -20,6 +20,7 @@ class Status(enum.Enum):
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
     SANDBOX_ERROR = "SANDBOX_ERROR"
     TOOL_DISABLED = "TOOL_DISABLED"  # an admin disabled the tool; error gives the reason
+    POLICY_DENIED = "POLICY_DENIED"  # a deny rule refused the call; error names the rule
 
 
 @dataclass(frozen=True)

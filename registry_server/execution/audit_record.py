@@ -92,6 +92,7 @@ def decision_of(outcome: Outcome, record: AuditRecord) -> str:
         Status.APPROVAL_REQUIRED: "approval_required",
         Status.APPROVAL_DENIED: "approval_denied",
         Status.TOOL_DISABLED: "disabled",  # before or after the gate: it never ran
+        Status.POLICY_DENIED: "policy_denied",  # a deny rule: before any request or sandbox
     }
     if outcome.status in refused:
         return refused[outcome.status]

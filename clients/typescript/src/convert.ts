@@ -50,6 +50,7 @@ const STATUS_FROM_PB: Partial<Record<ExecutionStatus, Status>> = {
   [ExecutionStatus.RESOURCE_EXHAUSTED]: "RESOURCE_EXHAUSTED",
   [ExecutionStatus.SANDBOX_ERROR]: "SANDBOX_ERROR",
   [ExecutionStatus.TOOL_DISABLED]: "TOOL_DISABLED",
+  [ExecutionStatus.POLICY_DENIED]: "POLICY_DENIED",
 };
 
 const EVENT_TYPE_FROM_PB: Partial<Record<PbApprovalEventType, ApprovalEventType>> = {

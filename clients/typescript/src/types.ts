@@ -23,7 +23,9 @@ export type Status =
   | "RESOURCE_EXHAUSTED"
   | "SANDBOX_ERROR"
   /** An admin disabled the tool (`error` gives the reason). */
-  | "TOOL_DISABLED";
+  | "TOOL_DISABLED"
+  /** A deny rule of the policy refused the call (`error` names the rule and its reason). */
+  | "POLICY_DENIED";
 
 /** The states of an approval request (REJECTED, VOIDED, CONSUMED and EXPIRED are final). */
 export type ApprovalState = "PENDING" | "APPROVED" | "CONSUMED" | "REJECTED" | "VOIDED" | "EXPIRED";

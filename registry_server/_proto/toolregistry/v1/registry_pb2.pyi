@@ -115,6 +115,8 @@ class _ExecutionStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Execu
     """the container engine failed"""
     EXECUTION_STATUS_TOOL_DISABLED: _ExecutionStatus.ValueType  # 10
     """an admin disabled the tool; error gives the reason"""
+    EXECUTION_STATUS_POLICY_DENIED: _ExecutionStatus.ValueType  # 11
+    """a deny rule of the policy refused the call (or could not be evaluated); error names the rule and gives its reason; nothing ran"""
 
 class ExecutionStatus(_ExecutionStatus, metaclass=_ExecutionStatusEnumTypeWrapper): ...
 
@@ -139,6 +141,8 @@ EXECUTION_STATUS_SANDBOX_ERROR: ExecutionStatus.ValueType  # 9
 """the container engine failed"""
 EXECUTION_STATUS_TOOL_DISABLED: ExecutionStatus.ValueType  # 10
 """an admin disabled the tool; error gives the reason"""
+EXECUTION_STATUS_POLICY_DENIED: ExecutionStatus.ValueType  # 11
+"""a deny rule of the policy refused the call (or could not be evaluated); error names the rule and gives its reason; nothing ran"""
 Global___ExecutionStatus: _TypeAlias = ExecutionStatus  # noqa: Y015
 
 class _ApprovalEventType:
@@ -207,6 +211,7 @@ class Tool(_message.Message):
     SECRETS_FIELD_NUMBER: _builtins.int
     DISABLED_FIELD_NUMBER: _builtins.int
     DISABLED_REASON_FIELD_NUMBER: _builtins.int
+    GUARDS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """^[a-z][a-z0-9_]{0,63}$ (snake_case)"""
     description: _builtins.str
@@ -252,6 +257,14 @@ class Tool(_message.Message):
         16, unique names. Part of the digest.
         """
 
+    @_builtins.property
+    def guards(self) -> _containers.RepeatedCompositeFieldContainer[Global___Guard]:
+        """Preconditions on the arguments, checked after `parameters_json` and
+        before anything else: a call whose arguments fail one is refused with
+        INVALID_ARGUMENTS and the guard's message. At most 16. Part of the
+        digest (approvers sign them); never part of the exported schemas.
+        """
+
     def __init__(
         self,
         *,
@@ -268,14 +281,42 @@ class Tool(_message.Message):
         secrets: _abc.Iterable[Global___SecretRef] | None = ...,
         disabled: _builtins.bool = ...,
         disabled_reason: _builtins.str = ...,
+        guards: _abc.Iterable[Global___Guard] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["network", b"network", "sandbox", b"sandbox"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["categories", b"categories", "description", b"description", "digest", b"digest", "disabled", b"disabled", "disabled_reason", b"disabled_reason", "name", b"name", "network", b"network", "owner", b"owner", "parameters_json", b"parameters_json", "safety_level", b"safety_level", "sandbox", b"sandbox", "secrets", b"secrets", "warm_pool", b"warm_pool"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["categories", b"categories", "description", b"description", "digest", b"digest", "disabled", b"disabled", "disabled_reason", b"disabled_reason", "guards", b"guards", "name", b"name", "network", b"network", "owner", b"owner", "parameters_json", b"parameters_json", "safety_level", b"safety_level", "sandbox", b"sandbox", "secrets", b"secrets", "warm_pool", b"warm_pool"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Tool: _TypeAlias = Tool  # noqa: Y015
+
+@_typing.final
+class Guard(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CONDITION_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    condition: _builtins.str
+    """A CEL expression over `args` (the call's validated arguments) that must
+    be true, e.g. `args.path.startsWith("/work/")`. At most 2,048
+    characters; type-checked and cost-bounded at registration.
+    """
+    message: _builtins.str
+    """What the caller is told when it is false: 1 to 300 characters."""
+    def __init__(
+        self,
+        *,
+        condition: _builtins.str = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["condition", b"condition", "message", b"message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Guard: _TypeAlias = Guard  # noqa: Y015
 
 @_typing.final
 class NetworkSpec(_message.Message):
@@ -760,6 +801,7 @@ class ApprovalRequest(_message.Message):
     REJECTED_BY_FIELD_NUMBER: _builtins.int
     REJECTION_REASON_FIELD_NUMBER: _builtins.int
     VOIDED_REASON_FIELD_NUMBER: _builtins.int
+    APPLIED_RULES_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     tool_name: _builtins.str
     tool_digest: _builtins.str
@@ -794,6 +836,12 @@ class ApprovalRequest(_message.Message):
         `parameters_json` is left out, as `arguments_json` is.
         """
 
+    @_builtins.property
+    def applied_rules(self) -> _containers.RepeatedCompositeFieldContainer[Global___AppliedRule]:
+        """Which approval rules of the policy apply to this call and why, as the
+        policy in force states them now: what `approvals_required` comes from.
+        """
+
     def __init__(
         self,
         *,
@@ -815,14 +863,56 @@ class ApprovalRequest(_message.Message):
         rejected_by: _builtins.str = ...,
         rejection_reason: _builtins.str = ...,
         voided_reason: _builtins.str = ...,
+        applied_rules: _abc.Iterable[Global___AppliedRule] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "expires_at", b"expires_at", "tool", b"tool"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["approvals_missing", b"approvals_missing", "approvals_required", b"approvals_required", "approved_by", b"approved_by", "arguments_digest", b"arguments_digest", "arguments_json", b"arguments_json", "audience", b"audience", "created_at", b"created_at", "expires_at", b"expires_at", "id", b"id", "max_token_ttl_s", b"max_token_ttl_s", "rejected_by", b"rejected_by", "rejection_reason", b"rejection_reason", "requested_by", b"requested_by", "state", b"state", "tool", b"tool", "tool_digest", b"tool_digest", "tool_name", b"tool_name", "voided_reason", b"voided_reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_rules", b"applied_rules", "approvals_missing", b"approvals_missing", "approvals_required", b"approvals_required", "approved_by", b"approved_by", "arguments_digest", b"arguments_digest", "arguments_json", b"arguments_json", "audience", b"audience", "created_at", b"created_at", "expires_at", b"expires_at", "id", b"id", "max_token_ttl_s", b"max_token_ttl_s", "rejected_by", b"rejected_by", "rejection_reason", b"rejection_reason", "requested_by", b"requested_by", "state", b"state", "tool", b"tool", "tool_digest", b"tool_digest", "tool_name", b"tool_name", "voided_reason", b"voided_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ApprovalRequest: _TypeAlias = ApprovalRequest  # noqa: Y015
+
+@_typing.final
+class AppliedRule(_message.Message):
+    """One approval rule that applies to a call."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    MATCH_FIELD_NUMBER: _builtins.int
+    CONDITION_FIELD_NUMBER: _builtins.int
+    APPROVALS_REQUIRED_FIELD_NUMBER: _builtins.int
+    GROUPS_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The rule's `name` in the policy, else "rule N" (its position, from 1)."""
+    match: _builtins.str
+    """What it matches: "tool deploy", "category prod", "level dangerous", or
+    "default for dangerous tools" when no rule of the policy matches.
+    """
+    condition: _builtins.str
+    """Its `when` condition (CEL), empty when it has none."""
+    approvals_required: _builtins.int
+    @_builtins.property
+    def groups(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Approvers must be in one of these groups; empty = any approver."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        match: _builtins.str = ...,
+        condition: _builtins.str = ...,
+        approvals_required: _builtins.int = ...,
+        groups: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["approvals_required", b"approvals_required", "condition", b"condition", "groups", b"groups", "match", b"match", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AppliedRule: _TypeAlias = AppliedRule  # noqa: Y015
 
 @_typing.final
 class DeleteToolRequest(_message.Message):

@@ -1,0 +1,405 @@
+"""Conditions: CEL expressions over one call, in the policy (approval rules'
+``when``, deny rules) and in tools' guards (docs/approvals.md, "Conditions").
+
+CEL through ``cel-expr-python`` (Google's own runtime, cel-cpp): it
+type-checks against declared variables (a misspelt field is an error at load,
+not a surprise at call time), its ``matches()`` is RE2, and it has no I/O,
+no clock and no loops beyond the macros over a value's elements. What it
+lacks is a cost limit, so every expression gets a static worst-case cost when
+it is compiled (``estimate_cost``, after Kubernetes' CEL cost estimator) and
+one above ``COST_LIMIT`` is refused: nothing reaches a call that could build
+huge strings or loop over loops. cel-cpp's own iteration budget stops a
+comprehension that runs long anyway (a second line, never the first).
+
+A condition reads only what ``CallFacts`` holds: the tool, the call's
+validated arguments, the caller and the call's time. Evaluating fails closed:
+an error (a missing field, a wrong type, the iteration budget) raises
+``ConditionFailed`` and the caller of ``holds`` refuses the call.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from cel_expr_python import cel
+from google.protobuf import any_pb2, descriptor_pb2, descriptor_pool, message_factory, struct_pb2
+from google.protobuf.message import DecodeError, Message
+
+MAX_CONDITION_CHARS = 2_048  # characters of one expression
+ARGUMENTS_BOUND = 1024 * 1024  # bytes: what a call's arguments can be (domain/arguments.py)
+TOOL_BOUND = 16 * 1024  # bytes: a tool's name, level, categories, owner, digest and hosts
+CALLER_BOUND = 16 * 1024  # bytes: a caller's id, roles, groups and claims (claims are capped)
+MAX_CLAIMS_BYTES = 8 * 1024  # bytes of JSON claims a condition sees; larger claims are not shown
+# Units of work (a node visited, a byte compared or copied) an expression may
+# cost at worst: sixteen passes over the largest arguments a call can carry.
+COST_LIMIT = 16 * ARGUMENTS_BOUND
+_PACKAGE = "toolreg.conditions"
+
+
+class Scope(enum.Enum):
+    """Which variables an expression may read."""
+
+    POLICY = "policy"  # tool, args, caller, now: approval and deny rules
+    GUARD = "guard"  # args only: a tool's guard, written by its registrant
+
+
+class ConditionError(ValueError):
+    """An expression that does not compile, is not a bool, or costs too much
+    (the message says where in the expression and why)."""
+
+
+class ConditionFailed(Exception):
+    """Evaluating a condition did not give true or false: the call must be
+    refused (fail closed). ``detail`` is CEL's reason, without values."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+
+# ------------------------------------------------------------------ the variables
+
+
+def _file() -> descriptor_pb2.FileDescriptorProto:
+    """The message types conditions read (`tool.name`, `caller.groups`), so
+    the checker knows every field and its type; plus a small copy of CEL's
+    own syntax tree (cel/expr/syntax.proto) to read a checked expression
+    back for its cost."""
+    f = descriptor_pb2.FileDescriptorProto(
+        name="toolreg_conditions.proto", package=_PACKAGE, syntax="proto3",
+        dependency=["google/protobuf/struct.proto"],
+    )  # fmt: skip
+    T = descriptor_pb2.FieldDescriptorProto
+    one, many = T.LABEL_OPTIONAL, T.LABEL_REPEATED
+
+    def message(name: str, *fields: tuple[str, int, int, int, str]) -> None:
+        m = f.message_type.add(name=name)
+        for fname, number, ftype, label, type_name in fields:
+            added = m.field.add(name=fname, number=number, type=ftype, label=label)
+            if type_name:
+                added.type_name = type_name
+
+    s, i64, b, msg = T.TYPE_STRING, T.TYPE_INT64, T.TYPE_BOOL, T.TYPE_MESSAGE
+    message(
+        "Tool", ("name", 1, s, one, ""), ("level", 2, s, one, ""), ("categories", 3, s, many, ""),
+        ("owner", 4, s, one, ""), ("digest", 5, s, one, ""), ("egress_hosts", 6, s, many, ""),
+    )  # fmt: skip
+    message(
+        "Caller", ("id", 1, s, one, ""), ("roles", 2, s, many, ""), ("groups", 3, s, many, ""),
+        ("claims", 4, msg, one, ".google.protobuf.Struct"),
+    )  # fmt: skip
+    # cel.expr syntax, the fields the cost estimate needs (same numbers).
+    e = f".{_PACKAGE}.Expr"
+    message("Constant", *[(n, k, t, one, "") for n, k, t in (
+        ("bool_value", 2, b), ("int64_value", 3, i64), ("uint64_value", 4, T.TYPE_UINT64),
+        ("double_value", 5, T.TYPE_DOUBLE), ("string_value", 6, s), ("bytes_value", 7, T.TYPE_BYTES),
+    )])  # fmt: skip
+    message("Ident", ("name", 1, s, one, ""))
+    message("Select", ("operand", 1, msg, one, e), ("field", 2, s, one, ""),
+            ("test_only", 3, b, one, ""))  # fmt: skip
+    message("Call", ("target", 1, msg, one, e), ("function", 2, s, one, ""),
+            ("args", 3, msg, many, e))  # fmt: skip
+    message("CreateList", ("elements", 1, msg, many, e))
+    message("Entry", ("map_key", 3, msg, one, e), ("value", 4, msg, one, e))
+    message("CreateStruct", ("entries", 2, msg, many, f".{_PACKAGE}.Entry"))
+    message(
+        "Comprehension", ("iter_var", 1, s, one, ""), ("iter_range", 2, msg, one, e),
+        ("accu_var", 3, s, one, ""), ("accu_init", 4, msg, one, e),
+        ("loop_condition", 5, msg, one, e), ("loop_step", 6, msg, one, e),
+        ("result", 7, msg, one, e), ("iter_var2", 8, s, one, ""),
+    )  # fmt: skip
+    message(
+        "Expr", ("id", 2, i64, one, ""), ("const_expr", 3, msg, one, f".{_PACKAGE}.Constant"),
+        ("ident_expr", 4, msg, one, f".{_PACKAGE}.Ident"),
+        ("select_expr", 5, msg, one, f".{_PACKAGE}.Select"),
+        ("call_expr", 6, msg, one, f".{_PACKAGE}.Call"),
+        ("list_expr", 7, msg, one, f".{_PACKAGE}.CreateList"),
+        ("struct_expr", 8, msg, one, f".{_PACKAGE}.CreateStruct"),
+        ("comprehension_expr", 9, msg, one, f".{_PACKAGE}.Comprehension"),
+    )  # fmt: skip
+    message("CheckedExpr", ("expr", 4, msg, one, e))
+    return f
+
+
+@functools.cache
+def _pool() -> descriptor_pool.DescriptorPool:
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(descriptor_pb2.FileDescriptorProto.FromString(
+        struct_pb2.DESCRIPTOR.serialized_pb))  # fmt: skip
+    pool.Add(_file())
+    return pool
+
+
+def _class(name: str) -> type[Message]:
+    return message_factory.GetMessageClass(_pool().FindMessageTypeByName(f"{_PACKAGE}.{name}"))
+
+
+@functools.cache
+def _env(scope: Scope) -> Any:
+    T = cel.Type
+    variables: dict[str, Any] = {"args": T.Map(T.STRING, T.DYN)}
+    if scope is Scope.POLICY:
+        variables |= {
+            "tool": T(f"{_PACKAGE}.Tool"), "caller": T(f"{_PACKAGE}.Caller"), "now": T.TIMESTAMP,
+        }  # fmt: skip
+    return cel.NewEnv(descriptor_pool=_pool(), variables=variables)
+
+
+# ------------------------------------------------------------------ compiling
+
+_CEL_POSITION = re.compile(r"<input>:(\d+):(\d+): ")
+_BOUNDS = {"args": ARGUMENTS_BOUND, "tool": TOOL_BOUND, "caller": CALLER_BOUND, "now": 1}
+
+
+@dataclass(frozen=True)
+class Condition:
+    """One compiled, checked expression (its text kept for messages)."""
+
+    text: str
+    scope: Scope
+    cost: int  # the static worst case, in units of COST_LIMIT
+    _program: Any = field(repr=False, compare=False)
+
+    def holds(self, facts: CallFacts) -> bool:
+        """True or False; raises ConditionFailed when it is neither."""
+        try:
+            value = self._program.eval(facts.activation(self.scope))
+        except RuntimeError as exc:  # cel-cpp's iteration budget, and the like
+            raise ConditionFailed(_plain(str(exc))) from None
+        result = value.value()
+        if value.type() == cel.Type.ERROR or not isinstance(result, bool):
+            raise ConditionFailed(_plain(str(result)))
+        return result
+
+
+def compile_condition(text: str, scope: Scope) -> Condition:
+    """Compile, type-check and cost ``text``; raises ConditionError."""
+    if not isinstance(text, str) or not text.strip():
+        raise ConditionError("must be a non-empty CEL expression")
+    if len(text) > MAX_CONDITION_CHARS:
+        raise ConditionError(f"longer than {MAX_CONDITION_CHARS} characters")
+    try:
+        program = _env(scope).compile(text)
+    except RuntimeError as exc:
+        raise ConditionError(_compile_message(str(exc))) from None
+    returns = program.return_type()
+    if returns != cel.Type.BOOL:
+        raise ConditionError(f"must be a bool, not {returns.name().lower()}")
+    cost = estimate_cost(_syntax(program))
+    if cost > COST_LIMIT:
+        raise ConditionError(
+            f"may cost up to {cost:,} units at worst, over the limit of {COST_LIMIT:,}"
+            " (a loop inside a loop, or a loop whose body reads or builds whole strings"
+            " of the arguments; compare with startsWith or ==, or test a smaller part)"
+        )
+    return Condition(text, scope, cost, program)
+
+
+def _compile_message(raw: str) -> str:
+    """CEL's checker message, one line: "line 1, column 11: undeclared ..."."""
+    body = raw.removeprefix("INVALID_ARGUMENT: ").removeprefix("ERROR: ")
+    first = body.splitlines()[0] if body else raw
+    found = _CEL_POSITION.search(first)
+    if found is None:
+        return first.strip()
+    line, column = found.groups()
+    return f"line {line}, column {column}: {first[found.end():].strip()}"
+
+
+def _plain(raw: str) -> str:
+    """CEL's runtime reason without its status prefix or the `[CODE]` suffix."""
+    text = re.sub(r"^[A-Z_]+: ", "", raw.strip())
+    return re.sub(r"\s*\[[A-Z_]+\]$", "", text).splitlines()[0][:300] if text else "error"
+
+
+def _syntax(program: Any) -> Message:
+    wrapped = any_pb2.Any.FromString(program.serialize())
+    try:
+        return _class("CheckedExpr").FromString(wrapped.value).expr  # type: ignore[attr-defined,no-any-return]
+    except DecodeError as exc:  # pragma: no cover - the runtime's own output
+        raise ConditionError(f"cannot read the checked expression back: {exc}") from None
+
+
+# ------------------------------------------------------------------ the cost estimate
+
+# Functions whose answer is a bool or a number (size 1 whatever they read).
+_SMALL = frozenset({
+    "_==_", "_!=_", "_<_", "_<=_", "_>_", "_>=_", "_&&_", "_||_", "!_", "@in", "size",
+    "contains", "startsWith", "endsWith", "matches", "@not_strictly_false", "int", "uint",
+    "double", "bool", "timestamp", "duration", "_-_", "_*_", "_/_", "_%_", "-_",
+    "getFullYear", "getMonth", "getDayOfYear", "getDayOfMonth", "getDate", "getDayOfWeek",
+    "getHours", "getMinutes", "getSeconds", "getMilliseconds", "type",
+})  # fmt: skip
+# Functions that read nothing but their operands' flags (short-circuit logic).
+_FREE = frozenset({"_&&_", "_||_", "!_", "@not_strictly_false", "_?_:_"})
+
+
+def estimate_cost(expr: Message) -> int:
+    """The most work ``expr`` can do, given the largest values its variables
+    can hold. Sizes and costs are upper bounds; a loop's body is counted once
+    per element with its element empty, and once with the whole range as its
+    element (the elements' sizes add up to at most the range's)."""
+    return _estimate(expr, dict(_BOUNDS))[1]
+
+
+_KINDS = ("const_expr", "ident_expr", "select_expr", "call_expr", "list_expr", "struct_expr",
+          "comprehension_expr")  # fmt: skip
+
+
+def _kind(expr: Any) -> str | None:
+    return next((k for k in _KINDS if expr.HasField(k)), None)
+
+
+def _estimate(expr: Any, sizes: dict[str, int]) -> tuple[int, int]:
+    """(largest size of the value, most work) of one node."""
+    kind = _kind(expr)
+    if kind == "const_expr":
+        c = expr.const_expr
+        return max(1, len(c.string_value), len(c.bytes_value)), 1
+    if kind == "ident_expr":
+        return sizes.get(expr.ident_expr.name, 1), 1
+    if kind == "select_expr":
+        size, cost = _estimate(expr.select_expr.operand, sizes)
+        return size, cost + 1
+    if kind == "list_expr":
+        parts = [_estimate(e, sizes) for e in expr.list_expr.elements]
+        return sum(s for s, _ in parts) + len(parts), sum(c for _, c in parts) + 1
+    if kind == "struct_expr":
+        parts = [_estimate(p, sizes) for en in expr.struct_expr.entries
+                 for p in (en.map_key, en.value)]  # fmt: skip
+        return sum(s for s, _ in parts) + len(parts), sum(c for _, c in parts) + 1
+    if kind == "call_expr":
+        return _estimate_call(expr.call_expr, sizes)
+    if kind == "comprehension_expr":
+        return _estimate_loop(expr.comprehension_expr, sizes)
+    return 1, 1
+
+
+def _estimate_call(call: Any, sizes: dict[str, int]) -> tuple[int, int]:
+    operands = ([call.target] if call.HasField("target") else []) + list(call.args)
+    parts = [_estimate(o, sizes) for o in operands]
+    cost = 1 + sum(c for _, c in parts)
+    read = sum(s for s, _ in parts)
+    name = call.function
+    if name not in _FREE:
+        cost += read  # a scan, a comparison, a copy: linear in what it reads
+    if name == "matches":
+        cost += read  # RE2: linear in the text, with a constant for the automaton
+    if name in _SMALL:
+        return 1, cost
+    if name == "_?_:_":
+        return max(s for s, _ in parts[1:]), cost
+    if name == "_[_]" and parts:
+        return parts[0][0], cost
+    return max(1, read), cost  # "_+_", string(), dyn(), ...: as large as its inputs
+
+
+def _estimate_loop(loop: Any, sizes: dict[str, int]) -> tuple[int, int]:
+    range_size, range_cost = _estimate(loop.iter_range, sizes)
+    which = _kind(loop.iter_range)
+    if which == "list_expr":
+        count = len(loop.iter_range.list_expr.elements)
+    elif which == "struct_expr":
+        count = len(loop.iter_range.struct_expr.entries)
+    else:
+        count = range_size  # every element takes at least a byte
+    init_size, init_cost = _estimate(loop.accu_init, sizes)
+
+    def body(element: int) -> tuple[int, int]:
+        inner = dict(sizes)
+        for name in (loop.iter_var, loop.iter_var2):
+            if name:
+                inner[name] = element
+        inner[loop.accu_var] = 0  # the accumulator's growth is counted below
+        condition = _estimate(loop.loop_condition, inner)
+        step = _estimate(loop.loop_step, inner)
+        return step[0], condition[1] + step[1]
+
+    empty_size, empty_cost = body(0)
+    whole_size, whole_cost = body(range_size)
+    accumulated = init_size + count * empty_size + (whole_size - empty_size)
+    work = range_cost + init_cost + count * empty_cost + (whole_cost - empty_cost)
+    after = dict(sizes)
+    after[loop.accu_var] = accumulated
+    result_size, result_cost = _estimate(loop.result, after)
+    return result_size, work + result_cost
+
+
+# ------------------------------------------------------------------ the facts of one call
+
+
+@dataclass(frozen=True)
+class ToolFacts:
+    name: str
+    level: str
+    categories: tuple[str, ...] = ()
+    owner: str = ""
+    digest: str = ""
+    egress_hosts: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class CallerFacts:
+    id: str
+    roles: tuple[str, ...] = ()
+    groups: tuple[str, ...] = ()
+    claims: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class CallFacts:
+    """What conditions may read about one call. The activation is made once
+    per call and shared by every condition evaluated for it."""
+
+    args: Mapping[str, Any]
+    tool: ToolFacts | None = None
+    caller: CallerFacts | None = None
+    now: datetime | None = None
+    _activations: dict[Scope, Any] = field(default_factory=dict, repr=False)
+
+    def activation(self, scope: Scope) -> Any:
+        made = self._activations.get(scope)
+        if made is None:
+            made = self._activations[scope] = _env(scope).Activation(self._data(scope))
+        return made
+
+    def _data(self, scope: Scope) -> dict[str, Any]:
+        data: dict[str, Any] = {"args": dict(self.args)}
+        if scope is Scope.GUARD:
+            return data
+        tool = self.tool or ToolFacts("", "")
+        caller = self.caller or CallerFacts("")
+        claims = struct_pb2.Struct()
+        if caller.claims and len(json.dumps(caller.claims, default=str)) <= MAX_CLAIMS_BYTES:
+            claims.update(dict(caller.claims))
+        data["tool"] = _class("Tool")(
+            name=tool.name, level=tool.level, categories=list(tool.categories), owner=tool.owner,
+            digest=tool.digest, egress_hosts=list(tool.egress_hosts),
+        )  # fmt: skip
+        data["caller"] = _class("Caller")(
+            id=caller.id, roles=list(caller.roles), groups=list(caller.groups), claims=claims
+        )
+        if self.now is not None:
+            data["now"] = self.now
+        return data
+
+
+def first_failing(
+    conditions: Sequence[tuple[Condition, str]], facts: CallFacts
+) -> str | None:
+    """The message of the first ``(condition, message)`` that does not hold
+    (a guard), or None when all hold. An error counts as not holding."""
+    for condition, message in conditions:
+        try:
+            if not condition.holds(facts):
+                return message
+        except ConditionFailed as failed:
+            return f"{message} (the check could not be evaluated: {failed.detail})"
+    return None
