@@ -160,6 +160,7 @@ class ToolRegistryServicer(pb_grpc.ToolRegistryServicer):
             caller=caller.id,
             actor=caller.actor,
             max_level=caller.max_level,
+            claims=caller.claims,
             approval_tokens=tuple(request.approval_tokens),
             approval_request_id=request.approval_request_id,
             deadline=_deadline(context),

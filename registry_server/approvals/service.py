@@ -46,9 +46,11 @@ from registry_server.domain.errors import (
     QuotaExceeded,
 )
 from registry_server.domain.models import ToolDefinition, parse_definition
-from registry_server.domain.outcome import ApprovalRequestView
+from registry_server.domain.outcome import AppliedRule, ApprovalRequestView
 from registry_server.domain.pages import Page, PageQuery, PageTokens, page_size
 from registry_server.domain.text import checked_reason
+from registry_server.policy.call_facts import request_rule, tool_facts
+from registry_server.policy.conditions import CallFacts
 from registry_server.policy.live import PolicySource, source_of
 from registry_server.policy.model import EffectiveRule, Policy
 from registry_server.signing import passkeys
@@ -144,6 +146,9 @@ class Call:
     arguments_json: str  # compact JSON as the tool will receive it
     arguments_digest: str
     caller: str
+    # What the policy's conditions read (policy/call_facts.py); None: every
+    # conditional rule counts as applying (the strictest reading).
+    facts: CallFacts | None = None
 
 
 class Approvals:
@@ -231,9 +236,11 @@ class Approvals:
                 " characters each"
             )
         tool = call.tool
+        # Raises RuleNotEvaluable: a rule whose condition errs refuses the call.
         rule = self.policy.rule_for(
-            tool_name=tool.name, categories=tool.categories, level=tool.safety_level
-        )
+            tool_name=tool.name, categories=tool.categories, level=tool.safety_level,
+            facts=call.facts, refuse_on_error=True,
+        )  # fmt: skip
         request: ApprovalRequestView | None = None
         offered = list(tokens)
         if request_id:
@@ -405,8 +412,8 @@ class Approvals:
         tool = self._registry.find(request.tool_name) or request.tool
         if tool is None or self.policy.same_person(approver, request.requested_by):
             return False
-        rule = self.policy.rule_for(
-            tool_name=tool.name, categories=tool.categories, level=tool.safety_level
+        rule = self._request_rule(
+            tool, request.arguments_json, request.requested_by, request.created_at.timestamp()
         )
         return self.policy.eligible(approver, rule)
 
@@ -581,9 +588,14 @@ class Approvals:
         tool = self._registry.find(request.tool_name)
         if tool is None:
             raise FailedPrecondition(f"tool '{request.tool_name}' is no longer registered")
-        return tool, self.policy.rule_for(
-            tool_name=tool.name, categories=tool.categories, level=tool.safety_level
+        return tool, self._request_rule(
+            tool, request.arguments_json, request.requested_by, request.created_at.timestamp()
         )
+
+    def _request_rule(
+        self, tool: ToolDefinition, arguments_json: str, requested_by: str, at: float
+    ) -> EffectiveRule:
+        return request_rule(self.policy, tool_facts(tool), arguments_json, requested_by, at)
 
     # -- deleted and disabled tools ------------------------------------------------------
 
@@ -621,9 +633,7 @@ class Approvals:
         shown = _snapshot(r.tool_manifest, r.tool_owner, listed=listed)
         current = self._registry.find(r.tool_name)
         rule = (
-            self.policy.rule_for(
-                tool_name=current.name, categories=current.categories, level=current.safety_level
-            )
+            self._request_rule(current, r.arguments_json, r.requested_by, r.created_at)
             if current is not None
             else None
         )
@@ -644,6 +654,10 @@ class Approvals:
             ),
             rejected_by=r.rejected_by, rejection_reason=r.rejection_reason,
             voided_reason=r.voided_reason,
+            applied_rules=() if rule is None else tuple(
+                AppliedRule(q.name, q.match, q.condition, q.approvals_required, q.groups)
+                for q in rule.requirements
+            ),
         )  # fmt: skip
 
 

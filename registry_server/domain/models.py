@@ -122,6 +122,16 @@ class ToolSandbox:
 
 
 @dataclass(frozen=True, slots=True)
+class Guard:
+    """A precondition on a call's arguments (CEL over ``args``, compiled by
+    the catalog at registration: policy/conditions.py), with what the caller
+    is told when it does not hold."""
+
+    condition: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
 class ToolDefinition:
     """A validated, immutable tool definition. Build it with ``parse_definition``."""
 
@@ -135,6 +145,7 @@ class ToolDefinition:
     digest: str  # sha256 hex of the RFC 8785 canonical JSON of ``as_manifest()``
     egress: tuple[str, ...] = ()  # "host:port" entries, sorted (domain/egress.py)
     secrets: tuple[SecretRef, ...] = ()  # sorted by name; references, never values
+    guards: tuple[Guard, ...] = ()  # in the author's order: the first that fails is reported
     # Who registered it (a client id, or OPERATOR_OWNER): not part of the
     # definition, so not in ``as_manifest()`` or the digest.
     owner: str = ""

@@ -45,6 +45,25 @@ class ApprovalRequestView:
     rejected_by: str = ""  # REJECTED: who refused it
     rejection_reason: str = ""  # REJECTED: why
     voided_reason: str = ""  # VOIDED: why (its tool was deleted or disabled)
+    # The approval rules that apply to the call, as the policy states them now.
+    applied_rules: tuple[AppliedRule, ...] = ()
+
+
+@dataclass(frozen=True)
+class AppliedRule:
+    """One approval rule that applies to a request's call, and why."""
+
+    name: str  # the rule's name, "rule N", or "default"
+    match: str  # "tool deploy", "category prod", ...
+    condition: str  # its `when` (CEL), "" when it has none
+    approvals_required: int
+    groups: tuple[str, ...]  # empty: any approver
+
+    def describe(self) -> str:
+        """'2 approval(s) from sre: rule sre-prod (args.env == "prod")'."""
+        who = ", ".join(self.groups) or "any approver"
+        why = f" ({self.condition})" if self.condition else f" ({self.match})"
+        return f"{self.approvals_required} approval(s) from {who}: {self.name}{why}"
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 from registry_server.domain.models import SafetyLevel
 
@@ -19,3 +21,5 @@ class CallRequest:
     deadline: float | None = None
     # the most dangerous level this caller may run (None = any)
     max_level: SafetyLevel | None = None
+    # the caller's IdP access token claims, for the policy's conditions (caller.claims)
+    claims: Mapping[str, Any] = field(default_factory=dict)

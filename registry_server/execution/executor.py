@@ -1,6 +1,6 @@
 """Executing one tool call, as a pipeline of named steps:
 
-    look up -> check arguments -> choose the runtime -> approval gate
+    look up -> check arguments -> guards, deny rules -> choose the runtime -> approval gate
             -> plan the sandbox
             -> run (admission, a warm or cold sandbox, spend the approval, start)
             -> record (the audit log, the execution log, observers)
@@ -54,6 +54,9 @@ from registry_server.execution.sandbox_plan import (
     within_deadline,
 )
 from registry_server.execution.warm_pool import WarmPools
+from registry_server.policy.call_facts import call_facts
+from registry_server.policy.conditions import CallFacts, Scope, compile_condition, first_failing
+from registry_server.policy.model import RuleNotEvaluable
 from registry_server.store.base import Store
 from registry_server.store.group_commit import AuditAppender
 from sandbox_runner import EngineUnavailable as BackendEngineUnavailable
@@ -151,8 +154,9 @@ class Executor:
                 with tracing.step(tracing.VALIDATE):
                     tool = self._look_up(record)
                     arguments = self._check_arguments(record, tool)
+                    facts = self._check_policy(record, tool, arguments)
                 runtime = self._choose_runtime(record, tool)
-                self._approval_gate(record, tool, arguments)
+                self._approval_gate(record, tool, arguments, facts)
                 spec = self._plan_sandbox(record, tool, arguments, runtime)
             except _Refused as refused:
                 return self._record(record, refused.outcome)
@@ -183,6 +187,27 @@ class Executor:
         record.args_digest = arguments.digest
         return arguments
 
+    def _check_policy(
+        self, record: AuditRecord, tool: ToolDefinition, arguments: ParsedArguments
+    ) -> CallFacts:
+        """The tool's guards (its registrant's preconditions on the arguments),
+        then the policy's deny rules: both before any approval request or
+        sandbox exists. Returns what the approval rules' conditions read."""
+        call = record.call
+        policy = self._approvals.policy
+        facts = call_facts(policy, tool, arguments.value, call.caller, time.time(), call.claims)
+        if tool.guards:
+            guards = [(compile_condition(g.condition, Scope.GUARD), g.message) for g in tool.guards]
+            failed = first_failing(guards, facts)
+            if failed is not None:
+                raise _refusal(record, Status.INVALID_ARGUMENTS, f"guard failed: {failed}")
+        denial = policy.denial_for(
+            tool_name=tool.name, categories=tool.categories, level=tool.safety_level, facts=facts
+        )
+        if denial is not None:
+            raise _refusal(record, Status.POLICY_DENIED, denial.message)
+        return facts
+
     def _choose_runtime(self, record: AuditRecord, tool: ToolDefinition) -> Runtime:
         """The runtime ``tool`` runs under here (for runsc-net, with gVisor's
         network mode), once its owner's grant is found to still cover it: both
@@ -203,7 +228,11 @@ class Executor:
         return runtime
 
     def _approval_gate(
-        self, record: AuditRecord, tool: ToolDefinition, arguments: ParsedArguments
+        self,
+        record: AuditRecord,
+        tool: ToolDefinition,
+        arguments: ParsedArguments,
+        facts: CallFacts,
     ) -> None:
         """Dangerous tools: whether enough valid approvals exist (checked, not yet
         spent: ``_start`` spends them); kept in ``record.approved``."""
@@ -214,10 +243,13 @@ class Executor:
         with tracing.step(tracing.APPROVAL) as span:
             try:
                 decision = self._approvals.decide(
-                    Call(tool, arguments.canonical.decode(), arguments.digest, call.caller),
+                    Call(tool, arguments.canonical.decode(), arguments.digest, call.caller, facts),
                     call.approval_tokens,
                     call.approval_request_id,
                 )
+            except RuleNotEvaluable as exc:
+                span.set_attribute(tracing.DECISION, "denied")
+                raise _refusal(record, Status.POLICY_DENIED, str(exc)) from None
             except (Denied, NotFound) as exc:
                 span.set_attribute(tracing.DECISION, "denied")
                 reason = exc.reason if isinstance(exc, Denied) else exc.message

@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 
 from registry_server.domain.models import SafetyLevel
 from registry_server.notify.payload import Facts, render
+from registry_server.policy.call_facts import request_rule
+from registry_server.policy.conditions import ToolFacts
 from registry_server.policy.live import PolicySource, source_of
 from registry_server.policy.model import Policy
 from registry_server.policy.webhooks import WebhookSpec
@@ -96,7 +98,10 @@ class Outbox:
         approvers = uow.approvers_of(request.id)
         level, categories = _level_and_categories(request.tool_manifest)
         policy = self._policy()
-        rule = policy.rule_for(tool_name=request.tool_name, categories=categories, level=level)
+        tool = ToolFacts(request.tool_name, level.value, tuple(categories))
+        rule = request_rule(
+            policy, tool, request.arguments_json, request.requested_by, request.created_at
+        )
         known = [a for a in map(policy.approver, approvers) if a is not None]
         return Facts(
             event_type=event.type, event_seq=event.seq, at=event.at, request_id=request.id,

@@ -26,11 +26,13 @@ from registry_server.domain.models import (
     SafetyLevel,
 )
 from registry_server.policy.clients import UNRESTRICTED, Client, Quota, RegisterGrant, Role
+from registry_server.policy.conditions import Scope, compile_condition
 from registry_server.policy.identity import GroupGrant, IdentityProvider
 from registry_server.policy.model import (
     MAX_POLICY_BYTES,
     ApprovalRule,
     Approver,
+    DenyRule,
     EgressPolicy,
     Policy,
     PolicyError,
@@ -176,13 +178,24 @@ def _cross_check(policy: _PolicyIn) -> Iterator[tuple[Loc, str]]:
 
     known_groups = {g for a in policy.approvers for g in groups_of(a)}
     first_match: dict[tuple[str | None, ...], int] = {}
+    first_name: dict[str, str] = {}
+    named = [("approval_rules", i, r.name) for i, r in enumerate(policy.approval_rules)]
+    named += [("deny_rules", i, r.name) for i, r in enumerate(policy.deny_rules)]
+    for where, i, name in named:
+        if name is None:
+            continue
+        if name in first_name:
+            yield ((where, i, "name"), f"duplicate rule name {name!r} (also {first_name[name]})")
+        first_name.setdefault(name, f"{where}[{i}]")
     for i, rule in enumerate(policy.approval_rules):
-        match = (rule.match.tool, rule.match.category, rule.match.level)
+        # Two rules for the same tool under different conditions are the point
+        # of conditions; the same match under the same condition is a mistake.
+        match = (rule.match.tool, rule.match.category, rule.match.level, rule.when)
         if match in first_match:
             first = first_match[match]
             yield (
                 ("approval_rules", i, "match"),
-                f"same match as approval_rules[{first}]; this rule would never apply",
+                f"same match and condition as approval_rules[{first}]; this rule adds nothing",
             )
         first_match.setdefault(match, i)
         for j, group in enumerate(rule.groups):
@@ -369,8 +382,25 @@ def _freeze(policy: _PolicyIn, source: str) -> Policy:
                 approvals_required=r.approvals_required,
                 groups=tuple(r.groups),
                 max_token_ttl_s=r.max_token_ttl_s,
+                name=r.name or "",
+                when=None if r.when is None else compile_condition(r.when, Scope.POLICY),
             )
             for r in policy.approval_rules
+        ),
+        deny_rules=tuple(
+            DenyRule(
+                name=r.name,
+                reason=r.reason,
+                match=None
+                if r.match is None
+                else RuleMatch(
+                    tool=r.match.tool,
+                    category=r.match.category,
+                    level=None if r.match.level is None else SafetyLevel(r.match.level),
+                ),
+                when=None if r.when is None else compile_condition(r.when, Scope.POLICY),
+            )
+            for r in policy.deny_rules
         ),
         profiles=MappingProxyType(profiles),
         clients=tuple(

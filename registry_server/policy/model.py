@@ -9,7 +9,7 @@ import hashlib
 import hmac
 import re
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
@@ -24,6 +24,7 @@ from registry_server.policy.clients import (
     RegisterGrant,
     Role,
 )
+from registry_server.policy.conditions import CallFacts, Condition, ConditionFailed
 from registry_server.policy.identity import IdentityProvider
 from registry_server.policy.seen import SeenIdentities
 from registry_server.policy.webhooks import WebhookSpec
@@ -75,6 +76,13 @@ class RuleMatch:
     category: str | None = None
     level: SafetyLevel | None = None
 
+    def matches(self, tool_name: str, categories: Sequence[str], level: SafetyLevel) -> bool:
+        return (
+            (self.tool is not None and self.tool == tool_name)
+            or (self.category is not None and self.category in categories)
+            or (self.level is not None and self.level is level)
+        )
+
     def describe(self) -> str:
         if self.tool is not None:
             return f"tool {self.tool}"
@@ -90,6 +98,46 @@ class ApprovalRule:
     approvals_required: int
     groups: tuple[str, ...] = ()  # empty: any approver
     max_token_ttl_s: int = DEFAULT_MAX_TOKEN_TTL_S
+    name: str = ""  # the policy's name for it ("" = "rule N", N its position from 1)
+    # Applies only to calls for which this holds (policy/conditions.py); None: every call.
+    when: Condition | None = None
+
+
+@dataclass(frozen=True)
+class DenyRule:
+    """A call that matches (and for which ``when`` holds) is refused before any
+    approval request or sandbox exists, with ``reason``."""
+
+    name: str
+    reason: str
+    match: RuleMatch | None = None  # None: every tool
+    when: Condition | None = None  # None: every matching call
+
+    def describe(self) -> str:
+        return self.match.describe() if self.match is not None else "every tool"
+
+
+@dataclass(frozen=True)
+class Denial:
+    """Why a deny rule refused a call (the rule's reason, or why its condition
+    could not be evaluated: fail closed)."""
+
+    rule: str
+    reason: str
+
+    @property
+    def message(self) -> str:
+        return f"denied by policy rule {self.rule}: {self.reason}"
+
+
+class RuleNotEvaluable(Exception):
+    """An approval rule's condition gave neither true nor false for a call:
+    the call is refused (fail closed), naming the rule."""
+
+    def __init__(self, rule: str, detail: str) -> None:
+        super().__init__(f"policy rule {rule}: its condition could not be evaluated: {detail}")
+        self.rule = rule
+        self.detail = detail
 
 
 @dataclass(frozen=True)
@@ -99,6 +147,10 @@ class Requirement:
     approvals_required: int
     groups: tuple[str, ...]
     source: str  # where it comes from, for messages: "rule 1 (tool write_file)"
+    # For people (the approval request shows them), not part of what it demands:
+    name: str = field(default="", compare=False)  # "rule 1" when the policy gives none
+    match: str = field(default="", compare=False)  # what it matches: "tool write_file"
+    condition: str = field(default="", compare=False)  # its `when`, "" when it has none
 
     def admits(self, approver_groups: Sequence[str]) -> bool:
         return not self.groups or bool(set(self.groups) & set(approver_groups))
@@ -191,6 +243,7 @@ class Policy:
     # The group-mapped clients this server has seen (shared across reloads).
     seen: SeenIdentities = field(default_factory=SeenIdentities, compare=False, repr=False)
     webauthn: WebAuthnSettings | None = None  # the relying party of passkey approvals
+    deny_rules: tuple[DenyRule, ...] = ()
     _by_id: Mapping[str, Approver] = field(init=False, repr=False, compare=False)
     _by_credential: Mapping[str, PasskeyCredential] = field(init=False, repr=False, compare=False)
 
@@ -294,30 +347,72 @@ class Policy:
         return self._by_credential
 
     def rule_for(
-        self, *, tool_name: str, categories: Sequence[str], level: SafetyLevel
-    ) -> EffectiveRule:
+        self, *, tool_name: str, categories: Sequence[str], level: SafetyLevel,
+        facts: CallFacts | None = None, refuse_on_error: bool = False,
+    ) -> EffectiveRule:  # fmt: skip
         """Every rule that matches the tool (by name, by any of its categories,
-        by level) applies at once; with none, a dangerous tool needs one
-        approval from any approver. Only dangerous tools are gated by
-        approvals (the executor decides)."""
+        by level) and whose ``when`` holds for the call applies at once; with
+        none, a dangerous tool needs one approval from any approver. Only
+        dangerous tools are gated by approvals (the executor decides).
+
+        A condition that cannot be evaluated, or that has no call to read
+        (``facts`` None), counts as holding: the strictest reading. With
+        ``refuse_on_error`` (a call about to be decided) such a condition
+        raises RuleNotEvaluable instead, and the call is refused."""
         if level is not SafetyLevel.DANGEROUS:
             return EffectiveRule((), DEFAULT_MAX_TOKEN_TTL_S)
-        matches: Callable[[RuleMatch], bool] = lambda m: (  # noqa: E731
-            (m.tool is not None and m.tool == tool_name)
-            or (m.category is not None and m.category in categories)
-            or (m.level is not None and m.level is level)
-        )
-        matched = [(n, r) for n, r in enumerate(self.rules, start=1) if matches(r.match)]
+        matched: list[tuple[str, ApprovalRule]] = []
+        for n, rule in enumerate(self.rules, start=1):
+            name = rule.name or f"rule {n}"
+            if not rule.match.matches(tool_name, categories, level):
+                continue
+            if rule.when is not None and facts is not None:
+                try:
+                    if not rule.when.holds(facts):
+                        continue
+                except ConditionFailed as failed:
+                    if refuse_on_error:
+                        raise RuleNotEvaluable(name, failed.detail) from None
+            matched.append((name, rule))
         if not matched:
-            default = Requirement(1, (), "default for dangerous tools")
+            default = Requirement(
+                1, (), "default for dangerous tools", "default", "default for dangerous tools"
+            )
             return EffectiveRule((default,), DEFAULT_MAX_TOKEN_TTL_S)
         return EffectiveRule(
             tuple(
-                Requirement(r.approvals_required, r.groups, f"rule {n} ({r.match.describe()})")
-                for n, r in matched
+                Requirement(
+                    r.approvals_required,
+                    r.groups,
+                    _source(name, r),
+                    name,
+                    r.match.describe(),
+                    "" if r.when is None else r.when.text,
+                )
+                for name, r in matched
             ),
             min(r.max_token_ttl_s for _, r in matched),
         )
+
+    def denial_for(
+        self, *, tool_name: str, categories: Sequence[str], level: SafetyLevel, facts: CallFacts
+    ) -> Denial | None:
+        """The first deny rule (in file order) that matches the call, or None.
+        A condition that cannot be evaluated denies (fail closed)."""
+        for n, rule in enumerate(self.deny_rules, start=1):
+            name = rule.name or f"deny rule {n}"
+            if rule.match is not None and not rule.match.matches(tool_name, categories, level):
+                continue
+            if rule.when is None:
+                return Denial(name, rule.reason)
+            try:
+                if rule.when.holds(facts):
+                    return Denial(name, rule.reason)
+            except ConditionFailed as failed:
+                return Denial(
+                    name, f"{rule.reason} (its condition could not be evaluated: {failed.detail})"
+                )
+        return None
 
     def eligible(self, approver_id: str, rule: EffectiveRule) -> bool:
         """Whether this approver counts towards at least one requirement."""
@@ -361,6 +456,12 @@ class Policy:
         """The limits the policy sets for ``level`` (only those fields), or None."""
         fields = self.profiles.get(level)
         return None if fields is None else dict(fields)
+
+
+def _source(name: str, rule: ApprovalRule) -> str:
+    """For messages: 'rule sre-prod (tool deploy, when args.env == "prod")'."""
+    when = "" if rule.when is None else f", when {rule.when.text}"
+    return f"{name} ({rule.match.describe()}{when})"
 
 
 def development_policy(*, audience: str, approvers: Mapping[str, str | Ed25519PublicKey]) -> Policy:

@@ -29,6 +29,7 @@ from registry_server.policy.clients import (
     MAX_QUOTA_SERVERS,
     Role,
 )
+from registry_server.policy.conditions import ConditionError, Scope, compile_condition
 from registry_server.policy.identity import (
     ASYMMETRIC_ALGORITHMS,
     CLAIM_PATH,
@@ -218,8 +219,28 @@ class _MatchIn(_Strict):
         return self
 
 
+RULE_NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
+MAX_DENY_RULES = 256  # deny rules in one policy
+MAX_APPROVAL_RULES = 256  # approval rules in one policy
+MAX_DENY_REASON_CHARS = 300  # characters of a deny rule's reason (the caller is told it)
+
+
+def _check_condition(value: str | None) -> str | None:
+    """Compiled and type-checked now, so the error names the file, the line and
+    the rule (loader.py compiles it again, from the cache, into the policy)."""
+    if value is None:
+        return None
+    try:
+        compile_condition(value, Scope.POLICY)
+    except ConditionError as exc:
+        raise ValueError(f"CEL: {exc}") from None
+    return value
+
+
 class _RuleIn(_Strict):
+    name: str | None = None
     match: _MatchIn
+    when: str | None = None  # CEL (policy/conditions.py): the rule applies only when it holds
     approvals_required: int = Field(ge=1)
     groups: list[str] = Field(default_factory=list)
     max_token_ttl_s: int = Field(DEFAULT_MAX_TOKEN_TTL_S, ge=1, le=MAX_TOKEN_TTL_S)
@@ -228,6 +249,81 @@ class _RuleIn(_Strict):
     @classmethod
     def _groups(cls, value: list[str]) -> list[str]:
         return _check_groups(value)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str | None) -> str | None:
+        return None if value is None else _check_pattern(value, RULE_NAME_PATTERN, "rule name")
+
+    @field_validator("when")
+    @classmethod
+    def _when(cls, value: str | None) -> str | None:
+        return _check_condition(value)
+
+
+class _DenyMatchIn(_Strict):
+    """What a deny rule matches: one of tool, category or level (any level)."""
+
+    tool: str | None = None
+    category: str | None = None
+    level: str | None = None
+
+    @field_validator("tool")
+    @classmethod
+    def _tool(cls, value: str | None) -> str | None:
+        return None if value is None else _check_pattern(value, NAME_PATTERN, "tool name")
+
+    @field_validator("category")
+    @classmethod
+    def _category(cls, value: str | None) -> str | None:
+        return None if value is None else _check_pattern(value, CATEGORY_PATTERN, "category")
+
+    @field_validator("level")
+    @classmethod
+    def _level(cls, value: str | None) -> str | None:
+        return None if value is None else SafetyLevel.parse(value).value
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> _DenyMatchIn:
+        given = [n for n in ("tool", "category", "level") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                "must name exactly one of tool, category or level (leave match out for"
+                " every tool)" + (f" (found {', '.join(given)})" if given else "")
+            )
+        return self
+
+
+class _DenyRuleIn(_Strict):
+    name: str
+    match: _DenyMatchIn | None = None  # None: every tool
+    when: str | None = None  # None: every call the match covers
+    reason: str
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        return _check_pattern(value, RULE_NAME_PATTERN, "rule name")
+
+    @field_validator("when")
+    @classmethod
+    def _when(cls, value: str | None) -> str | None:
+        return _check_condition(value)
+
+    @field_validator("reason")
+    @classmethod
+    def _reason(cls, value: str) -> str:
+        if not value.strip() or len(value) > MAX_DENY_REASON_CHARS:
+            raise ValueError(f"must be 1 to {MAX_DENY_REASON_CHARS} characters")
+        if any(ord(c) < 32 or ord(c) == 127 for c in value):
+            raise ValueError("must not contain control characters")
+        return value
+
+    @model_validator(mode="after")
+    def _not_everything(self) -> _DenyRuleIn:
+        if self.match is None and self.when is None:
+            raise ValueError("a deny rule with neither match nor when would refuse every call")
+        return self
 
 
 class _CeilingIn(_Strict):
@@ -520,7 +616,8 @@ class _PolicyIn(_Strict):
     )
     approvers: list[_ApproverIn] = Field(default_factory=list)
     webauthn: _WebAuthnIn | None = None  # needed when an approver has passkeys
-    approval_rules: list[_RuleIn] = Field(default_factory=list)
+    approval_rules: list[_RuleIn] = Field(default_factory=list, max_length=MAX_APPROVAL_RULES)
+    deny_rules: list[_DenyRuleIn] = Field(default_factory=list, max_length=MAX_DENY_RULES)
     profiles: _ProfilesIn = Field(default_factory=lambda: _ProfilesIn())
     clients: list[_ClientIn] = Field(default_factory=list)
     egress: _EgressIn = Field(default_factory=lambda: _EgressIn())

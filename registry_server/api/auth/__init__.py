@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextvars
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -75,6 +75,8 @@ class Principal:
     approver: str | None = None  # the policy's approver this client is, if any
     # who acts for this client (an IdP token's act claim: a bridge acting for a person)
     actor: str | None = None
+    # an IdP access token's verified claims (empty for other credentials)
+    claims: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def admin(self) -> bool:
@@ -117,6 +119,7 @@ class Authenticator:
         policy = self._policy()
         client = None
         actor = None
+        claims: Mapping[str, Any] = {}
         bearer = [str(v) for k, v in metadata if k == "authorization"]
         if bearer:
             scheme, _, token = bearer[0].partition(" ")
@@ -127,7 +130,7 @@ class Authenticator:
             token = token.strip()
             client = policy.client_by_token(token)
             if client is None and policy.identity_providers and looks_like_jwt(token):
-                client, actor = self._from_access_token(policy, token)
+                client, actor, claims = self._from_access_token(policy, token)
             if client is None:
                 raise AuthError(grpc.StatusCode.UNAUTHENTICATED, "unknown bearer token")
         else:
@@ -143,10 +146,12 @@ class Authenticator:
                 )
         return Principal(
             client.id, client.roles, client.max_safety_level, client.register,
-            policy.approver_identity(client), actor,
+            policy.approver_identity(client), actor, claims,
         )  # fmt: skip
 
-    def _from_access_token(self, policy: Policy, token: str) -> tuple[Client, str | None]:
+    def _from_access_token(
+        self, policy: Policy, token: str
+    ) -> tuple[Client, str | None, Mapping[str, Any]]:
         try:
             verified = self.access_tokens.verify(policy, token)
         except TokenRefused as refused:
@@ -158,7 +163,7 @@ class Authenticator:
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"client '{client.id}' has no role in this policy (none of its groups is mapped)",
             )
-        return client, verified.actor
+        return client, verified.actor, verified.claims
 
 
 def _subjects(auth_context: Mapping[str, Any]) -> list[str]:

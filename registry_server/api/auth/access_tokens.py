@@ -21,8 +21,8 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import jwt
@@ -76,6 +76,8 @@ class Verified:
     provider: str
     subject: str
     actor: str | None = None  # "<provider>:<act.sub>" for an exchanged token (RFC 8693)
+    # The token's verified claims: what the policy's conditions read as caller.claims.
+    claims: Mapping[str, Any] = field(default_factory=dict)
 
 
 class AccessTokens:
@@ -190,14 +192,14 @@ class AccessTokens:
         actor = _actor(claims, provider)
         pinned = policy.client_by_idp(provider.id, subject)
         if pinned is not None:
-            return Verified(pinned, provider.id, subject, actor)
+            return Verified(pinned, provider.id, subject, actor, claims)
         groups = provider.groups_of(claims)
         client = provider.client_for(subject, groups)
         if client is None:
             raise TokenRefused(INVALID, "subject is not a usable client id", provider.id)
         seen = Sighting(provider.id, subject, groups, claims["iat"], claims["exp"])
         policy.seen.saw(client.id, seen)
-        return Verified(client, provider.id, subject, actor)
+        return Verified(client, provider.id, subject, actor, claims)
 
     def _checked_claims(
         self, token: str, key: jwt.PyJWK, alg: str, provider: IdentityProvider

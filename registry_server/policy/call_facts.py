@@ -1,0 +1,87 @@
+"""What the policy's conditions read about one call (policy/conditions.py),
+gathered from the tool, the call's validated arguments, the caller as the
+policy knows it, and the call's time."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+from registry_server.domain.models import SafetyLevel, ToolDefinition
+from registry_server.policy.conditions import CallerFacts, CallFacts, ToolFacts
+from registry_server.policy.model import EffectiveRule, Policy
+
+
+def tool_facts(tool: ToolDefinition) -> ToolFacts:
+    return ToolFacts(
+        name=tool.name,
+        level=tool.safety_level.value,
+        categories=tuple(tool.categories),
+        owner=tool.owner,
+        digest=tool.digest,
+        # "host:port" entries; conditions compare host names
+        egress_hosts=tuple(dict.fromkeys(e.rpartition(":")[0] or e for e in tool.egress)),
+    )
+
+
+def caller_facts(
+    policy: Policy, caller: str, claims: Mapping[str, Any] | None = None
+) -> CallerFacts:
+    """The caller's roles as the policy gives them now; its groups: those of
+    the approver it is (the file's, and an identity provider's approver
+    groups) and the groups its identity provider's latest token gave it;
+    the claims of the token it called with (none for other credentials)."""
+    client = policy.client(caller)
+    roles = () if client is None else tuple(sorted(r.value for r in client.roles))
+    groups: list[str] = []
+    if client is not None:
+        approver_id = policy.approver_identity(client)
+        approver = None if approver_id is None else policy.approver(approver_id)
+        if approver is not None:
+            groups.extend(approver.groups)
+    sighting = policy.seen.get(caller) if policy.identity_providers else None
+    if sighting is not None:
+        groups.extend(sorted(sighting.groups))
+    return CallerFacts(caller, roles, tuple(dict.fromkeys(groups)), dict(claims or {}))
+
+
+def request_rule(
+    policy: Policy, tool: ToolFacts, arguments_json: str, requested_by: str, at: float
+) -> EffectiveRule:
+    """The rule for a stored approval request's call, as the policy states it
+    now: its conditions read the request's arguments, its requester and the
+    time it was made. Arguments left out (a listing) or unreadable, and a
+    condition that errs, make every conditional rule count (the strictest)."""
+    facts = None
+    if arguments_json:
+        try:
+            args = json.loads(arguments_json)
+        except ValueError:
+            args = None
+        if isinstance(args, dict):
+            facts = CallFacts(
+                args, tool, caller_facts(policy, requested_by), datetime.fromtimestamp(at, UTC)
+            )
+    return policy.rule_for(
+        tool_name=tool.name, categories=tool.categories, level=SafetyLevel(tool.level),
+        facts=facts,
+    )  # fmt: skip
+
+
+def call_facts(
+    policy: Policy,
+    tool: ToolDefinition,
+    args: Mapping[str, Any],
+    caller: str,
+    at: float,
+    claims: Mapping[str, Any] | None = None,
+) -> CallFacts:
+    """The facts of one call made at ``at`` (time.time())."""
+    return CallFacts(
+        args=args,
+        tool=tool_facts(tool),
+        caller=caller_facts(policy, caller, claims),
+        now=datetime.fromtimestamp(at, UTC),
+    )
