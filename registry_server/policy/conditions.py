@@ -168,11 +168,12 @@ class Condition:
         """True or False; raises ConditionFailed when it is neither."""
         try:
             value = self._program.eval(facts.activation(self.scope))
-        except RuntimeError as exc:  # cel-cpp's iteration budget, and the like
-            raise ConditionFailed(_plain(str(exc))) from None
+        except (RuntimeError, ValueError, TypeError, OverflowError) as exc:
+            # cel-cpp's iteration budget, a value CEL cannot hold, and the like
+            raise ConditionFailed(_plain(str(exc), self.text)) from None
         result = value.value()
         if value.type() == cel.Type.ERROR or not isinstance(result, bool):
-            raise ConditionFailed(_plain(str(result)))
+            raise ConditionFailed(_plain(str(result), self.text))
         return result
 
 
@@ -212,10 +213,19 @@ def _compile_message(raw: str) -> str:
     return f"line {line}, column {column}: {first[found.end() :].strip()}"
 
 
-def _plain(raw: str) -> str:
-    """CEL's runtime reason without its status prefix or the `[CODE]` suffix."""
+_QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")
+
+
+def _plain(raw: str, expression: str) -> str:
+    """CEL's runtime reason without its status prefix or the `[CODE]` suffix,
+    and with every quoted value that is not text of the expression itself
+    left out: CEL quotes the call's values ("Integer value '...' out of
+    range"), and the call's arguments never reach an error, an audit row or
+    a log line that way."""
     text = re.sub(r"^[A-Z_]+: ", "", raw.strip())
-    return re.sub(r"\s*\[[A-Z_]+\]$", "", text).splitlines()[0][:300] if text else "error"
+    text = re.sub(r"\s*\[[A-Z_]+\]$", "", text).splitlines()[0] if text else "error"
+    text = _QUOTED.sub(lambda m: m[0] if m[0][1:-1] in expression else "'…'", text)
+    return text[:300]
 
 
 def _syntax(program: Any) -> Message:
