@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from registry_server.catalog.guards import check_guards
 from registry_server.domain import strict_json
 from registry_server.domain.errors import (
     AlreadyExists,
@@ -116,6 +117,15 @@ class Registry:
     def _parse(row: StoredTool) -> ToolDefinition | None:
         try:
             tool = parse_definition(strict_json.loads(row.manifest_json, "manifest"))
+            # Its guards compiled when it was registered; one that no longer
+            # does (a stricter cost limit, a CEL runtime that changed) could
+            # not be checked at its calls, and a guard that is not checked is
+            # a refusal silently dropped. So the tool is not served, as any
+            # stored definition that no longer validates (its calls are
+            # TOOL_NOT_FOUND until an operator fixes or replaces it), rather
+            # than served with the guard skipped or failing every call, and
+            # the server still starts with the rest.
+            check_guards(tool, source=f"stored tool '{row.name}'")
         except InvalidDefinition as exc:
             # Kept in the store untouched; an operator can fix or replace it.
             log.error("stored tool %r no longer validates and is not served: %s", row.name, exc)
@@ -192,7 +202,10 @@ class Registry:
     ) -> RegisterOutcome:
         """Store ``tool`` as ``by``'s. Raises PermissionDenied when the grant
         or ownership forbids it, AlreadyExists without ``replace``, and what
-        the image check raises (the image declares a VOLUME, no engine)."""
+        the image check raises (the image declares a VOLUME, no engine), and
+        InvalidDefinition when a guard does not compile: every way a
+        definition is registered passes here, so none skips that check."""
+        check_guards(tool, source=f"definition of tool '{tool.name}'")
         _check_grant(tool, by, self._egress())
         if check_image and self._image_check is not None:
             self._image_check(tool)  # engine I/O: outside the write lock

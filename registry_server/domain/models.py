@@ -16,6 +16,7 @@ import functools
 import hashlib
 import json
 import re
+import unicodedata
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +53,15 @@ MAX_CATEGORIES = 16  # per tool
 MAX_COMMAND_ARGS = 64  # argv entries
 MAX_ENV_VARS = 64  # per tool
 MAX_WARM_POOL = 32  # pre-started containers per tool
+MAX_GUARDS = 16  # per tool
+# Characters of a guard's condition: policy/conditions.py's MAX_CONDITION_CHARS
+# (the domain cannot import the policy; a unit test holds the two equal).
+MAX_GUARD_CONDITION_CHARS = 2_048
+MAX_GUARD_MESSAGE_CHARS = 300  # characters of what a refused caller is told
+# What a guard's message may not hold: it reaches agents, logs and the pages
+# approvers read, so no control characters (newlines included), no invisible
+# format characters (bidi overrides, zero-width) and no line separators.
+_UNSHOWABLE_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs"})
 JSON_SCHEMA_2020_12 = "https://json-schema.org/draft/2020-12/schema"
 
 # Upper bounds a definition may even ask for; the policy ceiling of its
@@ -130,6 +140,9 @@ class Guard:
     condition: str
     message: str
 
+    def as_manifest(self) -> dict[str, str]:
+        return {"condition": self.condition, "message": self.message}
+
 
 @dataclass(frozen=True, slots=True)
 class ToolDefinition:
@@ -183,6 +196,7 @@ class ToolDefinition:
             # they had before tools could have them.
             **({"network": {"egress": list(self.egress)}} if self.egress else {}),
             **({"secrets": [s.as_manifest() for s in self.secrets]} if self.secrets else {}),
+            **({"guard": [g.as_manifest() for g in self.guards]} if self.guards else {}),
         }
 
     @property
@@ -261,6 +275,40 @@ class SandboxInput(_Strict):
         return value
 
 
+class GuardInput(_Strict):
+    """One ``guard:`` entry. Only its shape is checked here: whether the
+    condition compiles (CEL, reading ``args`` only, within the cost limit) is
+    the catalog's check at registration (catalog/guards.py), since the domain
+    does not know the policy's CEL environment."""
+
+    condition: str
+    message: str
+
+    @field_validator("condition")
+    @classmethod
+    def _condition(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must be a non-empty CEL expression")
+        if len(value) > MAX_GUARD_CONDITION_CHARS:
+            raise ValueError(f"at most {MAX_GUARD_CONDITION_CHARS} characters")
+        if "\x00" in value:
+            raise ValueError("must not contain NUL characters")
+        return value
+
+    @field_validator("message")
+    @classmethod
+    def _message(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must not be empty (say what the caller must change)")
+        if len(value) > MAX_GUARD_MESSAGE_CHARS:
+            raise ValueError(f"at most {MAX_GUARD_MESSAGE_CHARS} characters")
+        if any(unicodedata.category(ch) in _UNSHOWABLE_CATEGORIES for ch in value):
+            raise ValueError(
+                "must not contain control or invisible formatting characters (newlines included)"
+            )
+        return value
+
+
 class ToolManifest(_Strict):
     """The manifest shape of a tool definition, validated rule by rule."""
 
@@ -273,11 +321,17 @@ class ToolManifest(_Strict):
     warm_pool: int = Field(0, ge=0, le=MAX_WARM_POOL)
     network: NetworkInput = Field(default_factory=lambda: NetworkInput())
     secrets: list[SecretInput] = Field(default_factory=list)
+    guard: list[GuardInput] = Field(default_factory=list)
 
     @field_validator("secrets", mode="before")
     @classmethod
     def _secrets_cap(cls, value: Any) -> Any:
         return check_len(value, MAX_SECRETS, "secrets")
+
+    @field_validator("guard", mode="before")
+    @classmethod
+    def _guard_cap(cls, value: Any) -> Any:
+        return check_len(value, MAX_GUARDS, "guards")
 
     @field_validator("name")
     @classmethod
@@ -409,6 +463,7 @@ def _freeze(m: ToolManifest) -> ToolDefinition:
         digest="",
         egress=tuple(m.network.egress),
         secrets=freeze_secrets(m.secrets),
+        guards=tuple(Guard(g.condition, g.message) for g in m.guard),
     )
     return _with_digest(unsigned)
 
@@ -429,7 +484,7 @@ def _violations(exc: ValidationError) -> list[Violation]:
             out.append(Violation(path, "unknown key"))
         elif kind == "missing":
             out.append(Violation(path, "is required"))
-        elif kind == "dict_type":
+        elif kind in ("dict_type", "model_type"):
             out.append(Violation(path, "must be a mapping (JSON object)"))
         elif kind == "list_type":
             out.append(Violation(path, "must be a list"))

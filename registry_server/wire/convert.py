@@ -11,6 +11,7 @@ from typing import Any
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
+from registry_server.catalog.guards import guard_violations
 from registry_server.domain import strict_json
 from registry_server.domain.egress import (
     DEFAULT_TLS_PORT,
@@ -30,14 +31,24 @@ from registry_server.domain.models import (
     MAX_ENV_KEY_CHARS,
     MAX_ENV_VALUE_CHARS,
     MAX_ENV_VARS,
+    MAX_GUARD_CONDITION_CHARS,
+    MAX_GUARD_MESSAGE_CHARS,
+    MAX_GUARDS,
     MAX_IMAGE_CHARS,
     MAX_NAME_CHARS,
     MAX_PARAMETERS_BYTES,
+    Guard,
     SafetyLevel,
     ToolDefinition,
     parse_definition,
 )
-from registry_server.domain.outcome import ApprovalEventView, ApprovalRequestView, Outcome, Status
+from registry_server.domain.outcome import (
+    AppliedRule,
+    ApprovalEventView,
+    ApprovalRequestView,
+    Outcome,
+    Status,
+)
 from registry_server.domain.schemas import SchemaFormat
 from registry_server.policy.model import Policy
 from sandbox_runner.egress import rules
@@ -58,12 +69,23 @@ _FORMAT_FROM_PB: dict[int, SchemaFormat] = {
     **{int(v): k for k, v in _FORMAT_TO_PB.items()},
 }
 _STATUS_TO_PB = {s: pb.ExecutionStatus.Value(f"EXECUTION_STATUS_{s.value}") for s in Status}
+GUARDS_FIELD = "guards"  # the Tool message's field; manifests say "guard"
 
 
 def tool_from_pb(msg: pb.Tool) -> ToolDefinition:
-    """Validate a Tool message; every problem is named by its proto field.
-    Sizes are checked first, before any parsing: a 3 MB name or a huge schema
-    costs nothing but this check."""
+    """Validate a Tool message to register; every problem is named by its
+    proto field. Sizes are checked first, before any parsing: a 3 MB name or a
+    huge schema costs nothing but this check. Its guards must compile (the
+    registry checks again, for definitions that do not come as messages)."""
+    tool = _definition_from_pb(msg)
+    problems = guard_violations(tool, field=GUARDS_FIELD)
+    if problems:
+        raise InvalidDefinition(problems)
+    return tool
+
+
+def _definition_from_pb(msg: pb.Tool) -> ToolDefinition:
+    """A Tool message as a validated definition (the domain's rules only)."""
     oversized = _oversized(msg)
     if oversized:
         raise InvalidDefinition(oversized)
@@ -93,6 +115,7 @@ def tool_from_pb(msg: pb.Tool) -> ToolDefinition:
         "warm_pool": msg.warm_pool,
         "network": {"egress": list(msg.network.egress)},
         "secrets": [_secret_from_pb(ref) for ref in msg.secrets],
+        "guard": [{"condition": g.condition, "message": g.message} for g in msg.guards],
     }
     try:
         tool = parse_definition(raw)
@@ -140,6 +163,14 @@ def _oversized(msg: pb.Tool) -> list[Violation]:
          "name at most 64 characters, deliver 16, inject.host 253, inject.header 64,"
          f" inject.format {MAX_FORMAT_CHARS}"),
     ]  # fmt: skip
+    guards = msg.guards
+    checks += [
+        (GUARDS_FIELD, len(guards) > MAX_GUARDS, f"at most {MAX_GUARDS} entries"),
+        (GUARDS_FIELD, any(len(g.condition) > MAX_GUARD_CONDITION_CHARS
+                           or len(g.message) > MAX_GUARD_MESSAGE_CHARS for g in guards),
+         f"condition at most {MAX_GUARD_CONDITION_CHARS} characters,"
+         f" message {MAX_GUARD_MESSAGE_CHARS}"),
+    ]  # fmt: skip
     return [Violation(field, rule) for field, failed, rule in checks if failed]
 
 
@@ -169,9 +200,11 @@ def _secret_to_pb(ref: SecretRef) -> pb.SecretRef:
 
 def stored_tool_from_pb(msg: pb.Tool) -> ToolDefinition:
     """A Tool the server sent: re-validated, with what is output only (its
-    owner, and whether an admin disabled it)."""
+    owner, and whether an admin disabled it). Its guards are not compiled
+    again: the server did that when it was registered, and a client must be
+    able to show a tool whatever CEL runtime it has."""
     return dataclasses.replace(
-        tool_from_pb(msg), owner=msg.owner, disabled=msg.disabled,
+        _definition_from_pb(msg), owner=msg.owner, disabled=msg.disabled,
         disabled_reason=msg.disabled_reason,
     )  # fmt: skip
 
@@ -185,6 +218,8 @@ def _rename(v: Violation) -> Violation:
     # Name fields as clients see them in the .proto.
     if v.field == "parameters" or v.field.startswith("parameters."):
         return Violation("parameters_json" + v.field[len("parameters") :], v.description)
+    if v.field == "guard" or v.field.startswith("guard."):
+        return Violation(GUARDS_FIELD + v.field[len("guard") :], v.description)
     return v
 
 
@@ -209,7 +244,12 @@ def tool_to_pb(tool: ToolDefinition) -> pb.Tool:
         secrets=[_secret_to_pb(ref) for ref in tool.secrets],
         disabled=tool.disabled,
         disabled_reason=tool.disabled_reason,
+        guards=[_guard_to_pb(g) for g in tool.guards],
     )
+
+
+def _guard_to_pb(guard: Guard) -> pb.Guard:
+    return pb.Guard(condition=guard.condition, message=guard.message)
 
 
 def level_name(value: int) -> str:
@@ -274,6 +314,27 @@ def approval_request_to_pb(req: ApprovalRequestView) -> pb.ApprovalRequest:
         rejected_by=req.rejected_by,
         rejection_reason=req.rejection_reason,
         voided_reason=req.voided_reason,
+        applied_rules=[_applied_rule_to_pb(rule) for rule in req.applied_rules],
+    )
+
+
+def _applied_rule_to_pb(rule: AppliedRule) -> pb.AppliedRule:
+    return pb.AppliedRule(
+        name=rule.name,
+        match=rule.match,
+        condition=rule.condition,
+        approvals_required=rule.approvals_required,
+        groups=rule.groups,
+    )
+
+
+def _applied_rule_from_pb(msg: pb.AppliedRule) -> AppliedRule:
+    return AppliedRule(
+        name=msg.name,
+        match=msg.match,
+        condition=msg.condition,
+        approvals_required=msg.approvals_required,
+        groups=tuple(msg.groups),
     )
 
 
@@ -297,6 +358,7 @@ def approval_request_from_pb(msg: pb.ApprovalRequest) -> ApprovalRequestView:
         rejected_by=msg.rejected_by,
         rejection_reason=msg.rejection_reason,
         voided_reason=msg.voided_reason,
+        applied_rules=tuple(_applied_rule_from_pb(rule) for rule in msg.applied_rules),
     )
 
 
