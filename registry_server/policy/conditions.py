@@ -205,7 +205,7 @@ def compile_condition(text: str, scope: Scope) -> Condition:
 def _compile_message(raw: str) -> str:
     """CEL's checker message, one line: "line 1, column 11: undeclared ..."."""
     body = raw.removeprefix("INVALID_ARGUMENT: ").removeprefix("ERROR: ")
-    first = body.splitlines()[0] if body else raw
+    first = (body.splitlines()[0] if body else raw).replace(" (in container '')", "")
     found = _CEL_POSITION.search(first)
     if found is None:
         return first.strip()
