@@ -1,6 +1,7 @@
 """toolreg benchmarks: latency against the baselines users would pick,
-throughput, registry operations with 1,000 tools, memory, and what gVisor
-costs a call with egress, all in one run on the same image and command.
+throughput, registry operations with 1,000 tools, memory, what gVisor
+costs a call with egress, and what the policy's conditions cost a call's
+decision (in process), all in one run on the same image and command.
 
 Writes bench/results/<timestamp>.{md,json,png} and prints the tables.
 `--quick` is a smoke test (few runs, short cells); `--only` picks sections.
@@ -19,6 +20,7 @@ from typing import Any
 
 from bench import (
     cluster,
+    conditions_cost,
     egress_cost,
     fairness,
     handoff,
@@ -59,6 +61,7 @@ SECTIONS = (
     "webhooks",
     "fairness",
     "egress",
+    "conditions",
 )
 PACKAGES = ("epicbox", "llm-sandbox", "docker", "grpcio", "matplotlib")
 FULL = {"runs": 50, "warmup": 3, "cell_seconds": 10.0, "read_runs": 200}
@@ -151,6 +154,8 @@ def main() -> None:
         if "egress" in args.sections:
             runs = min(args.runs, egress_cost.RUNS)
             section("egress", lambda: egress_cost.run(runs, run_id, engine))
+        if "conditions" in args.sections:
+            section("conditions", lambda: conditions_cost.run(args.read_runs))
     finally:
         watch.stop()
         res["interference"] = watch.summary()

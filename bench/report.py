@@ -6,7 +6,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bench import egress_cost, fairness, handoff, latency, phases, registry_ops, throughput
+from bench import (
+    conditions_cost,
+    egress_cost,
+    fairness,
+    handoff,
+    latency,
+    phases,
+    registry_ops,
+    throughput,
+)
 
 MS_LIST_TARGET = 5.0  # ms: ListTools / GetToolSchemas p50 with 1,000 tools
 
@@ -290,8 +299,8 @@ def webhooks_md(sec: dict[str, Any]) -> list[str]:
 
 
 def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
-    """The speed targets (issues 13 and 23), as ratios of medians measured in
-    this one run."""
+    """The speed targets (issues 13, 23 and 28), as ratios of medians measured
+    in this one run (and what conditions add, against a baseline of the run)."""
     lat = {r["method"]: r["p50_ms"] for r in res.get("latency", {}).get("rows", [])}
     out: list[dict[str, Any]] = []
 
@@ -351,13 +360,29 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
             add(name, f"{v:.2f} ms", f"< {MS_LIST_TARGET:g} ms", v < MS_LIST_TARGET)
         else:
             add(name, "not measured", "", None)
+    cond = res.get("conditions") or {}
+    base = conditions_cost.row(cond, conditions_cost.NONE)
+    for case, label in ((conditions_cost.TYPICAL, "3 of them match the tool"),
+                        (conditions_cost.WORST, "all match and hold: worst case")):  # fmt: skip
+        name = f"what 50 conditional rules add to a call's decision, p50 ({label})"
+        got = conditions_cost.row(cond, case)
+        if base is None or got is None:
+            add(name, "not measured", "", None)
+            continue
+        limit = conditions_cost.TARGET_US
+        add(
+            name,
+            f"{got['p50_us']:.1f} - {base['p50_us']:.1f} = {got['delta_us']:.1f} µs",
+            f"< {limit:g} µs",
+            got["delta_us"] < limit,
+        )
     return out
 
 
 def targets_md(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
         "",
-        "## Targets (issues 13 and 23), ratios of medians from this run",
+        "## Targets (issues 13, 23 and 28), ratios of medians from this run",
         "",
         "| target | measured | threshold | result |",
         "|---|---|---|---|",
@@ -394,6 +419,8 @@ def markdown(res: dict[str, Any]) -> str:
         lines += fairness.report_md(res["fairness"])
     if "egress" in res:
         lines += egress_cost.report_md(res["egress"])
+    if "conditions" in res:
+        lines += conditions_cost.report_md(res["conditions"])
     lines += targets_md(res["targets"])
     if res.get("errors"):
         lines += ["", "## Sections that failed", ""]
