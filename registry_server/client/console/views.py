@@ -3,9 +3,9 @@ already escaped (``terminal.escape``), and the page inserts it as text only.
 
 Two shapes: a request's *summary* (from the watch's listed form, for the
 live list) and its *detail* (from GetApprovalRequest, what `toolreg approvals
-show` shows, checked). The detail carries the claims to sign only when
-signing makes sense; the page mints exactly those, so what it can sign is
-what this module checked.
+show` shows, checked, with the approval rules that apply and why). The
+detail carries the claims to sign only when signing makes sense; the page
+mints exactly those, so what it can sign is what this module checked.
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ from registry_server.signing.tokens import DEFAULT_TTL_S
 
 # Open requests the list keeps; the rest are shown once, as they end.
 OPEN_STATES = frozenset({"PENDING", "APPROVED"})
+# The server's own rule when no rule of the policy matches a dangerous tool
+# (policy/model.py rule_for): its `match` is this text, which no rule's is.
+DEFAULT_RULE = "default for dangerous tools"
 
 
 def _when(moment: datetime | None) -> str:
@@ -69,6 +72,7 @@ def detail(req: pb.ApprovalRequest, approver: str) -> dict[str, Any]:
         "state": escape(req.state),
         "tool_name": escape(req.tool_name),
         "fields": [list(pair) for pair in approval_view.request_fields(req)],
+        "applied_rules": [applied_rule(rule) for rule in req.applied_rules],
         "arguments_heading": escape(f"arguments (digest {req.arguments_digest})"),
         "arguments": approval_view.shown_arguments(req),
         "checks": checks,
@@ -76,6 +80,20 @@ def detail(req: pb.ApprovalRequest, approver: str) -> dict[str, Any]:
         "not_signable": refusal or "",
         "claims": None if refusal is not None else claims(req, approver),
         "server_time": int(time.time()),  # the page mints iat/exp by this clock, not its own
+    }
+
+
+def applied_rule(rule: pb.AppliedRule) -> dict[str, Any]:
+    """One approval rule that applies to the request's call, and why (policy
+    text, escaped all the same: the page shows it as text only). ``default``:
+    no rule of the policy matched, the server's own applies."""
+    return {
+        "name": escape(rule.name),
+        "match": escape(rule.match),
+        "condition": escape(rule.condition),
+        "approvals_required": rule.approvals_required,
+        "groups": [escape(g) for g in rule.groups],
+        "default": rule.match == DEFAULT_RULE and not rule.condition,
     }
 
 

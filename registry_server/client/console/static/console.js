@@ -425,6 +425,36 @@
     element.textContent = value == null ? '' : String(value);
   }
 
+  // One approval rule that applies to the request, and why: "2 approval(s)
+  // from sre: rule sre-prod, when <code>args.env == "prod"</code>". Text
+  // nodes and elements only (the values are the console's escaped text).
+  function ruleItem(rule) {
+    const item = document.createElement('li');
+    item.className = 'rule';
+    const who = rule.groups.length ? rule.groups.join(', ') : 'any approver';
+    const needs = document.createElement('span');
+    needs.className = 'rule-needs';
+    text(needs, `${rule.approvals_required} approval(s) from ${who}`);
+    item.append(needs, ': ');
+    if (rule.default) {
+      item.append('no rule of the policy matches: the default for dangerous tools');
+      return item;
+    }
+    const name = document.createElement('strong');
+    name.className = 'rule-name';
+    text(name, rule.name);
+    item.append(/^rule /.test(rule.name) ? '' : 'rule ', name);
+    if (rule.condition) {
+      const condition = document.createElement('code');
+      condition.className = 'rule-condition';
+      text(condition, rule.condition);
+      item.append(', when ', condition);
+    } else {
+      item.append(` (${rule.match})`);
+    }
+    return item;
+  }
+
   function newCard(id) {
     const root = $('card-template').content.firstElementChild.cloneNode(true);
     const card = {
@@ -434,6 +464,8 @@
       badge: root.querySelector('.badge'),
       event: root.querySelector('.card-event'),
       fields: root.querySelector('.fields tbody'),
+      rules: root.querySelector('.rules'),
+      ruleList: root.querySelector('.rule-list'),
       check: root.querySelector('.check'),
       argumentsHeading: root.querySelector('.arguments-heading'),
       argumentsText: root.querySelector('.arguments'),
@@ -548,6 +580,9 @@
       return row;
     });
     card.fields.replaceChildren(...rows);
+    const rules = (detail.applied_rules || []).map(ruleItem);
+    card.ruleList.replaceChildren(...rules);
+    card.rules.hidden = rules.length === 0;
     const problems = [];
     if (!detail.checks.definition) problems.push('the definition shown DOES NOT match tool_digest');
     if (!detail.checks.arguments) problems.push('the arguments shown DO NOT match arguments_digest');
