@@ -143,6 +143,7 @@ export function toolToPb(tool: ToolInput): Tool {
       deliver: ref.deliver ?? "",
       ...(ref.inject ? { inject: { ...ref.inject } } : {}),
     })),
+    guards: (tool.guards ?? []).map((guard) => ({ condition: guard.condition, message: guard.message })),
   });
 }
 
@@ -190,6 +191,7 @@ export function toolFromPb(msg: Tool): ToolDefinition {
     owner: msg.owner,
     disabled: msg.disabled,
     disabledReason: msg.disabledReason,
+    guards: msg.guards.map((guard) => ({ condition: guard.condition, message: guard.message })),
   };
 }
 
@@ -227,6 +229,13 @@ export function approvalFromPb(msg: ApprovalRequest): ApprovalRequestView {
     rejectedBy: msg.rejectedBy,
     rejectionReason: msg.rejectionReason,
     voidedReason: msg.voidedReason,
+    appliedRules: msg.appliedRules.map((rule) => ({
+      name: rule.name,
+      match: rule.match,
+      condition: rule.condition,
+      approvalsRequired: rule.approvalsRequired,
+      groups: [...rule.groups],
+    })),
   };
 }
 

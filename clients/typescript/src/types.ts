@@ -87,6 +87,18 @@ export interface ToolSandbox {
   limits: ResourceLimits;
 }
 
+/**
+ * A condition a tool's calls must meet (CEL over `args`, checked after the
+ * JSON Schema): when it is false the call is refused with INVALID_ARGUMENTS
+ * and `message`.
+ */
+export interface ToolGuard {
+  /** A CEL expression over `args`, e.g. `args.path.startsWith("/work/")`. */
+  condition: string;
+  /** What the caller is told when it is false. */
+  message: string;
+}
+
 /** A stored tool definition, as the server returns it. */
 export interface ToolDefinition {
   name: string;
@@ -110,6 +122,8 @@ export interface ToolDefinition {
   disabled: boolean;
   /** Why it was disabled ("" when it is not). */
   disabledReason: string;
+  /** Conditions every call must meet, in the author's order (the first that fails is reported). */
+  guards: ToolGuard[];
 }
 
 /** A definition to register. Omitted fields take the server's defaults. */
@@ -133,6 +147,24 @@ export interface ToolInput {
   warmPool?: number;
   egress?: string[];
   secrets?: Array<{ name: string; deliver?: string; inject?: Partial<SecretInjection> }>;
+  /** Conditions every call must meet (type-checked by the server at registration). */
+  guards?: ToolGuard[];
+}
+
+/**
+ * One approval rule of the policy that applies to a request's call, and why:
+ * every rule that matches the tool and whose condition holds applies at once.
+ */
+export interface AppliedRule {
+  /** The policy's name for the rule, "rule N" (its place, from 1) when it has none, or "default". */
+  name: string;
+  /** What it matches: "tool deploy", "category prod", "level dangerous", or "default for dangerous tools". */
+  match: string;
+  /** Its `when` (CEL), "" when it has none. */
+  condition: string;
+  approvalsRequired: number;
+  /** The approver groups that count; empty: any approver. */
+  groups: string[];
 }
 
 /** An approval request for a dangerous call (the domain form of ApprovalRequest). */
@@ -162,6 +194,12 @@ export interface ApprovalRequestView {
   rejectionReason: string;
   /** Set when `state` is VOIDED: why (its tool was deleted or disabled). */
   voidedReason: string;
+  /**
+   * The approval rules that apply to this call, and why (recomputed from its
+   * arguments, requester and creation time); empty when the server does not
+   * say (an older one, or the request's tool is gone).
+   */
+  appliedRules: AppliedRule[];
 }
 
 /** One item of `watchApprovalRequests` (the domain form of ApprovalEvent). */

@@ -61,6 +61,10 @@ describe("approvals (dangerous write_file)", () => {
     assert.equal(seen.tool?.owner, "[operator]");
     assert.equal(seen.rejectedBy, "");
     assert.equal(seen.rejectionReason, "");
+    // Which rules apply and why: the policy's one (unnamed) rule for write_file.
+    assert.deepEqual(seen.appliedRules, [
+      { name: "rule 1", match: "tool write_file", condition: "", approvalsRequired: 1, groups: ["security"] },
+    ]);
     const token = mintApproval(env("TOOLREG_APPROVER_KEY_PEM"), env("TOOLREG_APPROVER_ID"), seen);
     await new Promise((resolve) => setTimeout(resolve, 300)); // the wait is watching by now
     const updated = await approver.submitApproval(request.id, token);

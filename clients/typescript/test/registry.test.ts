@@ -62,6 +62,17 @@ describe("registerTool", () => {
     assert.notEqual(v2.digest, v1.digest);
   });
 
+  test("guards are stored as given, and a call that fails one is INVALID_ARGUMENTS with its message", async () => {
+    const guards = [{ condition: 'args.message.startsWith("hi")', message: "say hi first" }];
+    const stored = await admin.registerTool(toolInput({ name: uniqueName("ts_guarded"), categories: ["ts-other"], guards }));
+    assert.deepEqual(stored.guards, guards);
+    assert.deepEqual((await agent.getTool(stored.name)).guards, guards);
+    assert.deepEqual(first.guards, [], "a tool without guards has none");
+    const refused = await agent.executeTool(stored.name, { message: "bye" });
+    assert.equal(refused.status, "INVALID_ARGUMENTS", refused.error);
+    assert.match(refused.error, /say hi first/);
+  });
+
   test("parameters given as JSON text are stored as that text", async () => {
     const text = '{"type":"object","properties":{"z":{"type":"integer"},"a":{"type":"string"}}}';
     const stored = await admin.registerTool(toolInput({ name: uniqueName("ts_text"), categories: ["ts-other"], parameters: text }));
