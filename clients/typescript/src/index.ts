@@ -35,6 +35,7 @@ export {
   type ClientCredentialsProvider,
 } from "./tokens.js";
 export type {
+  AppliedRule,
   ApprovalEvent,
   ApprovalEventType,
   ApprovalRequestView,
@@ -50,6 +51,7 @@ export type {
   Status,
   StreamEvent,
   ToolDefinition,
+  ToolGuard,
   ToolInput,
   ToolSandbox,
 } from "./types.js";
