@@ -500,7 +500,7 @@ def report_md(sec: Mapping[str, Any]) -> list[str]:
         " on arguments of about 1 MiB (the most a call carries), on a fresh call each time."
         " First read: the first condition of a call that reads `args` converts all of them"
         " into CEL values (once a call: its other conditions find them converted); eval: the"
-        " expression itself. cel-cpp stops a call's loops after 10,000 iterations in all."
+        " expression itself. cel-cpp stops an evaluation's loops at 10,000 iterations in all."
         " For scale, what the call pays for the same arguments before any condition:"
         " `parse_arguments` (strict JSON, shape, JSON Schema, RFC 8785 form).",
         "",
