@@ -458,7 +458,7 @@ def _approval_checks(
         who = ", ".join(rule.groups) or "any approver"
         effect = (
             f"{rule.approvals_required} approval(s) from {who},"
-            f" tokens usable {rule.max_token_ttl_s} s"
+            f" tokens living at most {rule.max_token_ttl_s} s"
         )
         checks.append(RuleCheck(
             "approval", rule.name or f"rule {n}", rule.match.describe(), matched, why,
@@ -598,7 +598,7 @@ def _render(e: Explanation) -> list[str]:
 def _render_approvals(e: Explanation) -> list[str]:
     assert e.effective is not None
     lines = [
-        f"          at least {e.approvals} distinct approver(s); a token is usable"
+        f"          at least {e.approvals} distinct approver(s); tokens may live at most"
         f" {e.effective.max_token_ttl_s} s",
     ]
     for r in e.requirements:

@@ -178,7 +178,7 @@ def test_explain_with_the_example_manifests() -> None:
     assert "tool:     write_file (dangerous; categories files)" in out
     assert "arguments:      valid against the manifest's JSON Schema" in out
     assert "write-file: 2 from security: alice, bob" in out
-    assert "a token is usable 600 s" in out
+    assert "tokens may live at most 600 s" in out
 
 
 @pytest.mark.parametrize(
