@@ -46,8 +46,9 @@ toolreg --token agent-secret exec write_file --args "$args" 2> ask.err || true
 cat ask.err
 request=$(grep -o 'approval request [0-9a-f]*' ask.err | head -1 | cut -d' ' -f3)
 
-# 5. Each approver reads the request (arguments in full) and signs it with
-#    their own key; signing happens in the CLI, the key never leaves it.
+# 5. An approver reads the request (arguments in full: `approvals show`; here
+#    alice, bob could too) and each signs it with their own key; signing
+#    happens in the CLI, the key never leaves it.
 toolreg --token alice-secret approvals show "$request"
 toolreg --token alice-secret approvals approve "$request" --key alice.key
 toolreg --token bob-secret approvals approve "$request" --key bob.key
