@@ -4,7 +4,8 @@ that shows it (`toolreg approvals show`, the approval console's page).
 One definition, so the terminal and the page can never disagree about what a
 signature covers: the request's id, state, tool and digest, who asked and
 when, the approvals so far and missing, the tool's level, owner, image,
-command, env, limits, egress hosts and secrets, and the arguments in full.
+command, env, limits, egress hosts, secrets and guards, the approval rules
+that apply and why, and the arguments in full.
 Every value is client-supplied text and comes back escaped (control
 characters and bidi marks as ``\\uXXXX``), never to be obeyed by whatever
 shows it. Two checks decide whether signing makes sense: the definition shown
@@ -29,6 +30,27 @@ TIME_FORMAT = "%Y-%m-%d %H:%M:%S"  # UTC, as `approvals show` has always printed
 DEFINITION_MATCHES = "matches the digest signed"
 DEFINITION_DIFFERS = "DOES NOT match tool_digest"
 NO_DEFINITION = "not recorded with this request (made by an older server)"
+# The server's own rule when no rule of the policy matches a dangerous tool
+# (policy/model.py rule_for): its `match` is this text, which no rule's is.
+DEFAULT_RULE = "default for dangerous tools"
+
+
+def is_default_rule(rule: pb.AppliedRule) -> bool:
+    return rule.match == DEFAULT_RULE and not rule.condition
+
+
+def rule_line(rule: pb.AppliedRule) -> str:
+    """One approval rule that applies to the request's call, and why (escaped):
+    '2 approval(s) from sre — rule sre-prod (when args.env == "prod")',
+    '1 approval(s) from any approver — default for dangerous tools'."""
+    who = ", ".join(rule.groups) or "any approver"
+    needs = f"{rule.approvals_required} approval(s) from {who}"
+    if is_default_rule(rule):
+        return escape(f"{needs} — {DEFAULT_RULE}")
+    # The policy's name for it, or "rule N" (its place in the file) when it gives none.
+    name = rule.name if rule.name.startswith("rule ") else f"rule {rule.name or '(unnamed)'}"
+    why = f"when {rule.condition}" if rule.condition else rule.match
+    return escape(f"{needs} — {name} ({why})")
 
 
 def request_fields(req: pb.ApprovalRequest) -> list[tuple[str, str]]:
@@ -104,5 +126,7 @@ def _tool_fields(req: pb.ApprovalRequest) -> list[tuple[str, str]]:
         ("limits", asked),
         ("egress", reach),
         ("secrets", secrets),
+        # The registrant's preconditions on the arguments: part of the digest signed.
+        ("guards", "; ".join(f"{g.condition} ({g.message})" for g in tool.guards) or "none"),
         ("definition", DEFINITION_MATCHES if definition_matches(req) else DEFINITION_DIFFERS),
     ]

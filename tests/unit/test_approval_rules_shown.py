@@ -134,3 +134,22 @@ def test_the_console_detail_carries_the_rules() -> None:
     ]  # fmt: skip
     (default,) = views.detail(request({}, rules_for("scratch", {})), "alice")["applied_rules"]
     assert default["default"] is True and default["groups"] == []
+
+
+def test_an_approver_reads_the_tools_guards_which_its_signature_covers() -> None:
+    """Guards are part of the digest an approval signs: the approver sees them
+    (and 'none' when the tool has none), on the terminal and in the console."""
+    guarded = tool(
+        name="release", safety_level="dangerous",
+        guard=[{"condition": 'args.env != "prod"', "message": "not <b>prod</b> here"}],
+    )  # fmt: skip
+    req = request({"env": "staging"}, [])
+    req.tool.CopyFrom(convert.tool_to_pb(guarded))
+    req.tool_digest = guarded.digest
+    lines = request_lines(req)
+    (shown,) = [line for line in lines if line.startswith("guards ")]
+    assert shown == 'guards    args.env != "prod" (not <b>prod</b> here)'
+    assert "definition matches the digest signed" in lines
+    assert ["guards", shown.removeprefix("guards    ")] in views.detail(req, "alice")["fields"]
+    unguarded = request_lines(request({"env": "staging"}, []))
+    assert "guards    none" in unguarded

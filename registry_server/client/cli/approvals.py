@@ -17,11 +17,6 @@ from registry_server.client.terminal import escape
 approvals_app = typer.Typer(help="See and sign approval requests.", no_args_is_help=True)
 
 
-# The server's own rule when no rule of the policy matches a dangerous tool
-# (policy/model.py rule_for): its `match` is this text, which no rule's is.
-DEFAULT_RULE = "default for dangerous tools"
-
-
 def request_lines(req: Any) -> list[str]:
     """What an approver reads before signing: every client-supplied text escaped."""
     fields = [f"{label:<9} {value}" for label, value in approval_view.request_fields(req)]
@@ -31,23 +26,10 @@ def request_lines(req: Any) -> list[str]:
 
 
 def rule_lines(req: Any) -> list[str]:
-    """Each approval rule that applies to the request's call, and why, one
-    line each (escaped): '2 approval(s) from sre — rule sre-prod (when
-    args.env == "prod")', '1 approval(s) from any approver — default for
-    dangerous tools'. None from a server that does not say (an older one, or
-    a request whose tool is gone)."""
-    return [escape(_rule_line(rule)) for rule in req.applied_rules]
-
-
-def _rule_line(rule: Any) -> str:
-    who = ", ".join(rule.groups) or "any approver"
-    needs = f"{rule.approvals_required} approval(s) from {who}"
-    if rule.match == DEFAULT_RULE and not rule.condition:
-        return f"{needs} — {DEFAULT_RULE}"
-    # The policy's name for it, or "rule N" (its place in the file) when it gives none.
-    name = rule.name if rule.name.startswith("rule ") else f"rule {rule.name or '(unnamed)'}"
-    why = f"when {rule.condition}" if rule.condition else rule.match
-    return f"{needs} — {name} ({why})"
+    """Each approval rule that applies to the request's call, one line each.
+    None from a server that does not say (an older one, or a request whose
+    tool is gone)."""
+    return [approval_view.rule_line(rule) for rule in req.applied_rules]
 
 
 @approvals_app.command("list")

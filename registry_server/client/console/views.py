@@ -22,9 +22,6 @@ from registry_server.signing.tokens import DEFAULT_TTL_S
 
 # Open requests the list keeps; the rest are shown once, as they end.
 OPEN_STATES = frozenset({"PENDING", "APPROVED"})
-# The server's own rule when no rule of the policy matches a dangerous tool
-# (policy/model.py rule_for): its `match` is this text, which no rule's is.
-DEFAULT_RULE = "default for dangerous tools"
 
 
 def _when(moment: datetime | None) -> str:
@@ -93,7 +90,7 @@ def applied_rule(rule: pb.AppliedRule) -> dict[str, Any]:
         "condition": escape(rule.condition),
         "approvals_required": rule.approvals_required,
         "groups": [escape(g) for g in rule.groups],
-        "default": rule.match == DEFAULT_RULE and not rule.condition,
+        "default": approval_view.is_default_rule(rule),
     }
 
 
