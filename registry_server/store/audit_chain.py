@@ -3,9 +3,10 @@ independent of where the entries are stored.
 
 Each entry holds the hash of the one before it, so editing, deleting or
 reordering any entry breaks the chain at that point, and `toolreg audit
-verify` names the first broken entry. (Cutting entries off the end leaves a
-valid, shorter chain: ship entries elsewhere, or compare the head hash with
-a copy kept elsewhere, where that matters.)
+verify` names the first broken entry. Cutting entries off the end leaves a
+valid, shorter chain, and whoever holds the database can rewrite the whole
+chain: the signed checkpoints of the log's Merkle tree (store/audit_tree.py,
+whose leaves are ``entry_bytes``) are what detect those, from outside.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from registry_server.store.base import AuditEntry, Store, UnitOfWork
 GENESIS_HASH = "0" * 64  # prev_hash of the first entry
 
 
-def entry_hash(seq: int, at: float, kind: str, record: str, prev_hash: str) -> str:
+def entry_bytes(seq: int, at: float, kind: str, record: str, prev_hash: str) -> bytes:
+    """An entry's canonical bytes (RFC 8785 JSON of its fields): what its hash
+    hashes, and its leaf in the Merkle tree."""
     entry: dict[str, Any] = {
         "seq": seq,
         "at": at,
@@ -32,7 +35,17 @@ def entry_hash(seq: int, at: float, kind: str, record: str, prev_hash: str) -> s
         "record": record,
         "prev_hash": prev_hash,
     }
-    return hashlib.sha256(rfc8785.dumps(entry)).hexdigest()
+    return rfc8785.dumps(entry)
+
+
+def entry_hash(seq: int, at: float, kind: str, record: str, prev_hash: str) -> str:
+    return hashlib.sha256(entry_bytes(seq, at, kind, record, prev_hash)).hexdigest()
+
+
+def canonical(entry: AuditEntry) -> bytes:
+    """``entry_bytes`` of a stored entry, from its fields as stored (never from
+    its stored hash: an edited field changes them)."""
+    return entry_bytes(entry.seq, entry.at, entry.kind, entry.record, entry.prev_hash)
 
 
 def append(uow: UnitOfWork, kind: str, record: dict[str, Any]) -> int:
@@ -62,7 +75,11 @@ class Verdict:
         return f"audit chain broken at record {self.broken_seq}: {self.reason}"
 
 
-def verify_entries(entries: Sequence[AuditEntry]) -> Verdict:
+def verify_entries(
+    entries: Sequence[AuditEntry], canonical_bytes: Sequence[bytes] | None = None
+) -> Verdict:
+    """``canonical_bytes``: each entry's ``canonical`` bytes when the caller
+    has made them already (the start check hashes them into the tree too)."""
     prev = GENESIS_HASH
     for expected_seq, entry in enumerate(entries, start=1):
         if entry.seq != expected_seq:
@@ -71,8 +88,8 @@ def verify_entries(entries: Sequence[AuditEntry]) -> Verdict:
         if entry.prev_hash != prev:
             reason = "does not link to the record before it"
             return Verdict(False, len(entries), prev, entry.seq, reason)
-        actual = entry_hash(entry.seq, entry.at, entry.kind, entry.record, entry.prev_hash)
-        if actual != entry.hash:
+        data = canonical(entry) if canonical_bytes is None else canonical_bytes[expected_seq - 1]
+        if hashlib.sha256(data).hexdigest() != entry.hash:
             reason = "content does not match its hash (edited?)"
             return Verdict(False, len(entries), prev, entry.seq, reason)
         prev = entry.hash

@@ -2,11 +2,12 @@
 
 Four kinds of data: tool definitions, approval requests (with the approvers'
 tokens), the ids (`jti`) of spent approval tokens, and the hash-chained audit
-log. Reads go through ``Store.reading()``; every change goes through
-``Store.unit_of_work()``, one atomic transaction: all of it is stored, or
-none of it. That is what lets a call spend its approval tokens and write its
-audit record together (docs/approvals.md), so a crash can never let the same
-tokens run a call twice, nor leave a call that ran without its record.
+log (with the signed checkpoints of its Merkle tree). Reads go through
+``Store.reading()``; every change goes through ``Store.unit_of_work()``, one
+atomic transaction: all of it is stored, or none of it. That is what lets a
+call spend its approval tokens and write its audit record together
+(docs/approvals.md), so a crash can never let the same tokens run a call
+twice, nor leave a call that ran without its record.
 
 Implementations: ``sqlite.SqliteStore`` (the server's store) and
 ``memory.MemoryStore`` (unit tests). Another database implements these two
@@ -135,6 +136,19 @@ class AuditEntry:
     hash: str  # audit_chain.entry_hash of the fields above
 
 
+@dataclass(frozen=True)
+class CheckpointRecord:
+    """A signed checkpoint of the audit log's Merkle tree (store/audit_tree.py,
+    docs/audit.md): the tree of its first ``size`` entries had root ``root``,
+    as the log key signed in ``note``."""
+
+    origin: str  # the log's name: the note's first line and its key name
+    size: int  # entries covered: seq 1..size
+    root: str  # RFC 9162 root hash, hex
+    note: str  # the signed note (c2sp.org/tlog-checkpoint), as published
+    made_at: float  # time.time()
+
+
 class StoreReads(Protocol):
     def tools(self) -> list[StoredTool]:
         """Every stored tool, by name."""
@@ -217,6 +231,15 @@ class StoreReads(Protocol):
         """The last ``count`` entries, by seq."""
         ...
 
+    def audit_entries_after(self, seq: int, limit: int) -> list[AuditEntry]:
+        """Up to ``limit`` entries with a seq above ``seq``, by seq (the
+        checkpointer reads the log as it grows)."""
+        ...
+
+    def latest_checkpoint(self, origin: str | None = None) -> CheckpointRecord | None:
+        """The checkpoint of the largest size (of log ``origin``, or of any)."""
+        ...
+
     def webhook_delivery(self, event_seq: int, endpoint: str) -> WebhookDeliveryRecord | None: ...
 
     def webhook_backlog(self) -> WebhookBacklog:
@@ -249,6 +272,12 @@ class UnitOfWork(StoreReads, Protocol):
 
     def add_audit_entry(self, entry: AuditEntry) -> None:
         """Append an entry (audit_chain.append makes it)."""
+        ...
+
+    def add_checkpoint(self, checkpoint: CheckpointRecord) -> bool:
+        """Store a signed checkpoint; False, storing nothing, when the log has
+        one of that size already (servers signing at once: the same tree and
+        key sign the same note)."""
         ...
 
     def keep_secret(self, name: str, value: str, now: float) -> str:

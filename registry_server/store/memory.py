@@ -28,6 +28,7 @@ from registry_server.store.base import (
     ApprovalEventRecord,
     ApprovalRequestRecord,
     AuditEntry,
+    CheckpointRecord,
     StoredTool,
     WebhookBacklog,
     WebhookDeliveryRecord,
@@ -44,6 +45,8 @@ class _Data:
     counters: dict[str, int] = field(default_factory=dict)  # passkey credential id -> count
     secrets: dict[str, str] = field(default_factory=dict)  # name -> value (keep_secret)
     audit: list[AuditEntry] = field(default_factory=list)
+    # (origin, size) -> a signed checkpoint of the audit log's tree
+    checkpoints: dict[tuple[str, int], CheckpointRecord] = field(default_factory=dict)
     events: list[ApprovalEventRecord] = field(default_factory=list)
     # (event seq, endpoint) -> the outbox row
     deliveries: dict[tuple[int, str], WebhookDeliveryRecord] = field(default_factory=dict)
@@ -61,6 +64,7 @@ class _Data:
             counters=dict(self.counters),
             secrets=dict(self.secrets),
             audit=list(self.audit),
+            checkpoints=dict(self.checkpoints),
             events=list(self.events),
             deliveries=dict(self.deliveries),
         )
@@ -163,6 +167,14 @@ class _Reads:
     def audit_tail(self, count: int) -> list[AuditEntry]:
         return self._data.audit[-count:] if count > 0 else []
 
+    def audit_entries_after(self, seq: int, limit: int) -> list[AuditEntry]:
+        return [e for e in self._data.audit if e.seq > seq][:limit]
+
+    def latest_checkpoint(self, origin: str | None = None) -> CheckpointRecord | None:
+        found = [c for c in self._data.checkpoints.values()
+                 if origin is None or c.origin == origin]  # fmt: skip
+        return max(found, key=lambda c: (c.size, c.made_at), default=None)
+
     def webhook_delivery(self, event_seq: int, endpoint: str) -> WebhookDeliveryRecord | None:
         return self._data.deliveries.get((event_seq, endpoint))
 
@@ -204,6 +216,13 @@ class _Writes(_Reads):
 
     def add_audit_entry(self, entry: AuditEntry) -> None:
         self._data.audit.append(entry)
+
+    def add_checkpoint(self, checkpoint: CheckpointRecord) -> bool:
+        key = (checkpoint.origin, checkpoint.size)
+        if key in self._data.checkpoints:
+            return False
+        self._data.checkpoints[key] = checkpoint
+        return True
 
     def keep_secret(self, name: str, value: str, now: float) -> str:
         return self._data.secrets.setdefault(name, value)

@@ -170,6 +170,17 @@ _MIGRATIONS: list[str] = [
         updated_at     DOUBLE PRECISION NOT NULL
     );
     """,
+    # 7: as the SQLite store's 10th: signed checkpoints of the audit log's tree
+    """
+    CREATE TABLE audit_checkpoints (
+        origin   TEXT NOT NULL,
+        size     BIGINT NOT NULL,
+        root     TEXT NOT NULL,
+        note     TEXT NOT NULL,
+        made_at  DOUBLE PRECISION NOT NULL,
+        PRIMARY KEY (origin, size)
+    );
+    """,
 ]
 
 

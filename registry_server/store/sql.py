@@ -23,6 +23,7 @@ from registry_server.store.base import (
     ApprovalEventRecord,
     ApprovalRequestRecord,
     AuditEntry,
+    CheckpointRecord,
     StoredTool,
     WebhookBacklog,
     WebhookDeliveryRecord,
@@ -116,6 +117,14 @@ def _audit_entry(row: tuple[object, ...]) -> AuditEntry:
     return AuditEntry(
         int(str(seq)), float(str(at)), str(kind), str(record), str(prev_hash), str(hash_)
     )
+
+
+_CHECKPOINT_COLUMNS = "origin, size, root, note, made_at"
+
+
+def _checkpoint(row: tuple[object, ...]) -> CheckpointRecord:
+    origin, size, root, note, made_at = row
+    return CheckpointRecord(str(origin), int(str(size)), str(root), str(note), float(str(made_at)))
 
 
 class _SqlStore(Protocol):
@@ -291,6 +300,23 @@ class SqlReads:
         )
         return [_audit_entry(r) for r in reversed(rows)]
 
+    def audit_entries_after(self, seq: int, limit: int) -> list[AuditEntry]:
+        rows = self._all(
+            "SELECT seq, at, kind, record, prev_hash, hash FROM audit WHERE seq > ?"
+            " ORDER BY seq LIMIT ?",
+            (seq, limit),
+        )
+        return [_audit_entry(r) for r in rows]
+
+    def latest_checkpoint(self, origin: str | None = None) -> CheckpointRecord | None:
+        where, params = ("WHERE origin = ?", (origin,)) if origin is not None else ("", ())
+        rows = self._all(
+            f"SELECT {_CHECKPOINT_COLUMNS} FROM audit_checkpoints {where}"
+            " ORDER BY size DESC, made_at DESC LIMIT 1",
+            params,
+        )
+        return _checkpoint(rows[0]) if rows else None
+
     def webhook_delivery(self, event_seq: int, endpoint: str) -> WebhookDeliveryRecord | None:
         rows = self._all(
             f"SELECT {_DELIVERY_COLUMNS} FROM webhook_deliveries"
@@ -369,6 +395,17 @@ class SqlWrites(SqlReads):
             "INSERT INTO audit (seq, at, kind, record, prev_hash, hash) VALUES (?, ?, ?, ?, ?, ?)",
             (entry.seq, entry.at, entry.kind, entry.record, entry.prev_hash, entry.hash),
         )
+
+    def add_checkpoint(self, checkpoint: CheckpointRecord) -> bool:
+        # The key (origin, size) decides: of servers signing one size at once,
+        # the second inserts nothing.
+        c = checkpoint
+        inserted = self._run(
+            f"INSERT INTO audit_checkpoints ({_CHECKPOINT_COLUMNS}) VALUES (?, ?, ?, ?, ?)"
+            " ON CONFLICT (origin, size) DO NOTHING",
+            (c.origin, c.size, c.root, c.note, c.made_at),
+        ).rowcount
+        return bool(inserted == 1)
 
     def keep_secret(self, name: str, value: str, now: float) -> str:
         # Of servers storing one at once, the first commits and the others insert nothing.

@@ -164,6 +164,17 @@ _MIGRATIONS: list[str] = [
         updated_at     REAL NOT NULL
     );
     """,
+    # 10: signed checkpoints of the audit log's Merkle tree (store/audit_tree.py)
+    """
+    CREATE TABLE audit_checkpoints (
+        origin   TEXT NOT NULL,      -- the log's name (the note's first line)
+        size     INTEGER NOT NULL,   -- entries covered: seq 1..size
+        root     TEXT NOT NULL,      -- RFC 9162 root hash, hex
+        note     TEXT NOT NULL,      -- the signed note (c2sp.org/tlog-checkpoint)
+        made_at  REAL NOT NULL,
+        PRIMARY KEY (origin, size)
+    );
+    """,
 ]
 
 
