@@ -45,7 +45,7 @@ from registry_server.domain.errors import (
     PermissionDenied,
     QuotaExceeded,
 )
-from registry_server.domain.models import ToolDefinition, parse_definition
+from registry_server.domain.models import SafetyLevel, ToolDefinition, parse_definition
 from registry_server.domain.outcome import AppliedRule, ApprovalRequestView
 from registry_server.domain.pages import Page, PageQuery, PageTokens, page_size
 from registry_server.domain.text import checked_reason
@@ -408,14 +408,33 @@ class Approvals:
 
     def _may_approve(self, approver: str, request: ApprovalRequestView) -> bool:
         """Eligible by policy for the tool as registered now (as the request's
-        snapshot has it, once the tool is gone), and not the requester."""
+        snapshot has it, once the tool is gone), and not the requester. A
+        listed request (no arguments) is one the approver may be eligible for
+        under some reading of the conditions its arguments would decide."""
         tool = self._registry.find(request.tool_name) or request.tool
         if tool is None or self.policy.same_person(approver, request.requested_by):
             return False
         rule = self._request_rule(
             tool, request.arguments_json, request.requested_by, request.created_at.timestamp()
         )
-        return self.policy.eligible(approver, rule)
+        if self.policy.eligible(approver, rule):
+            return True
+        return not request.arguments_json and self._eligible_when_no_condition_holds(approver, tool)
+
+    def _eligible_when_no_condition_holds(self, approver: str, tool: ToolDefinition) -> bool:
+        """Without a call's arguments every conditional rule counts (the
+        strictest reading), which leaves out the default rule, and so the
+        approvers it admits (any), when every rule that matches the tool is
+        conditional: for a call none of whose conditions hold, they are the
+        approvers. (For listings: which requests an approver is shown.)"""
+        policy = self.policy
+        if tool.safety_level is not SafetyLevel.DANGEROUS or policy.approver(approver) is None:
+            return False
+        matching = [
+            r for r in policy.rules
+            if r.match.matches(tool.name, tool.categories, tool.safety_level)
+        ]  # fmt: skip
+        return bool(matching) and all(r.when is not None for r in matching)
 
     def reject(self, request_id: str, reason: str, viewer: Viewer) -> ApprovalRequestView:
         """Refuse a request for good, with a reason the agent is told and the
@@ -531,7 +550,8 @@ class Approvals:
         with self._store.reading() as reads:
             record = reads.request(request_id)
             approvers = reads.approvers_of(request_id) if record else []
-        return None if record is None else self._view(record.listed(), approvers, listed=True)
+        # The rules read the stored arguments (at hand here); the view leaves them out.
+        return None if record is None else self._view(record, approvers, listed=True)
 
     def submit(self, request_id: str, token: str, submitted_by: str) -> ApprovalRequestView:
         """Attach one approver's token to a request (verified now, spent later)."""
@@ -643,7 +663,14 @@ class Approvals:
             id=r.id, tool_name=r.tool_name, tool_digest=r.tool_digest,
             arguments_json="" if listed else r.arguments_json,
             arguments_digest=r.arguments_digest, requested_by=r.requested_by,
-            approvals_required=r.approvals_required,
+            # As the policy in force states it now for the request's arguments,
+            # like applied_rules and approvals_missing (a reload may have changed
+            # it since the request was made); the number it was made with once
+            # its tool is gone, and in listings, which read no arguments.
+            approvals_required=(
+                rule.approvals_required if rule is not None and rule.requirements
+                and r.arguments_json else r.approvals_required
+            ),
             approved_by=tuple(approvers), state=r.state_at(time.time()),
             created_at=datetime.fromtimestamp(r.created_at, UTC),
             expires_at=datetime.fromtimestamp(r.expires_at, UTC),
