@@ -45,7 +45,7 @@ from registry_server.domain.errors import (
     PermissionDenied,
     QuotaExceeded,
 )
-from registry_server.domain.models import SafetyLevel, ToolDefinition, parse_definition
+from registry_server.domain.models import ToolDefinition, parse_definition
 from registry_server.domain.outcome import AppliedRule, ApprovalRequestView
 from registry_server.domain.pages import Page, PageQuery, PageTokens, page_size
 from registry_server.domain.text import checked_reason
@@ -408,33 +408,15 @@ class Approvals:
 
     def _may_approve(self, approver: str, request: ApprovalRequestView) -> bool:
         """Eligible by policy for the tool as registered now (as the request's
-        snapshot has it, once the tool is gone), and not the requester. A
-        listed request (no arguments) is one the approver may be eligible for
-        under some reading of the conditions its arguments would decide."""
+        snapshot has it, once the tool is gone), and not the requester."""
         tool = self._registry.find(request.tool_name) or request.tool
         if tool is None or self.policy.same_person(approver, request.requested_by):
             return False
         rule = self._request_rule(
-            tool, request.arguments_json, request.requested_by, request.created_at.timestamp()
-        )
-        if self.policy.eligible(approver, rule):
-            return True
-        return not request.arguments_json and self._eligible_when_no_condition_holds(approver, tool)
-
-    def _eligible_when_no_condition_holds(self, approver: str, tool: ToolDefinition) -> bool:
-        """Without a call's arguments every conditional rule counts (the
-        strictest reading), which leaves out the default rule, and so the
-        approvers it admits (any), when every rule that matches the tool is
-        conditional: for a call none of whose conditions hold, they are the
-        approvers. (For listings: which requests an approver is shown.)"""
-        policy = self.policy
-        if tool.safety_level is not SafetyLevel.DANGEROUS or policy.approver(approver) is None:
-            return False
-        matching = [
-            r for r in policy.rules
-            if r.match.matches(tool.name, tool.categories, tool.safety_level)
-        ]  # fmt: skip
-        return bool(matching) and all(r.when is not None for r in matching)
+            tool, request.id, request.arguments_json, request.requested_by,
+            request.created_at.timestamp(),
+        )  # fmt: skip
+        return self.policy.eligible(approver, rule)
 
     def reject(self, request_id: str, reason: str, viewer: Viewer) -> ApprovalRequestView:
         """Refuse a request for good, with a reason the agent is told and the
@@ -609,13 +591,30 @@ class Approvals:
         if tool is None:
             raise FailedPrecondition(f"tool '{request.tool_name}' is no longer registered")
         return tool, self._request_rule(
-            tool, request.arguments_json, request.requested_by, request.created_at.timestamp()
-        )
+            tool, request.id, request.arguments_json, request.requested_by,
+            request.created_at.timestamp(),
+        )  # fmt: skip
 
     def _request_rule(
-        self, tool: ToolDefinition, arguments_json: str, requested_by: str, at: float
-    ) -> EffectiveRule:
+        self, tool: ToolDefinition, request_id: str, arguments_json: str, requested_by: str,
+        at: float,
+    ) -> EffectiveRule:  # fmt: skip
+        """The rule for a stored request's call as the policy states it now.
+        Listings and watches carry no arguments (a page of them must not hold
+        500 MiB): when a conditional rule matches the tool, its arguments are
+        read from the store, one request at a time, so that who sees a
+        request and what it shows are what its own call decides."""
+        if not arguments_json and self._conditional(tool):
+            with self._store.reading() as reads:
+                record = reads.request(request_id)
+            arguments_json = "" if record is None else record.arguments_json
         return request_rule(self.policy, tool_facts(tool), arguments_json, requested_by, at)
+
+    def _conditional(self, tool: ToolDefinition) -> bool:
+        return any(
+            r.when is not None and r.match.matches(tool.name, tool.categories, tool.safety_level)
+            for r in self.policy.rules
+        )
 
     # -- deleted and disabled tools ------------------------------------------------------
 
@@ -653,7 +652,7 @@ class Approvals:
         shown = _snapshot(r.tool_manifest, r.tool_owner, listed=listed)
         current = self._registry.find(r.tool_name)
         rule = (
-            self._request_rule(current, r.arguments_json, r.requested_by, r.created_at)
+            self._request_rule(current, r.id, r.arguments_json, r.requested_by, r.created_at)
             if current is not None
             else None
         )
@@ -666,10 +665,10 @@ class Approvals:
             # As the policy in force states it now for the request's arguments,
             # like applied_rules and approvals_missing (a reload may have changed
             # it since the request was made); the number it was made with once
-            # its tool is gone, and in listings, which read no arguments.
+            # its tool is gone.
             approvals_required=(
                 rule.approvals_required if rule is not None and rule.requirements
-                and r.arguments_json else r.approvals_required
+                else r.approvals_required
             ),
             approved_by=tuple(approvers), state=r.state_at(time.time()),
             created_at=datetime.fromtimestamp(r.created_at, UTC),

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 from registry_server.domain.models import SafetyLevel
 from registry_server.notify.payload import Facts, render
-from registry_server.policy.call_facts import request_rule
+from registry_server.policy.call_facts import egress_hosts, request_rule
 from registry_server.policy.conditions import ToolFacts
 from registry_server.policy.live import PolicySource, source_of
 from registry_server.policy.model import Policy
@@ -96,9 +96,12 @@ class Outbox:
         self, uow: UnitOfWork, event: ApprovalEventRecord, request: ApprovalRequestRecord
     ) -> Facts:
         approvers = uow.approvers_of(request.id)
-        level, categories = _level_and_categories(request.tool_manifest)
+        level, categories, egress = _snapshot_facts(request.tool_manifest)
         policy = self._policy()
-        tool = ToolFacts(request.tool_name, level.value, tuple(categories))
+        tool = ToolFacts(
+            request.tool_name, level.value, tuple(categories), request.tool_owner,
+            request.tool_digest, egress,
+        )  # fmt: skip
         rule = request_rule(
             policy, tool, request.arguments_json, request.requested_by, request.created_at
         )
@@ -115,14 +118,18 @@ class Outbox:
         )  # fmt: skip
 
 
-def _level_and_categories(manifest: str) -> tuple[SafetyLevel, list[str]]:
-    """From the definition the request was made for. Requests exist only for
-    dangerous tools, so that is the answer when the snapshot says nothing
-    usable: a payload must never fail the transaction of its event."""
+def _snapshot_facts(manifest: str) -> tuple[SafetyLevel, list[str], tuple[str, ...]]:
+    """Level, categories and egress hosts of the definition the request was
+    made for (what conditions read as tool.*, as the approval service gives
+    them: policy/call_facts.py). Requests exist only for dangerous tools, so
+    that is the answer when the snapshot says nothing usable: a payload must
+    never fail the transaction of its event."""
     try:
         snapshot = json.loads(manifest) if manifest else {}
         level = SafetyLevel.parse(str(snapshot.get("safety_level", "dangerous")))
         categories = [str(c) for c in snapshot.get("categories") or [] if isinstance(c, str)]
+        entries = (snapshot.get("network") or {}).get("egress") or []
+        hosts = egress_hosts(str(e) for e in entries if isinstance(e, str))
     except (ValueError, TypeError, AttributeError):
-        return SafetyLevel.DANGEROUS, []
-    return level, categories
+        return SafetyLevel.DANGEROUS, [], ()
+    return level, categories, hosts

@@ -5,13 +5,18 @@ policy knows it, and the call's time."""
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
 from registry_server.domain.models import SafetyLevel, ToolDefinition
 from registry_server.policy.conditions import CallerFacts, CallFacts, ToolFacts
 from registry_server.policy.model import EffectiveRule, Policy
+
+
+def egress_hosts(entries: Iterable[str]) -> tuple[str, ...]:
+    """The host names of "host:port" egress entries (conditions compare names)."""
+    return tuple(dict.fromkeys(e.rpartition(":")[0] or e for e in entries))
 
 
 def tool_facts(tool: ToolDefinition) -> ToolFacts:
@@ -21,8 +26,7 @@ def tool_facts(tool: ToolDefinition) -> ToolFacts:
         categories=tuple(tool.categories),
         owner=tool.owner,
         digest=tool.digest,
-        # "host:port" entries; conditions compare host names
-        egress_hosts=tuple(dict.fromkeys(e.rpartition(":")[0] or e for e in tool.egress)),
+        egress_hosts=egress_hosts(tool.egress),
     )
 
 

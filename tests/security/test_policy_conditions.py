@@ -341,7 +341,18 @@ def test_prod_needs_two_from_sre_and_staging_one_from_anyone(
     # ... and her list, and a new watch's first answer (which read no arguments).
     listed = d.stub("carol").ListApprovalRequests(pb.ListApprovalRequestsRequest(state="PENDING"))
     assert stored.id in [r.id for r in listed.requests]
-    assert stored.id in current_requests(d.stub("carol"))
+    first_answer = current_requests(d.stub("carol"))
+    assert stored.id in first_answer
+    assert applied(first_answer[stored.id]) == applied(stored)
+    # The prod request is not hers to approve: neither listed to her nor in her
+    # watch, as its own arguments decide (read from the store for listings).
+    prod_request = d.call("deploy", prod).approval_request
+    listed = d.stub("carol").ListApprovalRequests(pb.ListApprovalRequestsRequest(state="PENDING"))
+    assert prod_request.id not in [r.id for r in listed.requests]
+    assert prod_request.id not in current_requests(d.stub("carol"))
+    alice_sees = d.stub("alice").ListApprovalRequests(pb.ListApprovalRequestsRequest())
+    (shown,) = [r for r in alice_sees.requests if r.id == prod_request.id]
+    assert shown.approvals_required == 2 and [a[0] for a in applied(shown)] == ["sre-prod"]
     ran = d.call("deploy", staging, approval_tokens=[d.sign("carol", asked.approval_request)])
     assert ran.status == pb.EXECUTION_STATUS_OK, ran.error
     assert json.loads(ran.content) == staging
