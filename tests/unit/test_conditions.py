@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from registry_server.policy import conditions
+from registry_server.policy import regex_cost
 from registry_server.policy.conditions import (
     ARGUMENTS_BOUND,
     COST_LIMIT,
@@ -301,11 +301,11 @@ def test_a_pattern_costs_a_pass_while_its_dfa_fits_and_its_nfa_beyond() -> None:
 
     # long but tame: as many DFA states as places in a run of hex digits
     assert cost(r'args.s.matches("^[0-9a-f]{40}$")') < 3 * ARGUMENTS_BOUND
-    assert conditions._re2_automaton("^[0-9a-f]{40}$") == (40, 41)
+    assert regex_cost._re2_automaton("^[0-9a-f]{40}$") == (40, 41)
     # 2^8 sets of places where an "a" was: RE2 caches them; 2^9 it thrashes
-    assert conditions._re2_automaton("[ab]*a[ab]{8}c")[1] <= conditions.DFA_STATES_CAP
-    assert conditions._re2_automaton("[ab]*a[ab]{9}c")[1] > conditions.DFA_STATES_CAP
-    nfa = 17 * conditions.NFA_UNITS * TOOL_BOUND  # 17 positions over a tool's name
+    assert regex_cost._re2_automaton("[ab]*a[ab]{8}c")[1] <= regex_cost.DFA_STATES_CAP
+    assert regex_cost._re2_automaton("[ab]*a[ab]{9}c")[1] > regex_cost.DFA_STATES_CAP
+    nfa = 17 * regex_cost.NFA_UNITS * TOOL_BOUND  # 17 positions over a tool's name
     assert cost(r'tool.name.matches("[ab]*a[ab]{14}c")') >= nfa
 
 
@@ -314,7 +314,7 @@ def test_a_pattern_costs_a_pass_while_its_dfa_fits_and_its_nfa_beyond() -> None:
     ["(" * 300 + "a" + ")" * 300, "((a|b){30}){30}", "[ab]*a" + "[ab]" * 500 + "c"],
 )
 def test_a_pattern_too_deep_or_too_large_to_analyse_counts_as_exploding(pattern: str) -> None:
-    assert conditions._re2_automaton(pattern)[1] > conditions.DFA_STATES_CAP
+    assert regex_cost._re2_automaton(pattern)[1] > regex_cost.DFA_STATES_CAP
     assert refused(f'args.s.matches("{pattern}")').startswith("may cost up to")
 
 
@@ -347,7 +347,7 @@ def test_a_long_needle_costs_more_than_a_short_one() -> None:
     ],
 )
 def test_the_size_of_a_pattern_is_what_re2_expands_it_to(pattern: str, size: int) -> None:
-    assert conditions._re2_size(pattern) == size
+    assert regex_cost._re2_size(pattern) == size
 
 
 # ------------------------------------------------------------------ evaluating
