@@ -42,7 +42,9 @@ from registry_server.policy.clients import UNRESTRICTED
 from registry_server.policy.live import LivePolicy
 from registry_server.policy.loader import load_policy
 from registry_server.policy.model import Policy, PolicyError, development_policy
-from registry_server.store import audit_chain as audit
+from registry_server.signing.keys import is_encrypted, load_private_key
+from registry_server.signing.notes import NoteError, Signer, check_key_name
+from registry_server.store import audit_tree
 from registry_server.store.base import Store
 from registry_server.store.sqlite import SqliteStore
 from sandbox_runner import Limits, SandboxBackend, SandboxError
@@ -81,6 +83,7 @@ class App:
     watches: Watches | None = None
     policy: LivePolicy | None = None  # the policy in force (reloadable)
     reloads: PolicyReloads | None = None
+    checkpointer: audit_tree.Checkpointer | None = None  # signs the audit log's checkpoints
 
     def close(self) -> None:
         self.health.enter_graceful_shutdown()
@@ -101,10 +104,11 @@ def build_app(config: ServerConfig) -> App:
         _warn_development_mode(config, policy)
     webhooks = _webhook_endpoints(policy)  # their secrets first: no secret, no server
     require_gvisor = config.require_gvisor if config.require_gvisor is not None else not dev_mode
+    log_signer = _log_signer(config, policy)  # the key file first: no key, no server
     backend = open_backend(config)
     store = open_store(config.store)
     try:
-        _check_audit_chain(config, store)
+        audit_start = _check_audit_log(config, store, log_signer)
         registry = Registry(
             store, image_check=_image_check(backend), egress=lambda: live.current.egress
         )
@@ -173,7 +177,27 @@ def build_app(config: ServerConfig) -> App:
     app.closers[:0] = [approvals.hub.close, sweeper.close]
     # A reload asked of any server is done by every server on the store.
     store.watch_policy(app.reloads.from_peer)
+    if log_signer is not None and audit_start.ok:
+        _start_checkpoints(app, log_signer, audit_start.log)
     return app
+
+
+def _start_checkpoints(app: App, signer: Signer, log_now: audit_tree.Log) -> None:
+    """Signed checkpoints of the audit log's tree, off the call path; the last
+    one at close, after everything else that may still write a record."""
+    config = app.config
+    checkpointer = audit_tree.Checkpointer(
+        app.store, signer, log_now.compact(), log_now.chain.head,
+        every=config.checkpoint_every, interval_s=config.checkpoint_interval_s,
+        copy_file=config.checkpoint_copy,
+    )  # fmt: skip
+    checkpointer.start()
+    app.checkpointer = checkpointer
+    app.closers.append(checkpointer.close)
+    log.info(
+        "audit checkpoints: log %s, every %d records or %g s; verifier key %s",
+        signer.name, config.checkpoint_every, config.checkpoint_interval_s, signer.verifier,
+    )  # fmt: skip
 
 
 class _SandboxPolicies:
@@ -315,17 +339,64 @@ def _warn_development_mode(config: ServerConfig, policy: Policy) -> None:
     )  # fmt: skip
 
 
-def _check_audit_chain(config: ServerConfig, store: Store) -> None:
-    verdict = audit.verify(store)
-    if verdict.ok:
-        log.info("%s", verdict)
-        return
+def _log_signer(config: ServerConfig, policy: Policy) -> Signer | None:
+    """The log key (--log-key) under the log's origin; None without one. The
+    server reads it unattended, so it must not be encrypted, and a file others
+    can read is refused: whoever reads it can sign a rewritten log."""
+    if config.log_key_file is None:
+        return None
+    origin = config.log_origin or f"toolreg/{policy.audience}"
+    try:
+        check_key_name(origin)
+    except NoteError as exc:
+        raise ConfigError(f"log_origin: {exc}; set TOOLREG_LOG_ORIGIN") from None
+    path = config.log_key_file
+    try:
+        mode = path.stat().st_mode & 0o777
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"log key {path}: {exc.strerror}") from None
+    if mode & 0o077:
+        raise ConfigError(f"log key {path} is open to others (mode {mode:o}); chmod 600 it")
+    if is_encrypted(data):
+        raise ConfigError(
+            f"log key {path} is encrypted; the server reads it unattended: give it an"
+            " unencrypted key, readable by the server's user only"
+        )
+    try:
+        return Signer(origin, load_private_key(data))
+    except ValueError as exc:
+        raise ConfigError(f"log key {path}: {exc}") from None
+
+
+def _check_audit_log(
+    config: ServerConfig, store: Store, signer: Signer | None
+) -> audit_tree.StartCheck:
+    """The chain, and the tree against the last checkpoints of this log: the
+    store's, and the copy this server keeps (docs/audit.md)."""
+    check = audit_tree.check_log(
+        store,
+        origin=signer.name if signer else None,
+        verifier=signer.verifier if signer else None,
+        copy_file=config.checkpoint_copy,
+    )
+    for passed in check.passed:
+        log.info("audit log: %s", passed)
+    if check.ok:
+        return check
+    problems = "; ".join(check.problems)
     if not config.allow_broken_audit:
         raise ConfigError(
-            f"{verdict} in {store.location}; refusing to start. Investigate, then set"
-            " TOOLREG_ALLOW_BROKEN_AUDIT=true to start anyway"
+            f"audit log in {store.location}: {problems}; refusing to start. Investigate,"
+            " then set TOOLREG_ALLOW_BROKEN_AUDIT=true to start anyway"
         )
-    log.error("%s; starting anyway (TOOLREG_ALLOW_BROKEN_AUDIT)", verdict)
+    log.error(
+        "audit log in %s: %s; starting anyway (TOOLREG_ALLOW_BROKEN_AUDIT)%s",
+        store.location, problems,
+        # A log never signs a tree that disagrees with one it signed.
+        "; no audit checkpoint will be signed" if signer else "",
+    )  # fmt: skip
+    return check
 
 
 def _ceiling(policy: Policy, level: SafetyLevel) -> Limits:

@@ -20,11 +20,17 @@ from registry_server.execution.warm_pool import (
 )
 from registry_server.notify.dispatcher import DEFAULT_CONCURRENCY
 from registry_server.notify.outbox import DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_BASE_S
+from registry_server.store.audit_tree import (
+    DEFAULT_CHECKPOINT_EVERY,
+    DEFAULT_CHECKPOINT_INTERVAL_S,
+)
 from registry_server.wire.endpoint import DEFAULT_HOST, DEFAULT_PORT
 from sandbox_runner.egress.gateway import NETWORK_POOL_SIZE
 from sandbox_runner.spec import INIT_BINARY
 
 DB_FILENAME = "toolreg.db"  # the SQLite store's file in the data directory
+# The copy of the last audit checkpoint this server signed, in the data directory.
+CHECKPOINT_COPY_FILENAME = "audit-checkpoint.txt"
 
 DEFAULT_DATA_DIR = Path.home() / ".local" / "state" / "toolreg"
 DEFAULT_MAX_SANDBOXES = 8  # containers running at once, server-wide
@@ -89,8 +95,21 @@ class ServerConfig(BaseSettings):
     # Listening beyond loopback without TLS and a policy exposes an open tool
     # runner; refused unless forced.
     allow_insecure_remote: bool = False
-    # A broken audit chain stops the server unless the operator says go on.
+    # A broken audit chain, or an audit log whose tree does not extend its last
+    # signed checkpoint, stops the server unless the operator says go on.
     allow_broken_audit: bool = False
+    # Signed checkpoints of the audit log's Merkle tree (docs/audit.md): the log
+    # key (an Ed25519 private key, PEM, unencrypted, kept outside the store; none:
+    # no checkpoints are signed), the log's name in them (default:
+    # toolreg/<the policy's audience>), and how often: once checkpoint_every
+    # records are in none, or checkpoint_interval_s seconds after the last one.
+    log_key_file: Path | None = None
+    log_origin: str | None = Field(None, min_length=1, max_length=256)
+    checkpoint_every: int = Field(DEFAULT_CHECKPOINT_EVERY, ge=1, le=10_000_000)
+    checkpoint_interval_s: float = Field(DEFAULT_CHECKPOINT_INTERVAL_S, gt=0, le=86_400)
+    # Where this server keeps a copy of the last checkpoint it signed, checked at
+    # start like the store's own (default: <data_dir>/audit-checkpoint.txt).
+    checkpoint_copy_file: Path | None = None
     dev_audience: str = "toolreg-dev"  # the `aud` of tokens in development mode
     shutdown_grace_s: float = Field(SHUTDOWN_GRACE_S, ge=0)
     # Egress (docs/deploying.md): the networks the egress proxy reaches the
@@ -119,6 +138,10 @@ class ServerConfig(BaseSettings):
     @property
     def store(self) -> str:
         return self.store_url or default_store_url(self.data_dir)
+
+    @property
+    def checkpoint_copy(self) -> Path:
+        return self.checkpoint_copy_file or self.data_dir / CHECKPOINT_COPY_FILENAME
 
     @property
     def approvers_dir(self) -> Path:

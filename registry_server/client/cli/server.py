@@ -43,6 +43,28 @@ def serve(
             "--store-url", help="sqlite:///PATH or postgresql://... (default: in --data-dir)."
         ),
     ] = None,
+    log_key: Annotated[
+        Path | None,
+        typer.Option(
+            "--log-key",
+            help="Sign checkpoints of the audit log with this Ed25519 key (PEM, mode 600;"
+            " keep it outside the store). docs/audit.md",
+        ),
+    ] = None,
+    log_origin: Annotated[
+        str | None,
+        typer.Option("--log-origin", help="The log's name in its checkpoints."),
+    ] = None,
+    checkpoint_every: Annotated[
+        int | None,
+        typer.Option("--checkpoint-every", help="A checkpoint once this many records wait."),
+    ] = None,
+    checkpoint_interval_s: Annotated[
+        float | None,
+        typer.Option(
+            "--checkpoint-interval-s", help="A checkpoint at most this many seconds after a record."
+        ),
+    ] = None,
 ) -> None:
     """Run the gRPC server in the foreground until SIGTERM/SIGINT."""
     from pydantic import ValidationError
@@ -68,6 +90,10 @@ def serve(
             "tls_client_ca": tls_client_ca,
             "metrics_port": metrics_port,
             "store_url": store_url,
+            "log_key_file": log_key,
+            "log_origin": log_origin,
+            "checkpoint_every": checkpoint_every,
+            "checkpoint_interval_s": checkpoint_interval_s,
         }.items()
         if v is not None
     }
