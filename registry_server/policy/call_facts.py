@@ -65,9 +65,8 @@ def request_rule(
         except ValueError:
             args = None
         if isinstance(args, dict):
-            facts = CallFacts(
-                args, tool, caller_facts(policy, requested_by), datetime.fromtimestamp(at, UTC)
-            )
+            when = datetime.fromtimestamp(at, UTC)
+            facts = CallFacts(args, tool, caller_facts(policy, requested_by), when, policy.reads)
     return policy.rule_for(
         tool_name=tool.name, categories=tool.categories, level=SafetyLevel(tool.level),
         facts=facts,
@@ -88,4 +87,5 @@ def call_facts(
         tool=tool_facts(tool),
         caller=caller_facts(policy, caller, claims),
         now=datetime.fromtimestamp(at, UTC),
+        reads=policy.reads,
     )

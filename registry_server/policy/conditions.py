@@ -47,6 +47,7 @@ MAX_CLAIMS_BYTES = 8 * 1024  # bytes of JSON claims a condition sees; larger cla
 # cost at worst: sixteen passes over the largest arguments a call can carry.
 COST_LIMIT = 16 * ARGUMENTS_BOUND
 _PACKAGE = "toolreg.conditions"
+VARIABLES = ("args", "tool", "caller", "caller.claims", "now")  # what a condition may read
 
 
 class Scope(enum.Enum):
@@ -169,18 +170,21 @@ class Condition:
     scope: Scope
     cost: int  # the static worst case, in units of COST_LIMIT
     _program: Any = field(repr=False, compare=False)
+    # What it reads: of "args", "tool", "caller", "caller.claims", "now"
+    # (a call's facts are made into CEL values only as far as some condition reads them).
+    reads: frozenset[str] = frozenset(VARIABLES)
 
     def holds(self, facts: CallFacts) -> bool:
         """True or False; raises ConditionFailed when it is neither."""
         try:
-            value = self._program.eval(facts.activation(self.scope))
+            value = self._program.eval(facts.activation(self.reads))
         except (RuntimeError, ValueError, TypeError, OverflowError) as exc:
             # cel-cpp's iteration budget, a value CEL cannot hold, and the like
             raise ConditionFailed(_plain(str(exc), self.text)) from None
         result = value.value()
-        if value.type() == cel.Type.ERROR or not isinstance(result, bool):
-            raise ConditionFailed(_plain(str(result), self.text))
-        return result
+        if result is True or result is False:
+            return result
+        raise ConditionFailed(_plain(str(result), self.text))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -198,7 +202,8 @@ def compile_condition(text: str, scope: Scope) -> Condition:
     returns = program.return_type()
     if returns != cel.Type.BOOL:
         raise ConditionError(f"must be a bool, not {returns.name().lower()}")
-    cost = estimate_cost(_syntax(program))
+    syntax = _syntax(program)
+    cost = estimate_cost(syntax)
     if cost > COST_LIMIT:
         raise ConditionError(
             f"may cost up to {cost:,} units at worst, over the limit of {COST_LIMIT:,}"
@@ -208,7 +213,7 @@ def compile_condition(text: str, scope: Scope) -> Condition:
             " a.{0,30}b; compare with startsWith or ==, use exists() or all(), or test"
             " a smaller part)"
         )
-    return Condition(text, scope, cost, program)
+    return Condition(text, scope, cost, program, _reads(syntax))
 
 
 def _compile_message(raw: str) -> str:
@@ -249,6 +254,50 @@ def _syntax(program: Any) -> Message:
         return _class("CheckedExpr").FromString(wrapped.value).expr  # type: ignore[attr-defined,no-any-return]
     except DecodeError as exc:  # pragma: no cover - the runtime's own output
         raise ConditionError(f"cannot read the checked expression back: {exc}") from None
+
+
+def _reads(expr: Any) -> frozenset[str]:
+    """The variables ``expr`` reads, and "caller.claims" when it reads the
+    caller's claims (or the caller whole)."""
+    found: set[str] = set()
+
+    def walk(node: Any) -> None:
+        kind = _kind(node)
+        if kind == "ident_expr":
+            name = node.ident_expr.name
+            if name in VARIABLES:
+                found.add(name)
+            if name == "caller":
+                found.add("caller.claims")  # the caller whole: every field of it
+            return
+        if kind == "select_expr":
+            operand = node.select_expr.operand
+            if _kind(operand) == "ident_expr" and operand.ident_expr.name == "caller":
+                found.add("caller")
+                if node.select_expr.field == "claims":
+                    found.add("caller.claims")
+                return
+        for child in _children(node, kind):
+            walk(child)
+
+    walk(expr)
+    return frozenset(found)
+
+
+def _children(node: Any, kind: str | None) -> list[Any]:
+    if kind == "select_expr":
+        return [node.select_expr.operand]
+    if kind == "call_expr":
+        call = node.call_expr
+        return ([call.target] if call.HasField("target") else []) + list(call.args)
+    if kind == "list_expr":
+        return list(node.list_expr.elements)
+    if kind == "struct_expr":
+        return [p for e in node.struct_expr.entries for p in (e.map_key, e.value)]
+    if kind == "comprehension_expr":
+        c = node.comprehension_expr
+        return [c.iter_range, c.accu_init, c.loop_condition, c.loop_step, c.result]
+    return []
 
 
 # ------------------------------------------------------------------ the cost estimate
@@ -415,40 +464,60 @@ class CallerFacts:
 
 @dataclass(eq=False)
 class CallFacts:
-    """What conditions may read about one call. The activation is made once
-    per call and shared by every condition evaluated for it."""
+    """What conditions may read about one call. Made into CEL values once per
+    call, shared by every condition evaluated for it (guards' and the
+    policy's), and only as far as they read: ``reads`` names what the
+    conditions that may run read (policy.reads), and a condition reading more
+    makes them again."""
 
     args: Mapping[str, Any]
     tool: ToolFacts | None = None
     caller: CallerFacts | None = None
     now: datetime | None = None
-    _activations: dict[Scope, Any] = field(default_factory=dict, repr=False)
+    reads: frozenset[str] = frozenset(VARIABLES)
+    _activation: Any = field(default=None, repr=False)
+    _made_for: frozenset[str] = field(default=frozenset(), repr=False)
 
-    def activation(self, scope: Scope) -> Any:
-        made = self._activations.get(scope)
-        if made is None:
-            made = self._activations[scope] = _env(scope).Activation(self._data(scope))
-        return made
+    def activation(self, reads: frozenset[str]) -> Any:
+        if self._activation is None or not reads <= self._made_for:
+            self._made_for = self._made_for | reads | self.reads
+            self._activation = _env(Scope.POLICY).Activation(self._data(self._made_for))
+        return self._activation
 
-    def _data(self, scope: Scope) -> dict[str, Any]:
+    def _data(self, reads: frozenset[str]) -> dict[str, Any]:
         data: dict[str, Any] = {"args": dict(self.args)}
-        if scope is Scope.GUARD:
-            return data
-        tool = self.tool or ToolFacts("", "")
-        caller = self.caller or CallerFacts("")
-        claims = struct_pb2.Struct()
-        if caller.claims and len(json.dumps(caller.claims, default=str)) <= MAX_CLAIMS_BYTES:
-            claims.update(dict(caller.claims))
-        data["tool"] = _class("Tool")(
-            name=tool.name, level=tool.level, categories=list(tool.categories), owner=tool.owner,
-            digest=tool.digest, egress_hosts=list(tool.egress_hosts),
-        )  # fmt: skip
-        data["caller"] = _class("Caller")(
-            id=caller.id, roles=list(caller.roles), groups=list(caller.groups), claims=claims
-        )
-        if self.now is not None:
+        if "tool" in reads:
+            data["tool"] = _tool_message(self.tool or ToolFacts("", ""))
+        if "caller" in reads or "caller.claims" in reads:
+            caller = self.caller or CallerFacts("")
+            claims = ""
+            if "caller.claims" in reads and caller.claims:
+                claims = json.dumps(caller.claims, sort_keys=True, default=str)
+                claims = claims if len(claims) <= MAX_CLAIMS_BYTES else ""
+            data["caller"] = _caller_message(caller.id, caller.roles, caller.groups, claims)
+        if self.now is not None and "now" in reads:
             data["now"] = self.now
         return data
+
+
+# Calls of one tool, and of one caller, read the same messages: made once
+# (the cache holds at most some MiB: claims are capped at MAX_CLAIMS_BYTES).
+@functools.lru_cache(maxsize=1024)
+def _tool_message(tool: ToolFacts) -> Message:
+    return _class("Tool")(
+        name=tool.name, level=tool.level, categories=list(tool.categories), owner=tool.owner,
+        digest=tool.digest, egress_hosts=list(tool.egress_hosts),
+    )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=1024)
+def _caller_message(
+    caller_id: str, roles: tuple[str, ...], groups: tuple[str, ...], claims_json: str
+) -> Message:
+    claims = struct_pb2.Struct()
+    if claims_json:
+        claims.update(json.loads(claims_json))
+    return _class("Caller")(id=caller_id, roles=list(roles), groups=list(groups), claims=claims)
 
 
 def first_failing(conditions: Sequence[tuple[Condition, str]], facts: CallFacts) -> str | None:

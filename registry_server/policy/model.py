@@ -246,6 +246,7 @@ class Policy:
     deny_rules: tuple[DenyRule, ...] = ()
     _by_id: Mapping[str, Approver] = field(init=False, repr=False, compare=False)
     _by_credential: Mapping[str, PasskeyCredential] = field(init=False, repr=False, compare=False)
+    _requirements: tuple[Requirement, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # Built once: the approval path looks approvers up for every token.
@@ -253,6 +254,16 @@ class Policy:
         object.__setattr__(self, "_by_id", by_id)
         credentials = {c.credential_id: c for a in self.approvers for c in a.passkeys}
         object.__setattr__(self, "_by_credential", MappingProxyType(credentials))
+        # Each rule's requirement, made once (rule_for runs for every call).
+        requirements = tuple(_requirement(n, r) for n, r in enumerate(self.rules, start=1))
+        object.__setattr__(self, "_requirements", requirements)
+
+    @functools.cached_property
+    def reads(self) -> frozenset[str]:
+        """What the policy's conditions read of a call (policy/conditions.py
+        VARIABLES): a call's facts are made into CEL values that far only."""
+        whens = [r.when for r in self.rules] + [r.when for r in self.deny_rules]
+        return frozenset({"args"}).union(*(c.reads for c in whens if c is not None))
 
     def approver(self, approver_id: str) -> Approver | None:
         """The approver, in its groups of the file and, when it is a
@@ -361,9 +372,8 @@ class Policy:
         raises RuleNotEvaluable instead, and the call is refused."""
         if level is not SafetyLevel.DANGEROUS:
             return EffectiveRule((), DEFAULT_MAX_TOKEN_TTL_S)
-        matched: list[tuple[str, ApprovalRule]] = []
-        for n, rule in enumerate(self.rules, start=1):
-            name = rule.name or f"rule {n}"
+        matched: list[tuple[Requirement, ApprovalRule]] = []
+        for requirement, rule in zip(self._requirements, self.rules, strict=True):
             if not rule.match.matches(tool_name, categories, level):
                 continue
             if rule.when is not None and facts is not None:
@@ -372,25 +382,12 @@ class Policy:
                         continue
                 except ConditionFailed as failed:
                     if refuse_on_error:
-                        raise RuleNotEvaluable(name, failed.detail) from None
-            matched.append((name, rule))
+                        raise RuleNotEvaluable(requirement.name, failed.detail) from None
+            matched.append((requirement, rule))
         if not matched:
-            default = Requirement(
-                1, (), "default for dangerous tools", "default", "default for dangerous tools"
-            )
-            return EffectiveRule((default,), DEFAULT_MAX_TOKEN_TTL_S)
+            return _DEFAULT_RULE
         return EffectiveRule(
-            tuple(
-                Requirement(
-                    r.approvals_required,
-                    r.groups,
-                    _source(name, r),
-                    name,
-                    r.match.describe(),
-                    "" if r.when is None else r.when.text,
-                )
-                for name, r in matched
-            ),
+            tuple(requirement for requirement, _ in matched),
             min(r.max_token_ttl_s for _, r in matched),
         )
 
@@ -456,6 +453,21 @@ class Policy:
         """The limits the policy sets for ``level`` (only those fields), or None."""
         fields = self.profiles.get(level)
         return None if fields is None else dict(fields)
+
+
+_DEFAULT_RULE = EffectiveRule(
+    (Requirement(1, (), "default for dangerous tools", "default", "default for dangerous tools"),),
+    DEFAULT_MAX_TOKEN_TTL_S,
+)  # no rule of the policy matches a dangerous tool: one approval from anyone
+
+
+def _requirement(n: int, rule: ApprovalRule) -> Requirement:
+    name = rule.name or f"rule {n}"
+    condition = "" if rule.when is None else rule.when.text
+    return Requirement(
+        rule.approvals_required, rule.groups, _source(name, rule), name, rule.match.describe(),
+        condition,
+    )  # fmt: skip
 
 
 def _source(name: str, rule: ApprovalRule) -> str:

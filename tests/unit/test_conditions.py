@@ -97,10 +97,26 @@ def test_a_guard_reads_only_the_arguments(text: str, name: str) -> None:
     assert holds('args.path.startsWith("/work/")', {"path": "/work/a"}, scope=GUARD)
 
 
-def test_a_guard_never_sees_the_tool_or_the_caller_even_when_the_facts_have_them() -> None:
+def test_a_guard_reads_only_the_arguments_so_only_they_are_made_into_cel_values() -> None:
+    guard = compile_condition('args.a == 1 && args.b.startsWith("x")', GUARD)
+    assert guard.reads == {"args"}
     facts = CallFacts({"a": 1}, ToolFacts("deploy", "dangerous"), CallerFacts("agent"))
-    data = facts._data(GUARD)
-    assert set(data) == {"args"}
+    assert set(facts._data(guard.reads)) == {"args"}
+
+
+@pytest.mark.parametrize(
+    ("text", "reads"),
+    [
+        ('args.env == "prod"', {"args"}),
+        ('tool.name == "deploy" && now.getHours() < 18', {"tool", "now"}),
+        ('"sre" in caller.groups', {"caller"}),
+        ('caller.claims.dept == "x"', {"caller", "caller.claims"}),
+        ("has(caller.claims.dept)", {"caller", "caller.claims"}),
+        ('args.items.exists(x, x == "a") && caller.id == "x"', {"args", "caller"}),
+    ],
+)
+def test_a_condition_knows_what_it_reads(text: str, reads: set[str]) -> None:
+    assert compile_condition(text, POLICY).reads == reads
 
 
 @pytest.mark.parametrize("text", ["", "   ", "\n\t"])
@@ -477,10 +493,15 @@ def test_without_tool_or_caller_their_fields_are_empty() -> None:
     assert holds('tool.name == "" && caller.id == "" && size(caller.groups) == 0')
 
 
-def test_the_activation_is_made_once_per_call_and_scope() -> None:
-    facts = CallFacts({"env": "prod"})
-    assert facts.activation(POLICY) is facts.activation(POLICY)
-    assert facts.activation(GUARD) is not facts.activation(POLICY)
+def test_the_activation_is_made_once_per_call_and_again_only_for_a_condition_reading_more() -> None:
+    facts = CallFacts({"env": "prod"}, reads=frozenset({"args"}))
+    args_only = facts.activation(frozenset({"args"}))
+    assert facts.activation(frozenset({"args"})) is args_only
+    with_tool = facts.activation(frozenset({"tool"}))
+    assert with_tool is not args_only
+    assert facts.activation(frozenset({"args", "tool"})) is with_tool
+    # a condition reading the tool after that one holds against the same values
+    assert compile_condition('tool.name == ""', POLICY).holds(facts) is True
 
 
 def test_first_failing_reports_the_first_guard_that_does_not_hold() -> None:
