@@ -282,6 +282,7 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self.broken = ""  # why this server signs no more (the log stopped being a chain)
         self.last: CheckpointRecord | None = None  # the last one this server stored
+        self._covered = -1  # the size of the latest checkpoint seen (-1: none looked for yet)
 
     @property
     def size(self) -> int:
@@ -317,16 +318,18 @@ class Checkpointer:
             if self.broken:
                 return None
             self._catch_up()
-            if self.broken:
-                return None
+            if self.broken or self._tree.size <= self._covered:
+                return None  # an idle log costs one query a poll
             with self._store.reading() as reads:
                 latest = reads.latest_checkpoint(self._signer.name)
+            self._covered = latest.size if latest is not None else -1
             now = self._clock()
             if not self._due(latest, now, force):
                 return None
             record = sign(self._signer, self._tree.size, self._tree.root(), now)
             with self._store.unit_of_work() as uow:
                 stored = uow.add_checkpoint(record)
+            self._covered = record.size
             if not stored:  # another server signed this very size first
                 return None
             self.last = record
