@@ -1,9 +1,12 @@
 """The audit log's checkpoints in every store (memory, SQLite, PostgreSQL),
-and two servers' checkpointers on one PostgreSQL database: one tree, every
-checkpoint either of them stores verifies and is consistent with the log."""
+and several servers signing checkpoints of one PostgreSQL database's log
+(two checkpointers, then two real `toolreg serve` processes): one tree;
+every checkpoint any of them stores verifies and is consistent with the log."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -12,13 +15,17 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
+from registry_server.api.config import CHECKPOINT_COPY_FILENAME
 from registry_server.domain import merkle
+from registry_server.signing.keys import generate_keypair, load_private_key
 from registry_server.signing.notes import Signer, open_checkpoint
 from registry_server.store import audit_chain, audit_tree
 from registry_server.store.base import CheckpointRecord, Store
 from registry_server.store.memory import MemoryStore
 from registry_server.store.postgres import PostgresStore
 from registry_server.store.sqlite import SqliteStore
+from tests.cluster.conftest import AUDIENCE, ROOT, StartCluster
 
 ORIGIN = "toolreg/cluster-test"
 
@@ -111,11 +118,65 @@ def test_two_servers_checkpointers_on_one_postgresql_agree(database: str) -> Non
             store.close()
 
 
-def _all_checkpoints(database: str) -> list[tuple[int, str]]:
+def _all_checkpoints(database: str, origin: str = ORIGIN) -> list[tuple[int, str]]:
     import psycopg
 
     with psycopg.connect(database) as conn:
         rows = conn.execute(
-            "SELECT size, note FROM audit_checkpoints WHERE origin = %s ORDER BY size", (ORIGIN,)
+            "SELECT size, note FROM audit_checkpoints WHERE origin = %s ORDER BY size", (origin,)
         ).fetchall()
     return [(int(size), str(note)) for size, note in rows]
+
+
+def test_servers_on_one_database_sign_one_log(
+    start_cluster: StartCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pem, public = generate_keypair()
+    key_file = tmp_path / "log.key"
+    key_file.write_bytes(pem)
+    key_file.chmod(0o600)
+    (tmp_path / "log.pub").write_text(public + "\n")
+    monkeypatch.setenv("TOOLREG_LOG_KEY_FILE", str(key_file))  # every server: one key, one origin
+    monkeypatch.setenv("TOOLREG_CHECKPOINT_EVERY", "4")
+    cluster = start_cluster(2)
+    errors: list[BaseException] = []
+
+    def hammer(index: int) -> None:
+        stub = cluster.stub(index, "agent")
+        try:
+            for _ in range(20):  # unknown tools: audited, no sandbox
+                stub.ExecuteTool(pb.ExecuteToolRequest(name="missing_tool"))
+                time.sleep(0.05)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=hammer, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert errors == []
+    cluster.stop()  # each signs what is committed at close
+
+    origin = f"toolreg/{AUDIENCE}"
+    signer = Signer(origin, load_private_key(pem))
+    store = PostgresStore(cluster.store_url)
+    try:
+        log = audit_tree.read_log(store)
+    finally:
+        store.close()
+    assert log.chain.ok and log.size >= 40
+    stored = _all_checkpoints(cluster.store_url, origin)
+    assert len(stored) >= 3 and stored[-1][0] == log.size
+    for size, note in stored:  # whichever server signed it: one tree
+        assert open_checkpoint(note, signer.verifier).root == log.root(size)
+    for index in range(2):  # and each server's own copy proves the log to an auditor
+        copy = tmp_path / f"server{index}" / CHECKPOINT_COPY_FILENAME
+        verified = subprocess.run(
+            [sys.executable, "-m", "registry_server.client.cli", "audit", "verify",
+             "--checkpoint", str(copy), "--key", str(tmp_path / "log.pub"),
+             "--store-url", cluster.store_url],
+            capture_output=True, text=True, timeout=60, cwd=ROOT,
+        )  # fmt: skip
+        assert verified.returncode == 0, verified.stdout + verified.stderr
+        assert f"verified: the log ({log.size} records) extends" in verified.stdout
