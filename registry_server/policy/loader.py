@@ -460,7 +460,36 @@ def _problems(source: str, root: yaml.Node, found: Sequence[tuple[Loc, str]]) ->
 
 
 def _problem(source: str, root: yaml.Node, loc: Loc, message: str) -> str:
+    name = _rule_name(root, loc)
+    message = f"(rule {name}) {message}" if name else message
     return _format(source, _line_of(root, loc), loc, message)
+
+
+def _rule_name(root: yaml.Node, loc: Loc) -> str | None:
+    """The ``name`` of the approval or deny rule ``loc`` is in, if it has one
+    (an operator looks rules up by name), read from the YAML as written."""
+    if (
+        len(loc) < 2
+        or loc[0] not in ("approval_rules", "deny_rules")
+        or not isinstance(loc[1], int)
+        or loc[-1] == "name"
+    ):
+        return None
+    rules = _value_of(root, str(loc[0]))
+    if not isinstance(rules, yaml.SequenceNode) or not 0 <= loc[1] < len(rules.value):
+        return None
+    name = _value_of(rules.value[loc[1]], "name")
+    if isinstance(name, yaml.ScalarNode) and isinstance(name.value, str):
+        return name.value[:64]
+    return None
+
+
+def _value_of(node: yaml.Node, key: str) -> yaml.Node | None:
+    if not isinstance(node, yaml.MappingNode):
+        return None
+    return next(
+        (v for k, v in node.value if isinstance(k, yaml.ScalarNode) and k.value == key), None
+    )
 
 
 def _format(source: str, line: int | None, loc: Loc, message: str) -> str:

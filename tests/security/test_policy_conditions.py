@@ -488,12 +488,10 @@ def test_expressions_that_could_loop_or_build_huge_strings_are_refused_at_load(
         capture_output=True, text=True, cwd=ROOT, timeout=60,
     )  # fmt: skip
     assert check.returncode == 2, check.stdout
-    assert f"{path} line {nested_line}: approval_rules[{rules[0]}].when: CEL: may cost up to" in (
-        check.stderr
-    ), check.stderr
-    assert f"{path} line {strings_line}: deny_rules[{rules[1]}].when: CEL: may cost up to" in (
-        check.stderr
-    ), check.stderr
+    nested = f"{path} line {nested_line}: approval_rules[{rules[0]}].when: (rule nested) CEL:"
+    assert f"{nested} may cost up to" in check.stderr, check.stderr
+    strings = f"{path} line {strings_line}: deny_rules[{rules[1]}].when: (rule strings) CEL:"
+    assert f"{strings} may cost up to" in check.stderr, check.stderr
     assert "over the limit of" in check.stderr
 
     # The server refuses to start on it, with the same lines. (Run to its end
@@ -612,7 +610,11 @@ def _reload_steps(d: Deployment, public: dict[str, str]) -> str:
     assert rpc_code(refused.value) == grpc.StatusCode.FAILED_PRECONDITION
     details = str(refused.value.details())
     assert "the policy in force stays" in details
-    assert f"{d.policy_file} line {line}: approval_rules[0].when: CEL: line 1, column" in details
+    name = broken["approval_rules"][0]["name"]
+    assert (
+        f"{d.policy_file} line {line}: approval_rules[0].when: (rule {name}) CEL: line 1, column"
+        in details
+    )
     assert admin.GetServerInfo(pb.GetServerInfoRequest(), timeout=10).policy_digest == in_force
     prod = d.call("deploy", {"env": "prod", "version": "2.0.0"})
     assert prod.approval_request.approvals_required == 2  # sre-prod, as it was
@@ -627,7 +629,7 @@ def _reload_steps(d: Deployment, public: dict[str, str]) -> str:
         time.sleep(0.1)
     logged = d.log()
     refusal = logged[logged.index("policy reload (SIGHUP) refused") :]
-    assert f"{d.policy_file} line {line}: approval_rules[0].when: CEL:" in refusal, refusal
+    assert f"{d.policy_file} line {line}: approval_rules[0].when: (rule {name}) CEL:" in refusal, refusal
     assert admin.GetServerInfo(pb.GetServerInfoRequest(), timeout=10).policy_digest == in_force
 
     # A good edit takes effect from the next call: sre-prod now covers staging

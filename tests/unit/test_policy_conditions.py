@@ -355,8 +355,11 @@ def test_a_bad_when_names_the_file_line_and_field(tmp_path: Path, when: str, mes
     problems = text.splitlines()
     approval_line = line_of(path, "when:", after=line_of(path, "name: dangerous"))
     deny_line = line_of(path, "when:", after=line_of(path, "name: frozen"))
-    assert problems[0].startswith(f"{path} line {approval_line}: approval_rules[1].when: {message}")
-    assert problems[1].startswith(f"{path} line {deny_line}: deny_rules[2].when: {message}")
+    # the rule's name too: operators look rules up by name
+    approval = f"{path} line {approval_line}: approval_rules[1].when: (rule dangerous) {message}"
+    assert problems[0].startswith(approval)
+    deny = f"{path} line {deny_line}: deny_rules[2].when: (rule frozen) {message}"
+    assert problems[1].startswith(deny)
     assert len(problems) == 2
 
 
@@ -365,8 +368,8 @@ def test_a_multi_line_when_names_the_line_within_it(tmp_path: Path) -> None:
     rules[0]["when"] = 'args.env == "prod" &&\n  tool.nmae == "x"\n'
     text, path = error(tmp_path, policy_data(approval_rules=rules))
     assert (
-        f"{path} line {line_of(path, 'when:')}: approval_rules[0].when: CEL: line 2, column 7"
-        in (text)
+        f"{path} line {line_of(path, 'when:')}: approval_rules[0].when: (rule sre-prod) CEL: line 2,"
+        " column 7" in (text)
     )
 
 
@@ -389,7 +392,10 @@ def test_the_same_match_under_the_same_condition_is_refused(tmp_path: Path) -> N
     again = {"name": "sre-prod-2", "match": {"tool": "deploy"}, "when": 'args.env == "prod"',
              "approvals_required": 1}  # fmt: skip
     text, _ = error(tmp_path, policy_data(approval_rules=[*BASE["approval_rules"], again]))
-    assert "approval_rules[2].match: same match and condition as approval_rules[0]" in text
+    assert (
+        "approval_rules[2].match: (rule sre-prod-2) same match and condition as approval_rules[0]"
+        in text
+    )
 
 
 @pytest.mark.parametrize("when", ['args.env == "staging"', None])
@@ -538,7 +544,7 @@ def test_a_reload_whose_condition_does_not_compile_keeps_the_policy_in_force(
     write(tmp_path, broken)
     with pytest.raises(PolicyError) as info:
         live.reload()
-    assert "approval_rules[0].when: CEL: line 1, column 22" in str(info.value)
+    assert "approval_rules[0].when: (rule sre-prod) CEL: line 1, column 22" in str(info.value)
     assert live.current is before
     assert rule(live.current, {"env": "prod"}).approvals_required == 2
     # fixed: the next reload puts the new condition in force
