@@ -193,9 +193,11 @@ class EffectiveRule:
 
 
 # Never safe: a tool that sends anything anywhere has an effect. Dangerous
-# tools with egress run under gVisor with its own netstack (runtime
-# runsc-net, sandbox_runner/profiles.py), every other dangerous call under
-# runsc without a network; an engine without runsc-net refuses them.
+# tools with egress run under gVisor (runtime runsc-net,
+# sandbox_runner/profiles.py) with its own netstack, or with hostinet where
+# that cannot start (unless TOOLREG_GVISOR_HOSTINET=refuse), every other
+# dangerous call under runsc without a network; an engine without runsc-net
+# refuses them.
 DEFAULT_EGRESS_LEVELS = frozenset({SafetyLevel.CAUTIOUS, SafetyLevel.DANGEROUS})
 DEFAULT_MAX_EGRESS_BYTES = 16 * 1024 * 1024  # bytes each call may move through the proxy
 DEFAULT_MAX_EGRESS_CONNECTIONS = 32  # connections each call may open (refused ones count)

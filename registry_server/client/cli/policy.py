@@ -47,6 +47,7 @@ def policy_check(file: PolicyFileArg = None) -> None:
     typer.echo(
         f"{file}: ok, digest {policy.digest}; {len(policy.clients)} client(s),"
         f" {len(policy.approvers)} approver(s), {len(policy.rules)} rule(s)"
+        + (f", {len(policy.deny_rules)} deny rule(s)" if policy.deny_rules else "")
     )
 
 
