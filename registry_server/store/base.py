@@ -137,6 +137,18 @@ class AuditEntry:
 
 
 @dataclass(frozen=True)
+class ExportCursor:
+    """How far one SIEM export destination has the audit log
+    (notify/siem/exporter.py), and which server exports to it now."""
+
+    sink: str  # the destination: "jsonl:<path>", "syslog:<host>:<port>"
+    seq: int  # every entry up to this seq is confirmed by the destination
+    updated_at: float  # time.time() of the last change
+    owner: str  # the exporter holding the lease ("" when none)
+    lease_until: float  # when that lease lapses (a dead server's is taken over)
+
+
+@dataclass(frozen=True)
 class CheckpointRecord:
     """A signed checkpoint of the audit log's Merkle tree (store/audit_tree.py,
     docs/audit.md): the tree of its first ``size`` entries had root ``root``,
@@ -240,6 +252,10 @@ class StoreReads(Protocol):
         """The checkpoint of the largest size (of log ``origin``, or of any)."""
         ...
 
+    def export_cursor(self, sink: str) -> ExportCursor | None:
+        """The SIEM export cursor of ``sink``; None before its first claim."""
+        ...
+
     def webhook_delivery(self, event_seq: int, endpoint: str) -> WebhookDeliveryRecord | None: ...
 
     def webhook_backlog(self) -> WebhookBacklog:
@@ -278,6 +294,23 @@ class UnitOfWork(StoreReads, Protocol):
         """Store a signed checkpoint; False, storing nothing, when the log has
         one of that size already (servers signing at once: the same tree and
         key sign the same note)."""
+        ...
+
+    def claim_export(self, sink: str, owner: str, now: float, until: float) -> ExportCursor | None:
+        """Take (or renew) the lease on ``sink``'s export for ``owner`` until
+        ``until``, creating its cursor at seq 0 when there is none; the cursor
+        when ``owner`` holds it now, None when another exporter's lease has not
+        lapsed. With several servers, one exports to a destination at a time."""
+        ...
+
+    def advance_export(self, sink: str, owner: str, seq: int, now: float, until: float) -> bool:
+        """Move ``sink``'s cursor up to ``seq`` (never down) and renew the
+        lease; False, changing nothing, when ``owner`` no longer holds it."""
+        ...
+
+    def release_export(self, sink: str, owner: str) -> None:
+        """End ``owner``'s lease on ``sink`` (a stopping server's), so another
+        server takes the export over at once."""
         ...
 
     def keep_secret(self, name: str, value: str, now: float) -> str:

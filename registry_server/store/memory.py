@@ -29,6 +29,7 @@ from registry_server.store.base import (
     ApprovalRequestRecord,
     AuditEntry,
     CheckpointRecord,
+    ExportCursor,
     StoredTool,
     WebhookBacklog,
     WebhookDeliveryRecord,
@@ -48,6 +49,7 @@ class _Data:
     # (origin, size) -> a signed checkpoint of the audit log's tree
     checkpoints: dict[tuple[str, int], CheckpointRecord] = field(default_factory=dict)
     events: list[ApprovalEventRecord] = field(default_factory=list)
+    exports: dict[str, ExportCursor] = field(default_factory=dict)  # sink -> its cursor
     # (event seq, endpoint) -> the outbox row
     deliveries: dict[tuple[int, str], WebhookDeliveryRecord] = field(default_factory=dict)
 
@@ -66,6 +68,7 @@ class _Data:
             audit=list(self.audit),
             checkpoints=dict(self.checkpoints),
             events=list(self.events),
+            exports=dict(self.exports),
             deliveries=dict(self.deliveries),
         )
 
@@ -175,6 +178,9 @@ class _Reads:
                  if origin is None or c.origin == origin]  # fmt: skip
         return max(found, key=lambda c: (c.size, c.made_at), default=None)
 
+    def export_cursor(self, sink: str) -> ExportCursor | None:
+        return self._data.exports.get(sink)
+
     def webhook_delivery(self, event_seq: int, endpoint: str) -> WebhookDeliveryRecord | None:
         return self._data.deliveries.get((event_seq, endpoint))
 
@@ -223,6 +229,28 @@ class _Writes(_Reads):
             return False
         self._data.checkpoints[key] = checkpoint
         return True
+
+    def claim_export(self, sink: str, owner: str, now: float, until: float) -> ExportCursor | None:
+        held = self._data.exports.get(sink) or ExportCursor(sink, 0, now, "", 0.0)
+        if held.owner != owner and held.lease_until > now:
+            return None
+        held = replace(held, owner=owner, lease_until=until)
+        self._data.exports[sink] = held
+        return held
+
+    def advance_export(self, sink: str, owner: str, seq: int, now: float, until: float) -> bool:
+        held = self._data.exports.get(sink)
+        if held is None or held.owner != owner:
+            return False
+        self._data.exports[sink] = replace(
+            held, seq=max(held.seq, seq), updated_at=now, lease_until=until
+        )
+        return True
+
+    def release_export(self, sink: str, owner: str) -> None:
+        held = self._data.exports.get(sink)
+        if held is not None and held.owner == owner:
+            self._data.exports[sink] = replace(held, lease_until=0.0)
 
     def keep_secret(self, name: str, value: str, now: float) -> str:
         return self._data.secrets.setdefault(name, value)

@@ -181,6 +181,16 @@ _MIGRATIONS: list[str] = [
         PRIMARY KEY (origin, size)
     );
     """,
+    # 8: as the SQLite store's 11th: SIEM export cursors and their leases
+    """
+    CREATE TABLE export_cursors (
+        sink         TEXT PRIMARY KEY,
+        seq          BIGINT NOT NULL,
+        updated_at   DOUBLE PRECISION NOT NULL,
+        owner        TEXT NOT NULL,
+        lease_until  DOUBLE PRECISION NOT NULL
+    );
+    """,
 ]
 
 

@@ -24,6 +24,7 @@ from registry_server.store.base import (
     ApprovalRequestRecord,
     AuditEntry,
     CheckpointRecord,
+    ExportCursor,
     StoredTool,
     WebhookBacklog,
     WebhookDeliveryRecord,
@@ -125,6 +126,16 @@ _CHECKPOINT_COLUMNS = "origin, size, root, note, made_at"
 def _checkpoint(row: tuple[object, ...]) -> CheckpointRecord:
     origin, size, root, note, made_at = row
     return CheckpointRecord(str(origin), int(str(size)), str(root), str(note), float(str(made_at)))
+
+
+_EXPORT_COLUMNS = "sink, seq, updated_at, owner, lease_until"
+
+
+def _export_cursor(row: tuple[object, ...]) -> ExportCursor:
+    sink, seq, updated_at, owner, until = row
+    return ExportCursor(
+        str(sink), int(str(seq)), float(str(updated_at)), str(owner), float(str(until))
+    )
 
 
 class _SqlStore(Protocol):
@@ -317,6 +328,10 @@ class SqlReads:
         )
         return _checkpoint(rows[0]) if rows else None
 
+    def export_cursor(self, sink: str) -> ExportCursor | None:
+        rows = self._all(f"SELECT {_EXPORT_COLUMNS} FROM export_cursors WHERE sink = ?", (sink,))
+        return _export_cursor(rows[0]) if rows else None
+
     def webhook_delivery(self, event_seq: int, endpoint: str) -> WebhookDeliveryRecord | None:
         rows = self._all(
             f"SELECT {_DELIVERY_COLUMNS} FROM webhook_deliveries"
@@ -406,6 +421,33 @@ class SqlWrites(SqlReads):
             (c.origin, c.size, c.root, c.note, c.made_at),
         ).rowcount
         return bool(inserted == 1)
+
+    def claim_export(self, sink: str, owner: str, now: float, until: float) -> ExportCursor | None:
+        # One conditional upsert: of servers claiming at once, one holds the
+        # row afterwards; the others' WHERE is false and they change nothing.
+        self._run(
+            f"INSERT INTO export_cursors ({_EXPORT_COLUMNS}) VALUES (?, 0, ?, ?, ?)"
+            " ON CONFLICT (sink) DO UPDATE SET owner = excluded.owner,"
+            " lease_until = excluded.lease_until"
+            " WHERE export_cursors.owner = excluded.owner OR export_cursors.lease_until <= ?",
+            (sink, now, owner, until, now),
+        )
+        held = self.export_cursor(sink)
+        return held if held is not None and held.owner == owner else None
+
+    def advance_export(self, sink: str, owner: str, seq: int, now: float, until: float) -> bool:
+        changed = self._run(
+            "UPDATE export_cursors SET seq = CASE WHEN seq < ? THEN ? ELSE seq END,"
+            " updated_at = ?, lease_until = ? WHERE sink = ? AND owner = ?",
+            (seq, seq, now, until, sink, owner),
+        ).rowcount
+        return bool(changed == 1)
+
+    def release_export(self, sink: str, owner: str) -> None:
+        self._run(
+            "UPDATE export_cursors SET lease_until = 0 WHERE sink = ? AND owner = ?",
+            (sink, owner),
+        )
 
     def keep_secret(self, name: str, value: str, now: float) -> str:
         # Of servers storing one at once, the first commits and the others insert nothing.

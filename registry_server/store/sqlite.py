@@ -175,6 +175,17 @@ _MIGRATIONS: list[str] = [
         PRIMARY KEY (origin, size)
     );
     """,
+    # 11: how far each SIEM export destination has the audit log, and which
+    # exporter holds it (notify/siem/exporter.py)
+    """
+    CREATE TABLE export_cursors (
+        sink         TEXT PRIMARY KEY,   -- jsonl:<path>, syslog:<host>:<port>
+        seq          INTEGER NOT NULL,   -- audit entries up to this seq are confirmed
+        updated_at   REAL NOT NULL,
+        owner        TEXT NOT NULL,      -- the exporter holding the lease ('' when none)
+        lease_until  REAL NOT NULL       -- when that lease lapses
+    );
+    """,
 ]
 
 
