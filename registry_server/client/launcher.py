@@ -67,8 +67,12 @@ def spawn_until(
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         line = proc.stderr.readline()
-        if not line and proc.poll() is not None:
-            break
+        if not line:
+            # End of its output: it exited, or is about to (waiting for it here
+            # keeps the empty reads out of the log, which hid its last words).
+            if proc.poll() is not None or _exited(proc, deadline):
+                break
+            continue
         log.append(line)
         if match := ready.search(line):
             # Keep reading the log so a full pipe never stalls the process.
@@ -77,6 +81,14 @@ def spawn_until(
     proc.kill()
     proc.wait()
     raise RuntimeError(f"{what} did not start:\n" + "".join(log[-20:]))
+
+
+def _exited(proc: subprocess.Popen[str], deadline: float) -> bool:
+    try:
+        proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        return False
+    return True
 
 
 def _drain(proc: subprocess.Popen[str], log: list[str]) -> None:
