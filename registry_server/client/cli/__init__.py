@@ -24,6 +24,7 @@ from registry_server.client.cli.mcp import mcp_serve
 from registry_server.client.cli.policy import policy_app
 from registry_server.client.cli.server import reap, serve
 from registry_server.client.cli.tools import tools_app
+from registry_server.client.cli.witness import witness_app
 from registry_server.domain.errors import ToolregError
 
 app = typer.Typer(
@@ -38,6 +39,7 @@ app.add_typer(approvals_app, name="approvals")
 app.add_typer(keys_app, name="keys")
 app.add_typer(audit_app, name="audit")
 app.add_typer(policy_app, name="policy")
+app.add_typer(witness_app, name="witness")
 # `toolreg --help` lists these in this order, before the groups above.
 app.command()(serve)
 app.command("exec")(exec_tool)
