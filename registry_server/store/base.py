@@ -161,6 +161,21 @@ class CheckpointRecord:
     made_at: float  # time.time()
 
 
+@dataclass(frozen=True)
+class CosignatureRecord:
+    """A witness's cosignature (c2sp.org/tlog-cosignature) of one of the
+    log's checkpoints, as its witness answered it (notify/witnesses.py,
+    docs/audit.md "Witnesses")."""
+
+    origin: str  # the log's
+    size: int  # of the checkpoint it cosigns
+    root: str  # that checkpoint's root hash, hex
+    witness: str  # the witness's key name
+    key_id: str  # the witness key's ID, hex
+    line: str  # the signature line, "— <witness> <base64>", no newline
+    cosigned_at: int  # the cosignature's own time (POSIX seconds)
+
+
 class StoreReads(Protocol):
     def tools(self) -> list[StoredTool]:
         """Every stored tool, by name."""
@@ -252,6 +267,16 @@ class StoreReads(Protocol):
         """The checkpoint of the largest size (of log ``origin``, or of any)."""
         ...
 
+    def cosignatures(self, origin: str, size: int) -> list[CosignatureRecord]:
+        """The witnesses' cosignatures of log ``origin``'s checkpoint of ``size``,
+        by witness name and key ID."""
+        ...
+
+    def latest_cosignatures(self, origin: str) -> list[CosignatureRecord]:
+        """Each witness key's cosignature of the largest checkpoint of log
+        ``origin`` it cosigned, by witness name and key ID."""
+        ...
+
     def export_cursor(self, sink: str) -> ExportCursor | None:
         """The SIEM export cursor of ``sink``; None before its first claim."""
         ...
@@ -294,6 +319,11 @@ class UnitOfWork(StoreReads, Protocol):
         """Store a signed checkpoint; False, storing nothing, when the log has
         one of that size already (servers signing at once: the same tree and
         key sign the same note)."""
+        ...
+
+    def add_cosignature(self, cosignature: CosignatureRecord) -> bool:
+        """Store a witness's cosignature; False, storing nothing, when that
+        witness key's of that checkpoint is stored already (the first kept)."""
         ...
 
     def claim_export(self, sink: str, owner: str, now: float, until: float) -> ExportCursor | None:

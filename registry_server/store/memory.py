@@ -29,6 +29,7 @@ from registry_server.store.base import (
     ApprovalRequestRecord,
     AuditEntry,
     CheckpointRecord,
+    CosignatureRecord,
     ExportCursor,
     StoredTool,
     WebhookBacklog,
@@ -48,6 +49,8 @@ class _Data:
     audit: list[AuditEntry] = field(default_factory=list)
     # (origin, size) -> a signed checkpoint of the audit log's tree
     checkpoints: dict[tuple[str, int], CheckpointRecord] = field(default_factory=dict)
+    # (origin, witness, key ID, size) -> a witness's cosignature of a checkpoint
+    cosignatures: dict[tuple[str, str, str, int], CosignatureRecord] = field(default_factory=dict)
     events: list[ApprovalEventRecord] = field(default_factory=list)
     exports: dict[str, ExportCursor] = field(default_factory=dict)  # sink -> its cursor
     # (event seq, endpoint) -> the outbox row
@@ -67,6 +70,7 @@ class _Data:
             secrets=dict(self.secrets),
             audit=list(self.audit),
             checkpoints=dict(self.checkpoints),
+            cosignatures=dict(self.cosignatures),
             events=list(self.events),
             exports=dict(self.exports),
             deliveries=dict(self.deliveries),
@@ -178,6 +182,19 @@ class _Reads:
                  if origin is None or c.origin == origin]  # fmt: skip
         return max(found, key=lambda c: (c.size, c.made_at), default=None)
 
+    def cosignatures(self, origin: str, size: int) -> list[CosignatureRecord]:
+        found = [c for c in self._data.cosignatures.values()
+                 if (c.origin, c.size) == (origin, size)]  # fmt: skip
+        return sorted(found, key=lambda c: (c.witness, c.key_id))
+
+    def latest_cosignatures(self, origin: str) -> list[CosignatureRecord]:
+        latest: dict[tuple[str, str], CosignatureRecord] = {}
+        for c in self._data.cosignatures.values():
+            key = (c.witness, c.key_id)
+            if c.origin == origin and (key not in latest or latest[key].size < c.size):
+                latest[key] = c
+        return [latest[key] for key in sorted(latest)]
+
     def export_cursor(self, sink: str) -> ExportCursor | None:
         return self._data.exports.get(sink)
 
@@ -228,6 +245,14 @@ class _Writes(_Reads):
         if key in self._data.checkpoints:
             return False
         self._data.checkpoints[key] = checkpoint
+        return True
+
+    def add_cosignature(self, cosignature: CosignatureRecord) -> bool:
+        c = cosignature
+        key = (c.origin, c.witness, c.key_id, c.size)
+        if key in self._data.cosignatures:
+            return False
+        self._data.cosignatures[key] = c
         return True
 
     def claim_export(self, sink: str, owner: str, now: float, until: float) -> ExportCursor | None:

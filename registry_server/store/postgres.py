@@ -191,6 +191,20 @@ _MIGRATIONS: list[str] = [
         lease_until  DOUBLE PRECISION NOT NULL
     );
     """,
+    # 9: as the SQLite store's 12th: witnesses' cosignatures of the checkpoints
+    """
+    CREATE TABLE audit_cosignatures (
+        origin       TEXT NOT NULL,
+        witness      TEXT NOT NULL,
+        key_id       TEXT NOT NULL,
+        size         BIGINT NOT NULL,
+        root         TEXT NOT NULL,
+        line         TEXT NOT NULL,
+        cosigned_at  BIGINT NOT NULL,
+        PRIMARY KEY (origin, witness, key_id, size)
+    );
+    CREATE INDEX audit_cosignatures_by_size ON audit_cosignatures (origin, size);
+    """,
 ]
 
 

@@ -24,6 +24,7 @@ from registry_server.store.base import (
     ApprovalRequestRecord,
     AuditEntry,
     CheckpointRecord,
+    CosignatureRecord,
     ExportCursor,
     StoredTool,
     WebhookBacklog,
@@ -126,6 +127,17 @@ _CHECKPOINT_COLUMNS = "origin, size, root, note, made_at"
 def _checkpoint(row: tuple[object, ...]) -> CheckpointRecord:
     origin, size, root, note, made_at = row
     return CheckpointRecord(str(origin), int(str(size)), str(root), str(note), float(str(made_at)))
+
+
+_COSIGNATURE_COLUMNS = "origin, size, root, witness, key_id, line, cosigned_at"
+
+
+def _cosignature(row: tuple[object, ...]) -> CosignatureRecord:
+    origin, size, root, witness, key_id, line, cosigned_at = row
+    return CosignatureRecord(
+        str(origin), int(str(size)), str(root), str(witness), str(key_id), str(line),
+        int(str(cosigned_at)),
+    )  # fmt: skip
 
 
 _EXPORT_COLUMNS = "sink, seq, updated_at, owner, lease_until"
@@ -328,6 +340,23 @@ class SqlReads:
         )
         return _checkpoint(rows[0]) if rows else None
 
+    def cosignatures(self, origin: str, size: int) -> list[CosignatureRecord]:
+        rows = self._all(
+            f"SELECT {_COSIGNATURE_COLUMNS} FROM audit_cosignatures WHERE origin = ? AND size = ?"
+            " ORDER BY witness, key_id",
+            (origin, size),
+        )
+        return [_cosignature(r) for r in rows]
+
+    def latest_cosignatures(self, origin: str) -> list[CosignatureRecord]:
+        rows = self._all(
+            f"SELECT {_COSIGNATURE_COLUMNS} FROM audit_cosignatures c WHERE origin = ?"
+            " AND size = (SELECT MAX(size) FROM audit_cosignatures d WHERE d.origin = c.origin"
+            " AND d.witness = c.witness AND d.key_id = c.key_id) ORDER BY witness, key_id",
+            (origin,),
+        )
+        return [_cosignature(r) for r in rows]
+
     def export_cursor(self, sink: str) -> ExportCursor | None:
         rows = self._all(f"SELECT {_EXPORT_COLUMNS} FROM export_cursors WHERE sink = ?", (sink,))
         return _export_cursor(rows[0]) if rows else None
@@ -419,6 +448,15 @@ class SqlWrites(SqlReads):
             f"INSERT INTO audit_checkpoints ({_CHECKPOINT_COLUMNS}) VALUES (?, ?, ?, ?, ?)"
             " ON CONFLICT (origin, size) DO NOTHING",
             (c.origin, c.size, c.root, c.note, c.made_at),
+        ).rowcount
+        return bool(inserted == 1)
+
+    def add_cosignature(self, cosignature: CosignatureRecord) -> bool:
+        c = cosignature
+        inserted = self._run(
+            f"INSERT INTO audit_cosignatures ({_COSIGNATURE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)"
+            " ON CONFLICT (origin, witness, key_id, size) DO NOTHING",
+            (c.origin, c.size, c.root, c.witness, c.key_id, c.line, c.cosigned_at),
         ).rowcount
         return bool(inserted == 1)
 

@@ -186,6 +186,20 @@ _MIGRATIONS: list[str] = [
         lease_until  REAL NOT NULL       -- when that lease lapses
     );
     """,
+    # 12: witnesses' cosignatures of the audit log's checkpoints (notify/witnesses.py)
+    """
+    CREATE TABLE audit_cosignatures (
+        origin       TEXT NOT NULL,      -- the log's
+        witness      TEXT NOT NULL,      -- the witness's key name
+        key_id       TEXT NOT NULL,      -- the witness key's ID, hex
+        size         INTEGER NOT NULL,   -- of the checkpoint cosigned
+        root         TEXT NOT NULL,      -- its root hash, hex
+        line         TEXT NOT NULL,      -- the signature line (c2sp.org/tlog-cosignature)
+        cosigned_at  INTEGER NOT NULL,   -- the cosignature's time
+        PRIMARY KEY (origin, witness, key_id, size)
+    );
+    CREATE INDEX audit_cosignatures_by_size ON audit_cosignatures (origin, size);
+    """,
 ]
 
 
