@@ -38,6 +38,10 @@ from registry_server.execution.warm_pool import WarmPools
 from registry_server.notify.dispatcher import Dispatcher
 from registry_server.notify.endpoints import Endpoint, load_endpoints
 from registry_server.notify.outbox import Outbox
+from registry_server.notify.siem import ocsf
+from registry_server.notify.siem.exporter import Exporter
+from registry_server.notify.siem.metrics import ExportMetrics
+from registry_server.notify.siem.sinks import JsonlSink, Sink, SinkError, SyslogTls, SyslogTlsSink
 from registry_server.policy.clients import UNRESTRICTED
 from registry_server.policy.live import LivePolicy
 from registry_server.policy.loader import load_policy
@@ -84,6 +88,7 @@ class App:
     policy: LivePolicy | None = None  # the policy in force (reloadable)
     reloads: PolicyReloads | None = None
     checkpointer: audit_tree.Checkpointer | None = None  # signs the audit log's checkpoints
+    exporters: list[Exporter] = field(default_factory=list)  # SIEM export, one per destination
 
     def close(self) -> None:
         self.health.enter_graceful_shutdown()
@@ -105,6 +110,7 @@ def build_app(config: ServerConfig) -> App:
     webhooks = _webhook_endpoints(policy)  # their secrets first: no secret, no server
     require_gvisor = config.require_gvisor if config.require_gvisor is not None else not dev_mode
     log_signer = _log_signer(config, policy)  # the key file first: no key, no server
+    export_sinks = _export_sinks(config)  # and the SIEM's CA and client key
     backend = open_backend(config)
     store = open_store(config.store)
     try:
@@ -179,6 +185,8 @@ def build_app(config: ServerConfig) -> App:
     store.watch_policy(app.reloads.from_peer)
     if log_signer is not None and audit_start.ok:
         _start_checkpoints(app, log_signer, audit_start.log)
+    if export_sinks:
+        _start_siem_export(app, export_sinks, config.log_origin or f"toolreg/{policy.audience}")
     return app
 
 
@@ -198,6 +206,50 @@ def _start_checkpoints(app: App, signer: Signer, log_now: audit_tree.Log) -> Non
         "audit checkpoints: log %s, every %d records or %g s; verifier key %s",
         signer.name, config.checkpoint_every, config.checkpoint_interval_s, signer.verifier,
     )  # fmt: skip
+
+
+def _export_sinks(config: ServerConfig) -> list[Sink]:
+    """The SIEM export's destinations (none unless asked for)."""
+    sinks: list[Sink] = []
+    if config.export_jsonl is not None:
+        sinks.append(JsonlSink(config.export_jsonl, max_bytes=config.export_jsonl_max_bytes,
+                               keep=config.export_jsonl_keep))  # fmt: skip
+    if config.export_syslog is not None:
+        host, _, port = config.export_syslog.rpartition(":")
+        host = host.removeprefix("[").removesuffix("]")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"--export-syslog {config.export_syslog!r}: give HOST:PORT")
+        if config.export_syslog_ca is None:
+            raise ConfigError("--export-syslog needs --export-syslog-ca: the CA that signed the"
+                              " receiver's certificate")  # fmt: skip
+        if (config.export_syslog_cert is None) != (config.export_syslog_key is None):
+            raise ConfigError("--export-syslog-cert and --export-syslog-key go together")
+        target = SyslogTls(
+            host, int(port), config.export_syslog_ca, config.export_syslog_cert,
+            config.export_syslog_key, config.export_syslog_server_name,
+        )  # fmt: skip
+        try:
+            sinks.append(SyslogTlsSink(target))
+        except SinkError as exc:
+            raise ConfigError(str(exc)) from None
+    elif config.export_syslog_ca or config.export_syslog_cert or config.export_syslog_key:
+        raise ConfigError("--export-syslog-ca/-cert/-key need --export-syslog HOST:PORT")
+    return sinks
+
+
+def _start_siem_export(app: App, sinks: list[Sink], log_name: str) -> None:
+    """Each audit record as an OCSF event, to each destination, from a thread
+    of its own that follows the committed log (notify/siem/)."""
+    source = ocsf.Source(log_name)
+    for sink in sinks:
+        exporter = Exporter(app.store, sink, source, batch=app.config.export_batch,
+                            lease_s=app.config.export_lease_s)  # fmt: skip
+        app.exporters.append(exporter)
+        exporter.start()
+        app.closers.append(exporter.close)  # last: after everything that may write a record
+    app.metrics.registry.register(ExportMetrics(app.exporters))
+    log.info("SIEM export (OCSF %s, log %s): %s", ocsf.OCSF_VERSION, log_name,
+             ", ".join(s.id for s in sinks))  # fmt: skip
 
 
 class _SandboxPolicies:

@@ -20,6 +20,8 @@ from registry_server.execution.warm_pool import (
 )
 from registry_server.notify.dispatcher import DEFAULT_CONCURRENCY
 from registry_server.notify.outbox import DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_BASE_S
+from registry_server.notify.siem.exporter import DEFAULT_BATCH, DEFAULT_LEASE_S
+from registry_server.notify.siem.sinks import DEFAULT_JSONL_KEEP, DEFAULT_JSONL_MAX_BYTES
 from registry_server.store.audit_tree import (
     DEFAULT_CHECKPOINT_EVERY,
     DEFAULT_CHECKPOINT_INTERVAL_S,
@@ -127,6 +129,23 @@ class ServerConfig(BaseSettings):
     webhook_retry_base_s: float = Field(DEFAULT_RETRY_BASE_S, gt=0, le=3_600)
     webhook_max_attempts: int = Field(DEFAULT_MAX_ATTEMPTS, ge=1, le=20)
     webhook_concurrency: int = Field(DEFAULT_CONCURRENCY, ge=1, le=64)
+    # SIEM export (docs/audit.md, "SIEM export"): every audit record as an OCSF
+    # event, to a JSON Lines file (rotated past max_bytes, keep rotated files
+    # kept) and/or a syslog receiver over TLS (HOST:PORT; its certificate is
+    # verified against export_syslog_ca for export_syslog_server_name, default
+    # the host; a client certificate when the receiver asks for one). Batch:
+    # events confirmed at a time; lease: seconds a destination stays a dead
+    # server's before another server on the store takes it over.
+    export_jsonl: Path | None = None
+    export_jsonl_max_bytes: int = Field(DEFAULT_JSONL_MAX_BYTES, ge=4096)
+    export_jsonl_keep: int = Field(DEFAULT_JSONL_KEEP, ge=1, le=1000)
+    export_syslog: str | None = Field(None, min_length=3, max_length=300)
+    export_syslog_ca: Path | None = None
+    export_syslog_cert: Path | None = None
+    export_syslog_key: Path | None = None
+    export_syslog_server_name: str | None = Field(None, min_length=1, max_length=253)
+    export_batch: int = Field(DEFAULT_BATCH, ge=1, le=10_000)
+    export_lease_s: float = Field(DEFAULT_LEASE_S, ge=1, le=3_600)
 
     @property
     def grpc_threads(self) -> int:

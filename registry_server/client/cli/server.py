@@ -65,6 +65,41 @@ def serve(
             "--checkpoint-interval-s", help="A checkpoint at most this many seconds after a record."
         ),
     ] = None,
+    export_jsonl: Annotated[
+        Path | None,
+        typer.Option(
+            "--export-jsonl",
+            help="Export every audit record as an OCSF event to this JSON Lines"
+            " file (rotated by size). docs/audit.md",
+        ),
+    ] = None,
+    export_jsonl_max_bytes: Annotated[
+        int | None,
+        typer.Option("--export-jsonl-max-bytes", help="Rotate the file before it passes this."),
+    ] = None,
+    export_jsonl_keep: Annotated[
+        int | None, typer.Option("--export-jsonl-keep", help="Rotated files kept.")
+    ] = None,
+    export_syslog: Annotated[
+        str | None,
+        typer.Option(
+            "--export-syslog",
+            help="Export every audit record as an OCSF event to this syslog"
+            " receiver, HOST:PORT, over TLS (RFC 5425).",
+        ),
+    ] = None,
+    export_syslog_ca: Annotated[
+        Path | None,
+        typer.Option("--export-syslog-ca", help="The CA that signed the receiver's certificate."),
+    ] = None,
+    export_syslog_cert: Annotated[
+        Path | None,
+        typer.Option("--export-syslog-cert", help="Client certificate for the receiver (PEM)."),
+    ] = None,
+    export_syslog_key: Annotated[
+        Path | None,
+        typer.Option("--export-syslog-key", help="Its key (PEM, unencrypted)."),
+    ] = None,
 ) -> None:
     """Run the gRPC server in the foreground until SIGTERM/SIGINT."""
     from pydantic import ValidationError
@@ -94,6 +129,13 @@ def serve(
             "log_origin": log_origin,
             "checkpoint_every": checkpoint_every,
             "checkpoint_interval_s": checkpoint_interval_s,
+            "export_jsonl": export_jsonl,
+            "export_jsonl_max_bytes": export_jsonl_max_bytes,
+            "export_jsonl_keep": export_jsonl_keep,
+            "export_syslog": export_syslog,
+            "export_syslog_ca": export_syslog_ca,
+            "export_syslog_cert": export_syslog_cert,
+            "export_syslog_key": export_syslog_key,
         }.items()
         if v is not None
     }
