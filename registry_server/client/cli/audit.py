@@ -14,7 +14,11 @@ from registry_server.client.cli.common import fail
 from registry_server.domain.errors import ToolregError
 
 if TYPE_CHECKING:
+    from registry_server.client.cli.audit_witnesses import Witnessed
+    from registry_server.signing.cosignatures import CosignatureVerifier
     from registry_server.signing.notes import Checkpoint, Verifier
+
+    Witnesses = tuple[list[CosignatureVerifier], int]  # trusted witnesses, how many required
 
 audit_app = typer.Typer(help="The audit log: hash chain, Merkle tree, checkpoints.",
                         no_args_is_help=True)  # fmt: skip
@@ -104,15 +108,34 @@ def audit_verify(
         ),
     ] = None,
     key: KeyOpt = None,
+    witness: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--witness",
+            help="A witness you trust: its verifier key (name+id+base64, type 0x04), or a file"
+            " holding it. Repeatable. docs/audit.md, Witnesses",
+        ),
+    ] = None,
+    min_witnesses: Annotated[
+        int | None,
+        typer.Option(
+            "--min-witnesses",
+            min=0,
+            help="How many of the --witness keys must have cosigned the log at or beyond the"
+            " checkpoint (with --proof: the proof's checkpoint). Default: 1 with --witness.",
+        ),
+    ] = None,
 ) -> None:
     """Walk the hash chain (exit 1 at the first broken record); with
     --checkpoint, also prove the log extends that checkpoint; with --proof,
-    check a record's inclusion proof without the store."""
+    check a record's inclusion proof without the store; with --witness,
+    require witnesses' cosignatures too."""
+    witnesses = _witnesses(witness or [], min_witnesses, checkpoint or proof)
     if proof is not None:
-        _verify_proof(proof, key)
+        _verify_proof(proof, key, witnesses)
         return
     if checkpoint is not None:
-        _verify_extends(checkpoint, key, data_dir, store_url)
+        _verify_extends(checkpoint, key, data_dir, store_url, witnesses)
         return
     from registry_server.store import audit_chain as audit
 
@@ -124,15 +147,37 @@ def audit_verify(
         raise typer.Exit(1)
 
 
+def _witnesses(texts: list[str], k: int | None, given: Path | None) -> Witnesses:
+    """The trusted witnesses and how many must have cosigned; exit 2 on a bad one."""
+    from registry_server.client.cli.audit_witnesses import witness_verifiers
+    from registry_server.signing.notes import NoteError
+
+    required = (1 if texts else 0) if k is None else k
+    if (texts or required) and given is None:
+        fail("--witness and --min-witnesses go with --checkpoint or --proof", 2)
+    try:
+        verifiers = witness_verifiers(texts)
+    except (NoteError, OSError) as exc:
+        fail(str(exc), 2)
+    if required > len(verifiers):
+        fail(f"--min-witnesses {required}: only {len(verifiers)} --witness key(s) given", 2)
+    return verifiers, required
+
+
 def _verify_extends(
-    path: Path, key: str | None, data_dir: Path | None, store_url: str | None
+    path: Path,
+    key: str | None,
+    data_dir: Path | None,
+    store_url: str | None,
+    witnesses: Witnesses = ([], 0),
 ) -> None:
     """What an auditor holding an old checkpoint and the log's public key asks:
     is today's log that log, grown? Every check is printed; exit 1 on any failure."""
     from registry_server.signing.notes import NoteError
     from registry_server.store import audit_tree
 
-    old, verifier = _signed_checkpoint(_read(path, "checkpoint"), key, f"checkpoint {path}")
+    old_note = _read(path, "checkpoint")
+    old, verifier = _signed_checkpoint(old_note, key, f"checkpoint {path}")
     typer.echo(
         f"checkpoint {path}: log {old.origin}, {old.size} records, root {old.root.hex()[:16]};"
         f" signature verified ({verifier.name}+{verifier.id.hex()})"
@@ -142,6 +187,7 @@ def _verify_extends(
         log = audit_tree.read_log(store)
         with store.reading() as reads:
             latest = reads.latest_checkpoint(old.origin)
+            cosignatures = reads.latest_cosignatures(old.origin) if witnesses[0] else []
     finally:
         store.close()
     failures: list[str] = []
@@ -167,6 +213,11 @@ def _verify_extends(
                 typer.echo(f"{what}: signature verified; {outcome.reason}")
             else:
                 failures.append(f"{what}: signature verified, but {outcome.reason}")
+    if witnesses[0]:
+        from registry_server.client.cli.audit_witnesses import witnessed
+
+        seen = witnessed(old_note, old, log, cosignatures, witnesses[0])
+        failures += _count_witnesses(seen, witnesses[1], f"the log at or beyond {old.size} records")
     if failures:
         for failure in failures:
             typer.echo(f"FAILED: {failure}")
@@ -174,7 +225,17 @@ def _verify_extends(
     typer.echo(f"verified: the log ({log.size} records) extends {path} ({old.size} records)")
 
 
-def _verify_proof(path: Path, key: str | None) -> None:
+def _count_witnesses(seen: Witnessed, required: int, what: str) -> list[str]:
+    for line in seen.shown:
+        typer.echo(line)
+    if seen.count < required:
+        return [f"{seen.count} of the --witness keys cosigned {what}; {required} required"]
+    typer.echo(f"witnessed: {seen.count} of the --witness keys cosigned {what}"
+               f" ({required} required)")  # fmt: skip
+    return []
+
+
+def _verify_proof(path: Path, key: str | None, witnesses: Witnesses = ([], 0)) -> None:
     """A tlog-proof checked as the RFC says, with the log's key alone."""
     from registry_server.domain import merkle
     from registry_server.signing.notes import NoteError, parse_tlog_proof
@@ -202,6 +263,12 @@ def _verify_proof(path: Path, key: str | None) -> None:
         f" (root {checkpoint.root.hex()[:16]}, signed by {verifier.name}+{verifier.id.hex()})"
     )
     typer.echo(json.dumps({**entry, "record": json.loads(entry["record"])}, ensure_ascii=False))
+    if witnesses[0]:
+        from registry_server.client.cli.audit_witnesses import proof_witnessed
+
+        seen = proof_witnessed(bundle.checkpoint, witnesses[0])
+        for failure in _count_witnesses(seen, witnesses[1], "the proof's checkpoint"):
+            fail(f"proof {path}: {failure}")
 
 
 @audit_app.command("tail")
@@ -239,9 +306,11 @@ def audit_checkpoint(
         Path | None, typer.Option("--out", help="Also write the checkpoint to this file.")
     ] = None,
 ) -> None:
-    """Print the latest signed checkpoint of the audit log; with --make, sign
-    one of the log as it is now (refused when its chain is broken or it does
-    not extend the last checkpoint)."""
+    """Print the latest signed checkpoint of the audit log, with the
+    witnesses' cosignatures of it; with --make, sign one of the log as it is
+    now (refused when its chain is broken or it does not extend the last
+    checkpoint)."""
+    from registry_server.client.cli.audit_witnesses import cosigned_note
     from registry_server.store import audit_tree
 
     store = _open_store(data_dir, store_url)
@@ -265,13 +334,15 @@ def audit_checkpoint(
                 latest = audit_tree.checkpoint_now(store, signer)
             except audit_tree.CheckpointRefused as exc:
                 fail(f"not signed: {exc}")
+        if latest is None:
+            fail("no checkpoint in the store (a server signs them with --log-key)")
+        with store.reading() as reads:  # with the witnesses' cosignatures of it
+            note = cosigned_note(reads, latest)
     finally:
         store.close()
-    if latest is None:
-        fail("no checkpoint in the store (a server signs them with --log-key)")
     if out is not None:
-        out.write_text(latest.note, encoding="utf-8")
-    typer.echo(latest.note, nl=False)
+        out.write_text(note, encoding="utf-8")
+    typer.echo(note, nl=False)
 
 
 @audit_app.command("verifier-key")
@@ -315,6 +386,7 @@ def audit_prove(
     """Write an inclusion proof of one record (c2sp.org/tlog-proof@v1): the
     record's canonical bytes, its audit path and the signed checkpoint. Anyone
     with the log's public key can check it offline (`audit verify --proof`)."""
+    from registry_server.client.cli.audit_witnesses import cosigned_note
     from registry_server.domain import merkle
     from registry_server.signing.notes import (
         NoteError,
@@ -332,12 +404,13 @@ def audit_prove(
         else:
             with store.reading() as reads:
                 latest = reads.latest_checkpoint()
+                # The witnesses' cosignatures of it travel with the proof.
+                note = cosigned_note(reads, latest) if latest is not None else ""
             if latest is None:
                 fail(
                     "no checkpoint in the store to prove against (a server signs them with"
                     " --log-key; `toolreg audit checkpoint --make` signs one now)"
                 )
-            note = latest.note
     finally:
         store.close()
     try:
