@@ -22,8 +22,9 @@ class AuditRecord:
         self.tool: ToolDefinition | None = None
         self.args_digest = ""
         self.approved: Approved | None = None
-        # Whether the call got past every check before the sandbox (its level's
-        # approval gate included): a call refused earlier is never "allowed".
+        # Whether the call got past every check up to its level's approval gate
+        # (included): a call refused earlier is never "allowed" or "approved".
+        # What fails after it (its secrets, the engine, the tool) keeps that decision.
         self.passed_gate = False
         self.runtime = ""
         self.gvisor_network = ""  # runsc-net only: netstack or hostinet (sandbox_plan.Runtime)
@@ -86,16 +87,19 @@ class AuditRecord:
 
 
 def decision_of(outcome: Outcome, record: AuditRecord) -> str:
+    """The record's ``decision``; tests/unit/test_audit_decisions.py makes each
+    value happen, and fails when a value is added here without a test."""
     refused = {
         Status.TOOL_NOT_FOUND: "not_found",
         Status.INVALID_ARGUMENTS: "invalid_arguments",
         Status.APPROVAL_REQUIRED: "approval_required",
         Status.APPROVAL_DENIED: "approval_denied",
         Status.TOOL_DISABLED: "disabled",  # before or after the gate: it never ran
-        Status.POLICY_DENIED: "policy_denied",  # a deny rule: before any request or sandbox
+        # A deny rule, or an approval rule whose condition errs: before any request or sandbox.
+        Status.POLICY_DENIED: "policy_denied",
     }
     if outcome.status in refused:
         return refused[outcome.status]
     if not record.passed_gate:
-        return "refused"  # disabled, no runtime for it, its owner's grant gone, ...
+        return "refused"  # SANDBOX_ERROR before the gate: no runtime for it, its owner's grant gone
     return "approved" if record.approved else "allowed"
