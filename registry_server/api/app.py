@@ -42,6 +42,7 @@ from registry_server.notify.siem import ocsf
 from registry_server.notify.siem.exporter import Exporter
 from registry_server.notify.siem.metrics import ExportMetrics
 from registry_server.notify.siem.sinks import JsonlSink, Sink, SinkError, SyslogTls, SyslogTlsSink
+from registry_server.notify.witnesses import WitnessEndpoint, WitnessSubmitter, parse_witness
 from registry_server.policy.clients import UNRESTRICTED
 from registry_server.policy.live import LivePolicy
 from registry_server.policy.loader import load_policy
@@ -110,6 +111,7 @@ def build_app(config: ServerConfig) -> App:
     webhooks = _webhook_endpoints(policy)  # their secrets first: no secret, no server
     require_gvisor = config.require_gvisor if config.require_gvisor is not None else not dev_mode
     log_signer = _log_signer(config, policy)  # the key file first: no key, no server
+    witnesses = _witnesses(config, log_signer)
     export_sinks = _export_sinks(config)  # and the SIEM's CA and client key
     backend = open_backend(config)
     store = open_store(config.store)
@@ -185,6 +187,8 @@ def build_app(config: ServerConfig) -> App:
     store.watch_policy(app.reloads.from_peer)
     if log_signer is not None and audit_start.ok:
         _start_checkpoints(app, log_signer, audit_start.log)
+        if witnesses:
+            _start_witnesses(app, log_signer.name, witnesses, audit_start.log)
     if export_sinks:
         _start_siem_export(app, export_sinks, config.log_origin or f"toolreg/{policy.audience}")
     return app
@@ -206,6 +210,36 @@ def _start_checkpoints(app: App, signer: Signer, log_now: audit_tree.Log) -> Non
         "audit checkpoints: log %s, every %d records or %g s; verifier key %s",
         signer.name, config.checkpoint_every, config.checkpoint_interval_s, signer.verifier,
     )  # fmt: skip
+
+
+def _witnesses(config: ServerConfig, signer: Signer | None) -> list[WitnessEndpoint]:
+    """The witnesses each checkpoint goes to; only signed checkpoints are witnessed."""
+    if config.witnesses and signer is None:
+        raise ConfigError("witnesses need the log key (--log-key): they cosign signed checkpoints")
+    try:
+        found = [parse_witness(text) for text in config.witnesses]
+    except NoteError as exc:
+        raise ConfigError(f"witnesses: {exc}") from None
+    names = [w.key for w in found]
+    if len(set(names)) != len(names):
+        raise ConfigError("witnesses: one witness key is named twice")
+    return found
+
+
+def _start_witnesses(
+    app: App, origin: str, witnesses: list[WitnessEndpoint], log_now: audit_tree.Log
+) -> None:
+    """Each new checkpoint submitted to the witnesses, off the call path
+    (notify/witnesses.py); their cosignatures kept in the store."""
+    checkpointer = app.checkpointer
+    assert checkpointer is not None
+    submitter = WitnessSubmitter(
+        app.store, origin, witnesses, lambda: checkpointer.last,
+        leaves=log_now.leaves, timeout_s=app.config.witness_timeout_s,
+    )  # fmt: skip
+    submitter.start()
+    app.closers.append(submitter.close)
+    log.info("audit witnesses: %s", ", ".join(f"{w.name}+{w.verifier.id.hex()}" for w in witnesses))
 
 
 def _export_sinks(config: ServerConfig) -> list[Sink]:

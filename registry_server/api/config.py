@@ -22,6 +22,7 @@ from registry_server.notify.dispatcher import DEFAULT_CONCURRENCY
 from registry_server.notify.outbox import DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_BASE_S
 from registry_server.notify.siem.exporter import DEFAULT_BATCH, DEFAULT_LEASE_S
 from registry_server.notify.siem.sinks import DEFAULT_JSONL_KEEP, DEFAULT_JSONL_MAX_BYTES
+from registry_server.notify.witnesses import DEFAULT_TIMEOUT_S as WITNESS_TIMEOUT_S
 from registry_server.store.audit_tree import (
     DEFAULT_CHECKPOINT_EVERY,
     DEFAULT_CHECKPOINT_INTERVAL_S,
@@ -112,6 +113,12 @@ class ServerConfig(BaseSettings):
     # Where this server keeps a copy of the last checkpoint it signed, checked at
     # start like the store's own (default: <data_dir>/audit-checkpoint.txt).
     checkpoint_copy_file: Path | None = None
+    # Witnesses (docs/audit.md, "Witnesses"), each "<verifier key> <submission
+    # URL>": every checkpoint this server signs is submitted to each (needs
+    # log_key_file), and their cosignatures kept in the store; seconds a
+    # request to one may take.
+    witnesses: tuple[str, ...] = ()
+    witness_timeout_s: float = Field(WITNESS_TIMEOUT_S, gt=0, le=300)
     dev_audience: str = "toolreg-dev"  # the `aud` of tokens in development mode
     shutdown_grace_s: float = Field(SHUTDOWN_GRACE_S, ge=0)
     # Egress (docs/deploying.md): the networks the egress proxy reaches the

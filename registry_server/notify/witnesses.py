@@ -143,8 +143,7 @@ class WitnessSubmitter:
             headers={"user-agent": "toolreg-log", "content-type": "text/plain; charset=utf-8"},
         )  # fmt: skip
         self._tree = SubtreeCache(self._read_leaves)
-        for leaf in leaves:
-            self._tree.append(leaf)
+        self._seed = leaves  # appended on the submitter's own thread, not the caller's
         self._tree_lock = threading.Lock()
         self._sizes: dict[tuple[str, str], int] = {}  # what each witness cosigned last
         self._asked: dict[tuple[str, str], int] = {}  # the largest size each was asked about
@@ -216,6 +215,10 @@ class WitnessSubmitter:
     def _follow(self, checkpoint: CheckpointRecord) -> str:
         """Grow the tree to the checkpoint's size; what is wrong if the log
         lacks records it covers, or the tree's root there is not its root."""
+        if self._seed:
+            for leaf in self._seed:
+                self._tree.append(leaf)
+            self._seed = ()
         while self._tree.size < checkpoint.size:
             start = self._tree.size
             with self._store.reading() as reads:

@@ -65,6 +65,14 @@ def serve(
             "--checkpoint-interval-s", help="A checkpoint at most this many seconds after a record."
         ),
     ] = None,
+    witness: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--witness",
+            help="Submit each checkpoint to this witness: 'VKEY URL' (its verifier key and"
+            " submission URL). Repeatable. docs/audit.md, Witnesses",
+        ),
+    ] = None,
     export_jsonl: Annotated[
         Path | None,
         typer.Option(
@@ -129,6 +137,7 @@ def serve(
             "log_origin": log_origin,
             "checkpoint_every": checkpoint_every,
             "checkpoint_interval_s": checkpoint_interval_s,
+            "witnesses": tuple(witness) if witness else None,
             "export_jsonl": export_jsonl,
             "export_jsonl_max_bytes": export_jsonl_max_bytes,
             "export_jsonl_keep": export_jsonl_keep,
