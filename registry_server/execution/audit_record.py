@@ -50,9 +50,11 @@ class AuditRecord:
             "decision": decision,
             "approvers": [a.approver for a in approvals],
             "jtis": [a.jti for a in approvals],
+            # the request the call used, or the one its refusal opened (an auditor
+            # follows an approval_required record to the request and its approvals)
             "approval_request_id": (self.approved.request_id if self.approved else None)
             or self.call.approval_request_id
-            or None,
+            or (outcome.approval_request.id if outcome and outcome.approval_request else None),
             "status": outcome.status.value if outcome else status,
             "exit_code": outcome.exit_code
             if outcome and outcome.status in (Status.OK, Status.TOOL_ERROR)

@@ -214,6 +214,7 @@ def test_too_few_approvals_open_a_request_and_run_nothing(
     assert request is not None and request.state == "PENDING"
     entry = record_of(env, outcome, "approval_required")
     assert entry["approvers"] == []
+    assert entry["approval_request_id"] == request.id  # an auditor follows it to the request
     assert [r.id for r in env.approvals.list_requests()] == [request.id]
     assert sandbox_calls(env) == []
     assert not any(spent(env, tokens))
