@@ -13,7 +13,7 @@ INIT_BIN := sandbox_runner/init/toolreg-init
 INIT_CC ?= gcc
 INIT_CFLAGS := -std=c11 -Os -static -s -Wall -Wextra -Werror
 
-.PHONY: help install init proto check check-proto lint typecheck check-k8s check-ts ts-client engine images interop-deps identity-deps postgres haproxy chromium unit test run bench reap clean
+.PHONY: help install init proto check check-proto lint typecheck check-k8s check-ts ts-client engine images interop-deps identity-deps postgres haproxy chromium rsyslog unit test run bench reap clean
 
 help: ## Show the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -80,6 +80,9 @@ postgres: ## Start the tests' PostgreSQL (installs Debian's postgresql; not need
 haproxy: ## Install HAProxy for the multi-server tests (each test starts its own)
 	@bash scripts/ensure_haproxy.sh >/dev/null
 
+rsyslog: ## Install Debian's rsyslog with its TLS driver for the SIEM export tests (each run starts its own)
+	@bash scripts/ensure_rsyslog.sh >/dev/null
+
 chromium: ## Install Debian's headless Chromium and chromedriver for the browser tests (tests/browser)
 	@bash scripts/ensure_chromium.sh >/dev/null
 
@@ -101,13 +104,13 @@ identity-deps: ## Install the identity tests' OpenID Provider (oidc-provider, wi
 unit: install ## The unit tier alone: decision logic, no engine, in seconds
 	PYTHONDONTWRITEBYTECODE= $(BIN)/pytest tests/unit -q -p no:hypothesispytest -p no:anyio $(PYTEST_ARGS)
 
-test: install init check-proto images ts-client interop-deps identity-deps postgres haproxy chromium ## Set up everything, then run the whole test suite
+test: install init check-proto images ts-client interop-deps identity-deps postgres haproxy chromium rsyslog ## Set up everything, then run the whole test suite
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 run: install init images ## Set up everything, then serve the example tools on 127.0.0.1:50051
 	$(BIN)/toolreg serve --tools examples/tools --data-dir $(DATA_DIR)
 
-bench: install init images postgres haproxy ## Benchmarks (medians, ratios against baselines in the same run)
+bench: install init images postgres haproxy rsyslog ## Benchmarks (medians, ratios against baselines in the same run)
 	$(BIN)/pip install --quiet -e '.[dev,bench]'
 	$(BIN)/python -m bench $(BENCH_ARGS)
 
