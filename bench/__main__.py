@@ -1,7 +1,9 @@
 """toolreg benchmarks: latency against the baselines users would pick,
 throughput, registry operations with 1,000 tools, memory, what gVisor
-costs a call with egress, and what the policy's conditions cost a call's
-decision (in process), all in one run on the same image and command.
+costs a call with egress, what the policy's conditions cost a call's
+decision (in process), and what audit checkpoints and SIEM export cost a
+warm call (with the export's throughput), all in one run on the same image
+and command.
 
 Writes bench/results/<timestamp>.{md,json,png} and prints the tables.
 `--quick` is a smoke test (few runs, short cells); `--only` picks sections.
@@ -22,6 +24,7 @@ from bench import (
     cluster,
     conditions_cost,
     egress_cost,
+    export_cost,
     fairness,
     handoff,
     latency,
@@ -62,6 +65,7 @@ SECTIONS = (
     "fairness",
     "egress",
     "conditions",
+    "export",
 )
 PACKAGES = ("epicbox", "llm-sandbox", "docker", "grpcio", "matplotlib")
 FULL = {"runs": 50, "warmup": 3, "cell_seconds": 10.0, "read_runs": 200}
@@ -156,6 +160,9 @@ def main() -> None:
             section("egress", lambda: egress_cost.run(runs, run_id, engine))
         if "conditions" in args.sections:
             section("conditions", lambda: conditions_cost.run(args.read_runs))
+        if "export" in args.sections:
+            records = export_cost.QUICK_RECORDS if args.quick else export_cost.RECORDS
+            section("export", lambda: export_cost.run(args.runs, engine, records=records))
     finally:
         watch.stop()
         res["interference"] = watch.summary()

@@ -9,6 +9,7 @@ from typing import Any
 from bench import (
     conditions_cost,
     egress_cost,
+    export_cost,
     fairness,
     handoff,
     latency,
@@ -376,6 +377,9 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
             f"< {limit:g} µs",
             got["delta_us"] < limit,
         )
+    ex = res.get("export") or {}
+    both, neither = export_cost.p50(ex, export_cost.BOTH), export_cost.p50(ex, export_cost.OFF)
+    ratio("warm p50 with audit checkpoints and SIEM export / without", both, neither, 1.05)
     return out
 
 
@@ -421,6 +425,8 @@ def markdown(res: dict[str, Any]) -> str:
         lines += egress_cost.report_md(res["egress"])
     if "conditions" in res:
         lines += conditions_cost.report_md(res["conditions"])
+    if "export" in res:
+        lines += export_cost.report_md(res["export"])
     lines += targets_md(res["targets"])
     if res.get("errors"):
         lines += ["", "## Sections that failed", ""]
