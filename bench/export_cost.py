@@ -5,9 +5,18 @@ Warm calls, interleaved (the order rotating each round, every server's warm
 pool refilled before each timed call) against four `toolreg serve`
 processes of this run: neither; checkpoints (a log key, a checkpoint every
 10 records: a hundred times the default rate); the export (a JSON Lines
-file and a real rsyslogd over TLS, tests/rsyslog_receiver.py); both. Both
+file and a real rsyslogd over TLS, tests/rsyslog_receiver.py); both; and a
+second server with neither, whose ratio to the first is the noise of the
+comparison on this machine at this time. Both
 work on threads of their own that read the committed log: the target is
 nothing measurable on the call's path, under 5% at p50.
+
+The same question closer up, in process, with less noise: the audit write
+every call makes (store/group_commit.py's AuditAppender on a SQLite store),
+alternating between two stores on one disk, one of them followed by a
+checkpointer (every 10 records) and exporters to the file and rsyslogd:
+what those threads cost a call is what they take from its audit write (the
+store's lock, the disk, the GIL).
 
 Then the export's throughput, in process: 20,000 execution records in a
 SQLite store, exported by one exporter (batches of 500, each confirmed
@@ -34,11 +43,14 @@ from typing import Any
 import docker
 
 from bench.common import Server, definition, engine_client, server, summary
+from registry_server.domain import merkle
 from registry_server.notify.siem import ocsf
 from registry_server.notify.siem.exporter import DEFAULT_BATCH, Exporter
 from registry_server.notify.siem.sinks import JsonlSink, Sink, SyslogTls, SyslogTlsSink
-from registry_server.signing.keys import generate_keypair
-from registry_server.store import audit_chain
+from registry_server.signing.keys import generate_keypair, load_private_key
+from registry_server.signing.notes import Signer
+from registry_server.store import audit_chain, audit_tree
+from registry_server.store.group_commit import AuditAppender
 from registry_server.store.sqlite import SqliteStore
 from tests.rsyslog_receiver import Rsyslog
 
@@ -46,6 +58,7 @@ WARM_POOL = 2
 SETTLE_TIMEOUT_S = 10.0
 TOOL = "bench_export_warm"
 OFF, CHECKPOINTS, EXPORT, BOTH = "neither", "checkpoints", "export", "checkpoints + export"
+CONTROL = "neither, a second server"  # A/A: how far two identical servers differ here
 CHECKPOINT_EVERY = 10  # records per checkpoint here (the default is 1,000)
 RECORDS = 20_000  # records exported in the throughput part
 QUICK_RECORDS = 2_000
@@ -67,11 +80,12 @@ def run(runs: int, engine: docker.DockerClient, *, records: int = RECORDS) -> di
     receiver = Rsyslog(base / "rsyslog").start()
     try:
         calls = _warm_calls(runs, engine, receiver, base)
+        writes = _audit_writes(max(200, runs * 10), receiver, base)
         throughput = _throughput(records, receiver, base)
     finally:
         receiver.stop()
         shutil.rmtree(base, ignore_errors=True)
-    return {"runs": runs, **calls, **throughput}
+    return {"runs": runs, **calls, "audit_writes": writes, **throughput}
 
 
 # ---------------------------------------------------------------- warm calls
@@ -99,7 +113,7 @@ def _settings(receiver: Rsyslog, base: Path) -> dict[str, dict[str, str]]:
         }
 
     return {OFF: {}, CHECKPOINTS: checkpoints, EXPORT: export("export"),
-            BOTH: {**checkpoints, **export("both")}}  # fmt: skip
+            BOTH: {**checkpoints, **export("both")}, CONTROL: {}}  # fmt: skip
 
 
 def _warm_calls(
@@ -154,6 +168,49 @@ def _exported(base: Path, receiver: Rsyslog, runs: int) -> dict[str, int]:
 
 def _lines(path: Path) -> int:
     return len(path.read_bytes().splitlines()) if path.exists() else 0
+
+
+# ---------------------------------------------------------------- the audit write
+
+
+def _audit_writes(writes: int, receiver: Rsyslog, base: Path) -> dict[str, Any]:
+    """p50 of one audit write, alternating between a store nobody follows and
+    one followed by a checkpointer and two exporters."""
+    quiet = SqliteStore(base / "writes-quiet" / "toolreg.db")
+    busy = SqliteStore(base / "writes-busy" / "toolreg.db")
+    key, _public = generate_keypair()
+    checkpointer = audit_tree.Checkpointer(
+        busy, Signer(LOG_NAME, load_private_key(key)), merkle.CompactRange(),
+        audit_chain.GENESIS_HASH, every=CHECKPOINT_EVERY, poll_s=0.1,
+    )  # fmt: skip
+    source = ocsf.Source(LOG_NAME + "-writes")
+    target = SyslogTls("127.0.0.1", receiver.port, receiver.ca_file, receiver.client_cert,
+                       receiver.client_key)  # fmt: skip
+    exporters = [Exporter(busy, JsonlSink(base / "writes-busy" / "audit.jsonl"), source),
+                 Exporter(busy, SyslogTlsSink(target), source)]  # fmt: skip
+    appenders = {"alone": AuditAppender(quiet), "followed": AuditAppender(busy)}
+    times: dict[str, list[float]] = {name: [] for name in appenders}
+    checkpointer.start()
+    for exporter in exporters:
+        exporter.start()
+    try:
+        for n in range(writes):
+            order = list(appenders) if n % 2 == 0 else list(reversed(appenders))
+            for name in order:
+                t0 = time.perf_counter()
+                appenders[name].append("execution", {**RECORD, "execution_id": f"w{n:08d}"})
+                times[name].append((time.perf_counter() - t0) * 1000)
+            time.sleep(0.002)  # calls come apart, not back to back
+    finally:
+        for exporter in exporters:
+            exporter.close()
+        checkpointer.close()
+        quiet.close()
+        busy.close()
+    exported = min(e.exported for e in exporters)
+    rows = [{"what": name, **summary(values)} for name, values in times.items()]
+    return {"writes": writes, "rows": rows, "exported": exported,
+            "checkpoints": checkpointer.last.size if checkpointer.last else 0}  # fmt: skip
 
 
 # ---------------------------------------------------------------- throughput
@@ -245,7 +302,29 @@ def report_md(sec: dict[str, Any]) -> list[str]:
         " 1,000). Export: a JSON Lines file and rsyslogd over TLS with a client certificate,"
         " on loopback. Every server's warm pool is refilled before each timed call. Events"
         f" exported: {ex.get('export', '?')} and {ex.get('both', '?')} to the two servers'"
-        f" files, {ex.get('rsyslog', '?')} at rsyslogd.",
+        f" files, {ex.get('rsyslog', '?')} at rsyslogd. The last row is a second server"
+        " with neither: its ratio to the first is how far two identical servers differ here,"
+        " the comparison's noise.",
+    ]
+    aw = sec.get("audit_writes")
+    if aw:
+        lines += [
+            "",
+            f"### The audit write, in process ({aw['writes']} writes per store, alternating)",
+            "",
+            "| store | p50 ms | p95 ms | min ms | max ms |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        lines += [f"| {r['what']} | {r['p50_ms']:.2f} | {r['p95_ms']:.2f} | {r['min_ms']:.2f}"
+                  f" | {r['max_ms']:.2f} |" for r in aw["rows"]]  # fmt: skip
+        lines += [
+            "",
+            "Alone: a SQLite store nobody else reads. Followed: one that a checkpointer (every"
+            f" {CHECKPOINT_EVERY} records) and two exporters (the file, rsyslogd) follow as it"
+            f" grows; they exported {aw['exported']} records each, and the last checkpoint"
+            f" covered {aw['checkpoints']}.",
+        ]
+    lines += [
         "",
         f"### The export's throughput ({sec['records']:,} execution records, batches of"
         f" {sec['batch']})",
