@@ -22,7 +22,10 @@ import pytest
 import rfc8785
 from prometheus_client import CollectorRegistry
 
+from registry_server.api.app import _export_sinks
+from registry_server.api.config import ServerConfig
 from registry_server.domain import merkle
+from registry_server.domain.errors import ConfigError
 from registry_server.notify.siem import ocsf
 from registry_server.notify.siem.exporter import Exporter
 from registry_server.notify.siem.metrics import ExportMetrics
@@ -38,6 +41,7 @@ from registry_server.store import audit_chain
 from registry_server.store.base import AuditEntry, Store
 from registry_server.store.memory import MemoryStore
 from tests import ocsf_schema
+from tests.certs import CertificateAuthority
 
 pytestmark = pytest.mark.unit
 
@@ -418,3 +422,41 @@ def test_one_exporter_per_destination_and_both_report_the_lag(tmp_path: Path) ->
     with store.reading() as reads:
         cursor = reads.export_cursor(JsonlSink(path).id)
     assert cursor is not None and cursor.seq == 21 and cursor.lease_until == 0
+
+
+def test_a_stop_does_not_wait_on_a_failing_destination(tmp_path: Path) -> None:
+    store = log_of()
+    sink = Flaky(tmp_path / "audit.jsonl")
+    sink.down = True
+    e = exporter(store, sink, poll_s=0.01)
+    e.start()
+    deadline = time.monotonic() + 5
+    while e.failures == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    e.close()
+    assert time.monotonic() - t0 < 1.0 and e.cursor == 0
+    with store.reading() as reads:
+        cursor = reads.export_cursor(sink.id)
+    assert cursor is not None and cursor.lease_until == 0  # let go: another server may go on
+
+
+def test_the_destinations_a_server_is_given(tmp_path: Path) -> None:
+    ca = tmp_path / "ca.pem"
+    ca.write_bytes(CertificateAuthority("siem-unit-ca").pem)
+    assert _export_sinks(ServerConfig()) == []
+    sinks = _export_sinks(ServerConfig(export_jsonl=tmp_path / "a.jsonl",
+                                       export_syslog="[::1]:6514", export_syslog_ca=ca))  # fmt: skip
+    assert [s.id for s in sinks] == [f"jsonl:{tmp_path / 'a.jsonl'}", "syslog:[::1]:6514"]
+    refused = {
+        "give HOST:PORT": {"export_syslog": "siem.example.org", "export_syslog_ca": ca},
+        "needs --export-syslog-ca": {"export_syslog": "siem.example.org:6514"},
+        "go together": {"export_syslog": "h:1", "export_syslog_ca": ca,
+                        "export_syslog_cert": ca},
+        "need --export-syslog HOST:PORT": {"export_syslog_ca": ca},
+        "cannot read the CA file": {"export_syslog": "h:1",
+                                    "export_syslog_ca": tmp_path / "missing.pem"},
+    }  # fmt: skip
+    for reason, settings in refused.items():
+        with pytest.raises(ConfigError, match=reason):
+            _export_sinks(ServerConfig(**settings))

@@ -73,6 +73,7 @@ class Exporter:
         self.exported = 0  # events this server delivered
         self.failures = 0  # failed attempts to deliver a batch
         self.last_error = ""
+        self._failing = False  # the last attempt failed
 
     @property
     def holds(self) -> bool:
@@ -89,14 +90,20 @@ class Exporter:
         self._thread.start()
 
     def close(self, drain_s: float = CLOSE_DRAIN_S) -> None:
-        """Stop; first send what is committed and unsent, for up to ``drain_s``."""
+        """Stop; first send what is committed and unsent, for up to ``drain_s``,
+        unless the destination was failing (a stop must not wait on it)."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=RETRY_S[1] + 5)
+            self._thread.join(timeout=drain_s + 1)
+            if self._thread.is_alive():  # stuck in a write: its lease lapses by itself
+                log.warning("SIEM export to %s: stopped in the middle of a write; %d record(s)"
+                            " left for the next start", self.sink.id, self.lag_records)  # fmt: skip
+                return
         deadline = time.monotonic() + drain_s
         try:
-            while time.monotonic() < deadline and self.pump() == self._batch:
-                pass
+            while not self._failing and time.monotonic() < deadline:
+                if self.pump() < self._batch:
+                    break
         except (SinkError, StoreError) as exc:
             log.warning("SIEM export to %s: %d record(s) left for the next start: %s",
                         self.sink.id, self.lag_records, exc)  # fmt: skip
@@ -123,16 +130,19 @@ class Exporter:
                 continue
             except Exception:  # a bug must not end the export for good
                 failures += 1
+                self._failing = True
                 log.exception("SIEM export to %s: unexpected failure", self.sink.id)
                 self._stop.wait(_pause(failures))
                 continue
             if failures:
                 log.info("SIEM export to %s: delivering again", self.sink.id)
             failures = 0
+            self._failing = False
             if sent < self._batch:
                 self._stop.wait(self._poll_s)
 
     def _failed(self, reason: str, failures: int) -> None:
+        self._failing = True
         self.failures += 1
         self.last_error = reason
         pause = _pause(failures)
