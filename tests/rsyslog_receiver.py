@@ -157,21 +157,40 @@ class Rsyslog:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
     def messages(self, log_name: str | None = None) -> list[Received]:
-        """Every message received so far (of the log ``log_name``, when given)."""
-        if not self.out.exists():
-            return []
+        """Every whole message received so far (of the log ``log_name``, when
+        given); ``cut_short`` has the others."""
         found: list[Received] = []
-        for raw in self.out.read_bytes().splitlines():
+        for raw in self._lines():
             header = HEADER.match(raw)
-            if header is None:
+            try:
+                event = json.loads(raw[header.end() :]) if header else None
+            except ValueError:
+                event = None
+            if header is None or not isinstance(event, dict):
                 continue
-            event = json.loads(raw[header.end() :])
             if log_name is not None and event.get("metadata", {}).get("log_name") != log_name:
                 continue
             pri, stamp, host, app, procid, msgid, _sd = header.groups()
             found.append(Received(raw, int(pri), stamp.decode(), host.decode(), app.decode(),
                                   procid.decode(), msgid.decode(), event))  # fmt: skip
         return found
+
+    def cut_short(self) -> list[bytes]:
+        """Lines that are not a whole message: a frame cut by a sender's death,
+        should the receiver write what it had of it."""
+        cut = []
+        for raw in self._lines():
+            header = HEADER.match(raw)
+            try:
+                json.loads(raw[header.end() :]) if header else None
+            except ValueError:
+                header = None
+            if header is None:
+                cut.append(raw)
+        return cut
+
+    def _lines(self) -> list[bytes]:
+        return self.out.read_bytes().splitlines() if self.out.exists() else []
 
     def raw_text(self) -> str:
         return self.out.read_text(errors="replace") if self.out.exists() else ""
