@@ -629,7 +629,9 @@ def _reload_steps(d: Deployment, public: dict[str, str]) -> str:
         time.sleep(0.1)
     logged = d.log()
     refusal = logged[logged.index("policy reload (SIGHUP) refused") :]
-    assert f"{d.policy_file} line {line}: approval_rules[0].when: (rule {name}) CEL:" in refusal, refusal
+    assert f"{d.policy_file} line {line}: approval_rules[0].when: (rule {name}) CEL:" in refusal, (
+        refusal
+    )
     assert admin.GetServerInfo(pb.GetServerInfoRequest(), timeout=10).policy_digest == in_force
 
     # A good edit takes effect from the next call: sre-prod now covers staging

@@ -41,12 +41,18 @@ def test_which_exporters_the_environment_asks_for(
     [
         ({"OTEL_TRACES_EXPORTER": "zipkin"}, "OTEL_TRACES_EXPORTER"),
         (
-            {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"},
+            {
+                "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318",
+                "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+            },
             "OTEL_EXPORTER_OTLP_PROTOCOL",
         ),
         (
-            {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/json",
-             "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"},
+            {
+                "OTEL_TRACES_EXPORTER": "otlp",
+                "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/json",
+                "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+            },
             "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
         ),
     ],

@@ -77,7 +77,10 @@ def root(
 
 
 # The service name each kind of process reports when OTEL_SERVICE_NAME is unset.
-SERVICE_NAMES = {"serve": "toolreg", "mcp": "toolreg-mcp", "console": "toolreg-console"}
+SERVICE_NAMES = {
+    "serve": "toolreg", "mcp": "toolreg-mcp", "console": "toolreg-console",
+    "witness": "toolreg-witness",
+}  # fmt: skip
 LONG_RUNNING = frozenset(SERVICE_NAMES)  # no span for the whole life of a server
 
 
