@@ -197,6 +197,16 @@ def test_an_approval_event_whose_request_is_unknown_still_has_a_user() -> None:
     assert ocsf.request_wanted(entries(requested)[0]) is None  # it says who and what itself
 
 
+def test_a_record_that_cannot_be_read_is_still_exported_as_a_base_event() -> None:
+    store = log_of([("execution", {**EXECUTION, "exit_code": "three"}),
+                    ("execution", {**EXECUTION, "duration_ms": {"ms": 1}})])  # fmt: skip
+    for entry in entries(store):
+        event = ocsf.event(entry, SOURCE)
+        assert (event["class_uid"], event["activity_name"]) == (0, entry.kind)
+        assert ocsf_schema.problems(event) == []
+        assert event["unmapped"]["audit"]["record"] == entry.record
+
+
 def test_every_event_carries_its_audit_entry_to_check_against_the_chain_and_a_proof() -> None:
     store = log_of()
     for entry, event in zip(entries(store), events_of(store), strict=True):

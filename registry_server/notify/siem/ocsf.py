@@ -21,8 +21,9 @@ The classes, and why:
   RPC's effect on the registry: tools registered, replaced, deleted,
   disabled or enabled; policy reloads, refused or not; calls refused before
   any authorization (unknown tool, invalid arguments, disabled tool).
-* Base Event (0): a kind of record this version does not know, so that no
-  record is ever left out.
+* Base Event (0): a kind of record this version does not know (or a
+  record it cannot read), so that no record is ever left out or holds up
+  the ones after it.
 
 Every event carries the audit entry itself under ``unmapped.audit`` (its
 seq, index = seq - 1, time, kind, canonical record text, prev_hash, hash
@@ -153,15 +154,19 @@ def event(
     """The OCSF event of ``entry``. ``requests``: the facts of the requests
     its approval events name (``request_wanted``); missing ones show as unknown."""
     record = _record(entry)
-    if entry.kind == "execution":
-        body = _execution(record, source)
-    elif entry.kind == "approval":
-        body = _approval(record, requests or {})
-    elif entry.kind == "registration":
-        body = _registration(record)
-    elif entry.kind == "policy":
-        body = _policy(record)
-    else:
+    mappers = {
+        "execution": lambda: _execution(record, source),
+        "approval": lambda: _approval(record, requests or {}),
+        "registration": lambda: _registration(record),
+        "policy": lambda: _policy(record),
+    }
+    body = None
+    if entry.kind in mappers:
+        try:
+            body = mappers[entry.kind]()
+        except (ValueError, TypeError, AttributeError):
+            body = None  # a record this version cannot read: exported all the same, below
+    if body is None:
         body = _Body(BASE_EVENT, OTHER, f"audit record of kind {entry.kind!r}", {},
                      activity_name=entry.kind or "Other")  # fmt: skip
     return body.event(entry, source)
