@@ -138,7 +138,7 @@ def test_servers_on_one_database_sign_one_log(
     (tmp_path / "log.pub").write_text(public + "\n")
     monkeypatch.setenv("TOOLREG_LOG_KEY_FILE", str(key_file))  # every server: one key, one origin
     monkeypatch.setenv("TOOLREG_CHECKPOINT_EVERY", "4")
-    cluster = start_cluster(2)
+    cluster = start_cluster(3)  # the three servers on one PostgreSQL: one tree
     errors: list[BaseException] = []
 
     def hammer(index: int) -> None:
@@ -150,7 +150,7 @@ def test_servers_on_one_database_sign_one_log(
         except BaseException as exc:
             errors.append(exc)
 
-    threads = [threading.Thread(target=hammer, args=(i,)) for i in range(2)]
+    threads = [threading.Thread(target=hammer, args=(i,)) for i in range(3)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -165,13 +165,16 @@ def test_servers_on_one_database_sign_one_log(
         log = audit_tree.read_log(store)
     finally:
         store.close()
-    assert log.chain.ok and log.size >= 40
+    assert log.chain.ok and log.size >= 60
     stored = _all_checkpoints(cluster.store_url, origin)
     assert len(stored) >= 3 and stored[-1][0] == log.size
     for size, note in stored:  # whichever server signed it: one tree
         assert open_checkpoint(note, signer.verifier).root == log.root(size)
-    for index in range(2):  # and each server's own copy proves the log to an auditor
-        copy = tmp_path / f"server{index}" / CHECKPOINT_COPY_FILENAME
+    # Each server that signed keeps its own copy, and each copy proves the log
+    # to an auditor (a server whose sizes the others signed first has none).
+    copies = [tmp_path / f"server{i}" / CHECKPOINT_COPY_FILENAME for i in range(3)]
+    assert sum(copy.exists() for copy in copies) >= 2
+    for copy in (c for c in copies if c.exists()):
         verified = subprocess.run(
             [sys.executable, "-m", "registry_server.client.cli", "audit", "verify",
              "--checkpoint", str(copy), "--key", str(tmp_path / "log.pub"),
