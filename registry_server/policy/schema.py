@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from typing import ClassVar, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -178,10 +179,13 @@ class _ApproverIn(_Strict):
         return _check_groups(value)
 
 
-class _MatchIn(_Strict):
+class _DenyMatchIn(_Strict):
+    """What a deny rule matches: one of tool, category or level (any level)."""
+
     tool: str | None = None
     category: str | None = None
     level: str | None = None
+    _HINT: ClassVar[str] = " (leave match out for every tool)"
 
     @field_validator("tool")
     @classmethod
@@ -192,6 +196,28 @@ class _MatchIn(_Strict):
     @classmethod
     def _category(cls, value: str | None) -> str | None:
         return None if value is None else _check_pattern(value, CATEGORY_PATTERN, "category")
+
+    @field_validator("level")
+    @classmethod
+    def _level(cls, value: str | None) -> str | None:
+        return None if value is None else SafetyLevel.parse(value).value
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> Self:
+        given = [n for n in ("tool", "category", "level") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                "must name exactly one of tool, category or level"
+                + self._HINT
+                + (f" (found {', '.join(given)})" if given else "")
+            )
+        return self
+
+
+class _MatchIn(_DenyMatchIn):
+    """What an approval rule matches: the same, and only the dangerous level."""
+
+    _HINT: ClassVar[str] = ""
 
     @field_validator("level")
     @classmethod
@@ -207,16 +233,6 @@ class _MatchIn(_Strict):
                 " would never apply"
             )
         return SafetyLevel.DANGEROUS.value
-
-    @model_validator(mode="after")
-    def _exactly_one(self) -> _MatchIn:
-        given = [n for n in ("tool", "category", "level") if getattr(self, n) is not None]
-        if len(given) != 1:
-            raise ValueError(
-                "must name exactly one of tool, category or level"
-                + (f" (found {', '.join(given)})" if given else "")
-            )
-        return self
 
 
 RULE_NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
@@ -259,39 +275,6 @@ class _RuleIn(_Strict):
     @classmethod
     def _when(cls, value: str | None) -> str | None:
         return _check_condition(value)
-
-
-class _DenyMatchIn(_Strict):
-    """What a deny rule matches: one of tool, category or level (any level)."""
-
-    tool: str | None = None
-    category: str | None = None
-    level: str | None = None
-
-    @field_validator("tool")
-    @classmethod
-    def _tool(cls, value: str | None) -> str | None:
-        return None if value is None else _check_pattern(value, NAME_PATTERN, "tool name")
-
-    @field_validator("category")
-    @classmethod
-    def _category(cls, value: str | None) -> str | None:
-        return None if value is None else _check_pattern(value, CATEGORY_PATTERN, "category")
-
-    @field_validator("level")
-    @classmethod
-    def _level(cls, value: str | None) -> str | None:
-        return None if value is None else SafetyLevel.parse(value).value
-
-    @model_validator(mode="after")
-    def _exactly_one(self) -> _DenyMatchIn:
-        given = [n for n in ("tool", "category", "level") if getattr(self, n) is not None]
-        if len(given) != 1:
-            raise ValueError(
-                "must name exactly one of tool, category or level (leave match out for"
-                " every tool)" + (f" (found {', '.join(given)})" if given else "")
-            )
-        return self
 
 
 class _DenyRuleIn(_Strict):

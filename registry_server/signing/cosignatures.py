@@ -22,7 +22,6 @@ public key)>`` (signed-note's vkey form with the cosignature type byte).
 from __future__ import annotations
 
 import base64
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -33,14 +32,15 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
     Ed25519PublicKey,
 )
 
+from registry_server.signing import notes
 from registry_server.signing.notes import (
-    KEY_ID_BYTES,
     SIGNATURE_BYTES,
     SIGNATURE_PREFIX,
     NoteError,
     Signature,
     check_key_name,
     parse_note,
+    read_verifier_key,
 )
 
 COSIGNATURE_V1 = 0x04  # the key ID's type byte of an Ed25519 cosignature/v1
@@ -60,8 +60,7 @@ def _raw(public_key: Ed25519PublicKey) -> bytes:
 
 def key_id(name: str, public_key: Ed25519PublicKey) -> bytes:
     """SHA-256(name || 0x0A || 0x04 || public key)[:4]."""
-    digest = hashlib.sha256(name.encode() + b"\n" + bytes([COSIGNATURE_V1]) + _raw(public_key))
-    return digest.digest()[:KEY_ID_BYTES]
+    return notes.key_id(name, public_key, COSIGNATURE_V1)
 
 
 def signed_message(text: str, timestamp: int) -> bytes:
@@ -100,26 +99,7 @@ class CosignatureVerifier:
     @classmethod
     def from_text(cls, vkey: str) -> CosignatureVerifier:
         """From ``<name>+<key ID hex>+<base64(0x04 || public key)>``."""
-        parts = vkey.strip().split("+", 2)
-        if len(parts) != 3:
-            raise NoteError("not a witness verifier key (expected <name>+<key ID>+<base64 key>)")
-        name, id_hex, key_b64 = parts
-        check_key_name(name)
-        try:
-            typed = base64.b64decode(key_b64, validate=True)
-        except ValueError:
-            raise NoteError("witness verifier key: invalid base64") from None
-        if len(typed) != 1 + 32:
-            raise NoteError("witness verifier key: not a 32-byte Ed25519 key")
-        if typed[0] != COSIGNATURE_V1:
-            raise NoteError(
-                f"witness verifier key: type 0x{typed[0]:02x}, expected 0x04 (an Ed25519"
-                " cosignature/v1 key; 0x01 is a log's key)"
-            )
-        verifier = cls(name, Ed25519PublicKey.from_public_bytes(typed[1:]))
-        if verifier.id.hex() != id_hex.lower() or len(id_hex) != 2 * KEY_ID_BYTES:
-            raise NoteError("witness verifier key: the key ID does not match the name and key")
-        return verifier
+        return cls(*read_verifier_key(vkey, COSIGNATURE_V1, "witness verifier key"))
 
     def __str__(self) -> str:
         typed = bytes([COSIGNATURE_V1]) + _raw(self.public_key)

@@ -72,9 +72,36 @@ def check_key_name(name: str) -> str:
     return name
 
 
-def key_id(name: str, public_key: Ed25519PublicKey) -> bytes:
+def key_id(name: str, public_key: Ed25519PublicKey, key_type: int = ED25519) -> bytes:
+    """SHA-256(name || 0x0A || type || public key)[:4]: 0x01 a note's (a log's)
+    Ed25519 key, 0x04 a witness's cosignature/v1 key (cosignatures.py)."""
     raw = public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-    return hashlib.sha256(name.encode() + b"\n" + bytes([ED25519]) + raw).digest()[:KEY_ID_BYTES]
+    digest = hashlib.sha256(name.encode() + b"\n" + bytes([key_type]) + raw)
+    return digest.digest()[:KEY_ID_BYTES]
+
+
+def read_verifier_key(vkey: str, key_type: int, what: str) -> tuple[str, Ed25519PublicKey]:
+    """(name, public key) of ``<name>+<key ID hex>+<base64(type || key)>``,
+    its type and key ID checked; ``what`` names it in errors."""
+    parts = vkey.strip().split("+", 2)
+    if len(parts) != 3:
+        raise NoteError(f"not a {what} (expected <name>+<key ID>+<base64 key>)")
+    name, id_hex, key_b64 = parts
+    check_key_name(name)
+    if not _KEY_ID_HEX.match(id_hex):
+        raise NoteError(f"{what}: the key ID is not 8 lowercase hex digits")
+    typed = _b64decode(key_b64, what)
+    if len(typed) != 1 + 32:
+        raise NoteError(f"{what}: not a 32-byte Ed25519 key")
+    if typed[0] != key_type:
+        raise NoteError(
+            f"{what}: type 0x{typed[0]:02x}, expected 0x{key_type:02x} (0x01 is a log's key,"
+            " 0x04 a witness's cosignature/v1 key)"
+        )
+    public_key = Ed25519PublicKey.from_public_bytes(typed[1:])
+    if key_id(name, public_key, key_type).hex() != id_hex:
+        raise NoteError(f"{what}: the key ID does not match the name and key")
+    return name, public_key
 
 
 @dataclass(frozen=True)
@@ -93,21 +120,7 @@ class Verifier:
     @classmethod
     def from_text(cls, vkey: str) -> Verifier:
         """From ``<name>+<key ID hex>+<base64(0x01 || public key)>``."""
-        parts = vkey.strip().split("+", 2)
-        if len(parts) != 3:
-            raise NoteError("not a verifier key (expected <name>+<key ID>+<base64 key>)")
-        name, id_hex, key_b64 = parts
-        check_key_name(name)
-        if not _KEY_ID_HEX.match(id_hex):
-            raise NoteError("verifier key: the key ID is not 8 lowercase hex digits")
-        typed = _b64decode(key_b64, "verifier key")
-        if len(typed) != 1 + 32 or typed[0] != ED25519:
-            raise NoteError("verifier key: not an Ed25519 key (type 0x01, 32 bytes)")
-        public_key = Ed25519PublicKey.from_public_bytes(typed[1:])
-        verifier = cls(name, public_key)
-        if verifier.id.hex() != id_hex:
-            raise NoteError("verifier key: the key ID does not match the name and key")
-        return verifier
+        return cls(*read_verifier_key(vkey, ED25519, "verifier key"))
 
     def __str__(self) -> str:
         raw = self.public_key.public_bytes(
