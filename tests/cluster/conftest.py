@@ -24,6 +24,10 @@ from registry_server.client.launcher import ServerProcess, spawn_server
 from registry_server.client.registry_client import open_channel
 from registry_server.signing.keys import generate_keypair, load_private_key
 from registry_server.signing.tokens import mint_for
+from registry_server.store.base import Store
+from registry_server.store.memory import MemoryStore
+from registry_server.store.postgres import PostgresStore
+from registry_server.store.sqlite import SqliteStore
 from tests.factories import sha
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,6 +59,19 @@ def postgres(*args: str) -> str:
 def pg_url() -> str:
     """The URL of the test cluster's maintenance database (make test starts it)."""
     return postgres()
+
+
+@pytest.fixture(params=["memory", "sqlite", "postgres"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
+    """Each store in turn: the same tests hold for every backend."""
+    if request.param == "memory":
+        made: Store = MemoryStore()
+    elif request.param == "sqlite":
+        made = SqliteStore(tmp_path / "toolreg.db")
+    else:
+        made = PostgresStore(request.getfixturevalue("database"))
+    yield made
+    made.close()
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,24 +21,10 @@ from registry_server.signing.keys import generate_keypair, load_private_key
 from registry_server.signing.notes import Signer, open_checkpoint
 from registry_server.store import audit_chain, audit_tree
 from registry_server.store.base import CheckpointRecord, Store
-from registry_server.store.memory import MemoryStore
 from registry_server.store.postgres import PostgresStore
-from registry_server.store.sqlite import SqliteStore
 from tests.cluster.conftest import AUDIENCE, ROOT, StartCluster
 
 ORIGIN = "toolreg/cluster-test"
-
-
-@pytest.fixture(params=["memory", "sqlite", "postgres"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
-    if request.param == "memory":
-        made: Store = MemoryStore()
-    elif request.param == "sqlite":
-        made = SqliteStore(tmp_path / "toolreg.db")
-    else:
-        made = PostgresStore(request.getfixturevalue("database"))
-    yield made
-    made.close()
 
 
 def append(store: Store, count: int) -> None:

@@ -4,29 +4,9 @@ kept), listed per checkpoint, and each witness key's latest."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
-import pytest
-
 from registry_server.store.base import CosignatureRecord, Store
-from registry_server.store.memory import MemoryStore
-from registry_server.store.postgres import PostgresStore
-from registry_server.store.sqlite import SqliteStore
 
 LOG = "toolreg.example/log"
-
-
-@pytest.fixture(params=["memory", "sqlite", "postgres"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
-    if request.param == "memory":
-        made: Store = MemoryStore()
-    elif request.param == "sqlite":
-        made = SqliteStore(tmp_path / "toolreg.db")
-    else:
-        made = PostgresStore(request.getfixturevalue("database"))
-    yield made
-    made.close()
 
 
 def cosignature(

@@ -6,29 +6,11 @@ servers claiming one destination at once: exactly one holds it."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from pathlib import Path
-
-import pytest
 
 from registry_server.store.base import Store
-from registry_server.store.memory import MemoryStore
 from registry_server.store.postgres import PostgresStore
-from registry_server.store.sqlite import SqliteStore
 
 SINK = "syslog:127.0.0.1:6514"
-
-
-@pytest.fixture(params=["memory", "sqlite", "postgres"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
-    if request.param == "memory":
-        made: Store = MemoryStore()
-    elif request.param == "sqlite":
-        made = SqliteStore(tmp_path / "toolreg.db")
-    else:
-        made = PostgresStore(request.getfixturevalue("database"))
-    yield made
-    made.close()
 
 
 def test_one_exporter_holds_a_destination_until_its_lease_lapses_or_is_released(

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -23,23 +21,8 @@ from registry_server.store.base import (
     Store,
     StoredTool,
 )
-from registry_server.store.memory import MemoryStore
-from registry_server.store.postgres import PostgresStore
-from registry_server.store.sqlite import SqliteStore
 
 NOW = 1_000_000.0
-
-
-@pytest.fixture(params=["memory", "sqlite", "postgres"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
-    if request.param == "memory":
-        made: Store = MemoryStore()
-    elif request.param == "sqlite":
-        made = SqliteStore(tmp_path / "toolreg.db")
-    else:
-        made = PostgresStore(request.getfixturevalue("database"))
-    yield made
-    made.close()
 
 
 def record(rid: str, *, by: str = "agent", state: str = PENDING, created: float = NOW,
