@@ -18,21 +18,18 @@ from registry_server.store.base import (
     StoredTool,
 )
 from registry_server.store.postgres import PostgresStore
-from tests.cluster.test_store_contract import (
-    record,
-    store,  # noqa: F401  (the three stores)
-)
+from tests.cluster.test_store_contract import record
 
 NOW = 1_000_000.0
 TOOL = StoredTool("t", "{}", "d1", "owner")
 
 
-def stored(store: Store, name: str = "t") -> StoredTool | None:  # noqa: F811
+def stored(store: Store, name: str = "t") -> StoredTool | None:
     with store.reading() as reads:
         return reads.tool(name)
 
 
-def test_a_tool_is_disabled_with_its_reason_and_enabled_again(store: Store) -> None:  # noqa: F811
+def test_a_tool_is_disabled_with_its_reason_and_enabled_again(store: Store) -> None:
     with store.unit_of_work() as uow:
         uow.put_tool(TOOL, NOW)
         assert not uow.set_tool_disabled("nope", True, "why", NOW)
@@ -54,7 +51,7 @@ def test_a_tool_is_disabled_with_its_reason_and_enabled_again(store: Store) -> N
     assert stored(store) == StoredTool("t", '{"x":1}', "d2", "owner", False, "", NOW + 5)
 
 
-def test_a_deleted_name_is_registered_again_as_a_new_tool(store: Store) -> None:  # noqa: F811
+def test_a_deleted_name_is_registered_again_as_a_new_tool(store: Store) -> None:
     with store.unit_of_work() as uow:
         uow.put_tool(TOOL, NOW)
         uow.put_tool(StoredTool("other", "{}", "d", "o"), NOW)
@@ -73,7 +70,7 @@ def test_a_deleted_name_is_registered_again_as_a_new_tool(store: Store) -> None:
     assert stored(store, "other") == StoredTool("other", "{}", "d", "o")
 
 
-def test_a_rolled_back_deletion_deletes_nothing(store: Store) -> None:  # noqa: F811
+def test_a_rolled_back_deletion_deletes_nothing(store: Store) -> None:
     with store.unit_of_work() as uow:
         uow.put_tool(TOOL, NOW)
     with pytest.raises(RuntimeError), store.unit_of_work() as uow:
@@ -86,7 +83,7 @@ def test_a_rolled_back_deletion_deletes_nothing(store: Store) -> None:  # noqa: 
     assert stored(store) == replace(TOOL, tokens_not_before=NOW + 2)
 
 
-def test_open_requests_of_a_tool_are_voided_with_the_reason(store: Store) -> None:  # noqa: F811
+def test_open_requests_of_a_tool_are_voided_with_the_reason(store: Store) -> None:
     other = replace(record("r4", created=NOW + 3), tool_name="u")
     with store.unit_of_work() as uow:
         uow.add_request(record("r2", created=NOW + 2))

@@ -16,7 +16,6 @@ from registry_server.store.base import (
     WebhookDeliveryRecord,
 )
 from registry_server.store.postgres import PostgresStore
-from tests.cluster.test_store_contract import store  # noqa: F401  (the three stores)
 
 NOW = 1_000_000.0
 
@@ -28,7 +27,7 @@ def delivery(seq: int, endpoint: str = "chat", due: float = NOW) -> WebhookDeliv
     )  # fmt: skip
 
 
-def test_deliveries_are_claimed_when_due_once_per_lease_and_finished(store: Store) -> None:  # noqa: F811
+def test_deliveries_are_claimed_when_due_once_per_lease_and_finished(store: Store) -> None:
     with store.unit_of_work() as uow:
         uow.add_webhook_delivery(delivery(1))
         uow.add_webhook_delivery(delivery(1, "ops"))
@@ -64,7 +63,7 @@ def test_deliveries_are_claimed_when_due_once_per_lease_and_finished(store: Stor
     assert [(d.event_seq, d.endpoint) for d in later] == [(1, "ops"), (2, "chat")]
 
 
-def test_a_lapsed_claim_is_taken_over_and_its_old_owner_cannot_finish(store: Store) -> None:  # noqa: F811
+def test_a_lapsed_claim_is_taken_over_and_its_old_owner_cannot_finish(store: Store) -> None:
     with store.unit_of_work() as uow:
         uow.add_webhook_delivery(delivery(1))
         (first,) = uow.claim_webhook_deliveries("dead-server", NOW, NOW + 30, 10)
@@ -76,7 +75,7 @@ def test_a_lapsed_claim_is_taken_over_and_its_old_owner_cannot_finish(store: Sto
         assert uow.finish_webhook_delivery(replace(taken, state=DELIVERY_FAILED), "b")
 
 
-def test_only_finished_old_deliveries_are_pruned(store: Store) -> None:  # noqa: F811
+def test_only_finished_old_deliveries_are_pruned(store: Store) -> None:
     with store.unit_of_work() as uow:
         for seq in (1, 2, 3):
             uow.add_webhook_delivery(delivery(seq))
