@@ -70,7 +70,10 @@ NETWORK_REFILL_BACKOFF_S: Final = (0.5, 30.0)  # seconds: first and longest wait
 LABEL_EGRESS_NETWORK: Final = "io.toolreg.egress-network"  # on a sandbox: its call network
 HOLDER_IMAGE: Final = "toolreg/base"  # busybox: the holder only sleeps
 HOLDER_COMMAND: Final = ("sleep", "2147483647")  # seconds: as long as busybox sleeps
-HOLDER_MEMORY_MB: Final = 16  # MiB for a holder
+# MiB for a holder. It only sleeps, but `runc init` starts inside its cgroup: at 16 MiB
+# a busy engine's start was OOM-killed now and then, which dockerd reports as "cannot
+# start a stopped process" (moby/moby#41167) and the call failed. A limit, not a reserve.
+HOLDER_MEMORY_MB: Final = 64
 HOLDER_PIDS: Final = 4  # processes of a holder
 # On a call network Docker's embedded DNS answers in the sandbox (which shares
 # the holder's resolver settings); an unroutable upstream keeps it from

@@ -440,8 +440,16 @@ class SandboxSpec(_message.Message):
     COMMAND_FIELD_NUMBER: _builtins.int
     ENV_FIELD_NUMBER: _builtins.int
     LIMITS_FIELD_NUMBER: _builtins.int
+    PRESTART_FIELD_NUMBER: _builtins.int
+    PRELOAD_FIELD_NUMBER: _builtins.int
     image: _builtins.str
     """A local image (never pulled), e.g. "toolreg/base"."""
+    prestart: _builtins.str
+    """A warm interpreter for safe and cautious tools: "python" starts the
+    command's Python interpreter in the warm container before the call, with
+    the modules in `preload` imported (no input, no network), and the call's
+    release runs the tool's code in it. Empty: none. Part of the digest.
+    """
     @_builtins.property
     def command(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The program and its arguments; it reads the arguments JSON on stdin."""
@@ -450,6 +458,8 @@ class SandboxSpec(_message.Message):
     def env(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
     @_builtins.property
     def limits(self) -> Global___ResourceLimits: ...
+    @_builtins.property
+    def preload(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
         self,
         *,
@@ -457,10 +467,12 @@ class SandboxSpec(_message.Message):
         command: _abc.Iterable[_builtins.str] | None = ...,
         env: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         limits: Global___ResourceLimits | None = ...,
+        prestart: _builtins.str = ...,
+        preload: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["limits", b"limits"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "env", b"env", "image", b"image", "limits", b"limits"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "env", b"env", "image", b"image", "limits", b"limits", "preload", b"preload", "prestart", b"prestart"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -758,26 +770,80 @@ class ExecutionEvent(_message.Message):
     STDOUT_FIELD_NUMBER: _builtins.int
     STDERR_FIELD_NUMBER: _builtins.int
     RESULT_FIELD_NUMBER: _builtins.int
+    STARTED_FIELD_NUMBER: _builtins.int
     stdout: _builtins.bytes
     stderr: _builtins.bytes
     @_builtins.property
     def result(self) -> Global___ToolResult: ...
+    @_builtins.property
+    def started(self) -> Global___ExecutionStarted:
+        """First, once the call is admitted. Clients ignore events they do not know."""
+
     def __init__(
         self,
         *,
         stdout: _builtins.bytes = ...,
         stderr: _builtins.bytes = ...,
         result: Global___ToolResult | None = ...,
+        started: Global___ExecutionStarted | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "result", b"result", "stderr", b"stderr", "stdout", b"stdout"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "result", b"result", "started", b"started", "stderr", b"stderr", "stdout", b"stdout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "result", b"result", "stderr", b"stderr", "stdout", b"stdout"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "result", b"result", "started", b"started", "stderr", b"stderr", "stdout", b"stdout"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["stdout", "stderr", "result"]  # noqa: Y015
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["stdout", "stderr", "result", "started"]  # noqa: Y015
     _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
 
 Global___ExecutionEvent: _TypeAlias = ExecutionEvent  # noqa: Y015
+
+@_typing.final
+class ExecutionStarted(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EXECUTION_ID_FIELD_NUMBER: _builtins.int
+    execution_id: _builtins.str
+    """The call's audit record id, as ToolResult.execution_id."""
+    def __init__(
+        self,
+        *,
+        execution_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["execution_id", b"execution_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExecutionStarted: _TypeAlias = ExecutionStarted  # noqa: Y015
+
+@_typing.final
+class AttachExecutionRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EXECUTION_ID_FIELD_NUMBER: _builtins.int
+    STDOUT_OFFSET_FIELD_NUMBER: _builtins.int
+    STDERR_OFFSET_FIELD_NUMBER: _builtins.int
+    execution_id: _builtins.str
+    stdout_offset: _builtins.int
+    """Bytes of stdout and of stderr the client already holds: the answer
+    starts after them.
+    """
+    stderr_offset: _builtins.int
+    def __init__(
+        self,
+        *,
+        execution_id: _builtins.str = ...,
+        stdout_offset: _builtins.int = ...,
+        stderr_offset: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["execution_id", b"execution_id", "stderr_offset", b"stderr_offset", "stdout_offset", b"stdout_offset"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AttachExecutionRequest: _TypeAlias = AttachExecutionRequest  # noqa: Y015
 
 @_typing.final
 class ApprovalRequest(_message.Message):

@@ -85,6 +85,11 @@ class ToolRegistryStub:
                 request_serializer=toolregistry_dot_v1_dot_registry__pb2.ExecuteToolRequest.SerializeToString,
                 response_deserializer=toolregistry_dot_v1_dot_registry__pb2.ExecutionEvent.FromString,
                 _registered_method=True)
+        self.AttachExecution = channel.unary_stream(
+                '/toolregistry.v1.ToolRegistry/AttachExecution',
+                request_serializer=toolregistry_dot_v1_dot_registry__pb2.AttachExecutionRequest.SerializeToString,
+                response_deserializer=toolregistry_dot_v1_dot_registry__pb2.ExecutionEvent.FromString,
+                _registered_method=True)
         self.ListApprovalRequests = channel.unary_unary(
                 '/toolregistry.v1.ToolRegistry/ListApprovalRequests',
                 request_serializer=toolregistry_dot_v1_dot_registry__pb2.ListApprovalRequestsRequest.SerializeToString,
@@ -253,7 +258,24 @@ class ToolRegistryServicer:
     def StreamExecuteTool(self, request, context):
         """StreamExecuteTool is ExecuteTool that streams the tool's stdout and
         stderr chunks as they are produced, then ends with exactly one `result`.
+        Once the call is admitted (before its sandbox runs) the first event is
+        `started`, with the execution id that AttachExecution takes.
         Errors: as ExecuteTool.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AttachExecution(self, request, context):
+        """AttachExecution re-attaches to a call that StreamExecuteTool started,
+        after its stream broke: the events from the given offsets on (what the
+        client already has is not sent again), then exactly one `result`. A
+        call's output and result are kept until it ends plus a grace period.
+        Only the client that made the call may attach.
+        Errors:
+        - NOT_FOUND: no such call kept, or it is another client's (the two are
+        not told apart).
+        - INVALID_ARGUMENT: a malformed id or a negative offset.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -392,6 +414,11 @@ def add_ToolRegistryServicer_to_server(servicer, server):
             'StreamExecuteTool': grpc.unary_stream_rpc_method_handler(
                     servicer.StreamExecuteTool,
                     request_deserializer=toolregistry_dot_v1_dot_registry__pb2.ExecuteToolRequest.FromString,
+                    response_serializer=toolregistry_dot_v1_dot_registry__pb2.ExecutionEvent.SerializeToString,
+            ),
+            'AttachExecution': grpc.unary_stream_rpc_method_handler(
+                    servicer.AttachExecution,
+                    request_deserializer=toolregistry_dot_v1_dot_registry__pb2.AttachExecutionRequest.FromString,
                     response_serializer=toolregistry_dot_v1_dot_registry__pb2.ExecutionEvent.SerializeToString,
             ),
             'ListApprovalRequests': grpc.unary_unary_rpc_method_handler(
@@ -690,6 +717,33 @@ class ToolRegistry:
             target,
             '/toolregistry.v1.ToolRegistry/StreamExecuteTool',
             toolregistry_dot_v1_dot_registry__pb2.ExecuteToolRequest.SerializeToString,
+            toolregistry_dot_v1_dot_registry__pb2.ExecutionEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AttachExecution(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/toolregistry.v1.ToolRegistry/AttachExecution',
+            toolregistry_dot_v1_dot_registry__pb2.AttachExecutionRequest.SerializeToString,
             toolregistry_dot_v1_dot_registry__pb2.ExecutionEvent.FromString,
             options,
             channel_credentials,

@@ -148,7 +148,20 @@ class ToolRegistryStub:
     StreamExecuteTool: _grpc.UnaryStreamMultiCallable[_registry_pb2.ExecuteToolRequest, _registry_pb2.ExecutionEvent]
     """StreamExecuteTool is ExecuteTool that streams the tool's stdout and
     stderr chunks as they are produced, then ends with exactly one `result`.
+    Once the call is admitted (before its sandbox runs) the first event is
+    `started`, with the execution id that AttachExecution takes.
     Errors: as ExecuteTool.
+    """
+    AttachExecution: _grpc.UnaryStreamMultiCallable[_registry_pb2.AttachExecutionRequest, _registry_pb2.ExecutionEvent]
+    """AttachExecution re-attaches to a call that StreamExecuteTool started,
+    after its stream broke: the events from the given offsets on (what the
+    client already has is not sent again), then exactly one `result`. A
+    call's output and result are kept until it ends plus a grace period.
+    Only the client that made the call may attach.
+    Errors:
+    - NOT_FOUND: no such call kept, or it is another client's (the two are
+      not told apart).
+    - INVALID_ARGUMENT: a malformed id or a negative offset.
     """
     ListApprovalRequests: _grpc.UnaryUnaryMultiCallable[_registry_pb2.ListApprovalRequestsRequest, _registry_pb2.ListApprovalRequestsResponse]
     """ListApprovalRequests lists the approval requests the caller may see for
@@ -319,7 +332,20 @@ class ToolRegistryAsyncStub(ToolRegistryStub):
     StreamExecuteTool: _aio.UnaryStreamMultiCallable[_registry_pb2.ExecuteToolRequest, _registry_pb2.ExecutionEvent]  # type: ignore[assignment]
     """StreamExecuteTool is ExecuteTool that streams the tool's stdout and
     stderr chunks as they are produced, then ends with exactly one `result`.
+    Once the call is admitted (before its sandbox runs) the first event is
+    `started`, with the execution id that AttachExecution takes.
     Errors: as ExecuteTool.
+    """
+    AttachExecution: _aio.UnaryStreamMultiCallable[_registry_pb2.AttachExecutionRequest, _registry_pb2.ExecutionEvent]  # type: ignore[assignment]
+    """AttachExecution re-attaches to a call that StreamExecuteTool started,
+    after its stream broke: the events from the given offsets on (what the
+    client already has is not sent again), then exactly one `result`. A
+    call's output and result are kept until it ends plus a grace period.
+    Only the client that made the call may attach.
+    Errors:
+    - NOT_FOUND: no such call kept, or it is another client's (the two are
+      not told apart).
+    - INVALID_ARGUMENT: a malformed id or a negative offset.
     """
     ListApprovalRequests: _aio.UnaryUnaryMultiCallable[_registry_pb2.ListApprovalRequestsRequest, _registry_pb2.ListApprovalRequestsResponse]  # type: ignore[assignment]
     """ListApprovalRequests lists the approval requests the caller may see for
@@ -547,7 +573,26 @@ class ToolRegistryServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_registry_pb2.ExecutionEvent], _abc.AsyncIterator[_registry_pb2.ExecutionEvent]]:
         """StreamExecuteTool is ExecuteTool that streams the tool's stdout and
         stderr chunks as they are produced, then ends with exactly one `result`.
+        Once the call is admitted (before its sandbox runs) the first event is
+        `started`, with the execution id that AttachExecution takes.
         Errors: as ExecuteTool.
+        """
+
+    @_abc_1.abstractmethod
+    def AttachExecution(
+        self,
+        request: _registry_pb2.AttachExecutionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_registry_pb2.ExecutionEvent], _abc.AsyncIterator[_registry_pb2.ExecutionEvent]]:
+        """AttachExecution re-attaches to a call that StreamExecuteTool started,
+        after its stream broke: the events from the given offsets on (what the
+        client already has is not sent again), then exactly one `result`. A
+        call's output and result are kept until it ends plus a grace period.
+        Only the client that made the call may attach.
+        Errors:
+        - NOT_FOUND: no such call kept, or it is another client's (the two are
+          not told apart).
+        - INVALID_ARGUMENT: a malformed id or a negative offset.
         """
 
     @_abc_1.abstractmethod

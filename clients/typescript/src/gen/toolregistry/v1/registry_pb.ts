@@ -27,7 +27,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file toolregistry/v1/registry.proto.
  */
 export const file_toolregistry_v1_registry: GenFile = /*@__PURE__*/
-  fileDesc("Ch50b29scmVnaXN0cnkvdjEvcmVnaXN0cnkucHJvdG8SD3Rvb2xyZWdpc3RyeS52MSKaAwoEVG9vbBIMCgRuYW1lGAEgASgJEhMKC2Rlc2NyaXB0aW9uGAIgASgJEhcKD3BhcmFtZXRlcnNfanNvbhgDIAEoCRIyCgxzYWZldHlfbGV2ZWwYBCABKA4yHC50b29scmVnaXN0cnkudjEuU2FmZXR5TGV2ZWwSEgoKY2F0ZWdvcmllcxgFIAMoCRItCgdzYW5kYm94GAYgASgLMhwudG9vbHJlZ2lzdHJ5LnYxLlNhbmRib3hTcGVjEg4KBmRpZ2VzdBgHIAEoCRIRCgl3YXJtX3Bvb2wYCCABKAUSDQoFb3duZXIYCSABKAkSLQoHbmV0d29yaxgKIAEoCzIcLnRvb2xyZWdpc3RyeS52MS5OZXR3b3JrU3BlYxIrCgdzZWNyZXRzGAsgAygLMhoudG9vbHJlZ2lzdHJ5LnYxLlNlY3JldFJlZhIQCghkaXNhYmxlZBgMIAEoCBIXCg9kaXNhYmxlZF9yZWFzb24YDSABKAkSJgoGZ3VhcmRzGA4gAygLMhYudG9vbHJlZ2lzdHJ5LnYxLkd1YXJkIisKBUd1YXJkEhEKCWNvbmRpdGlvbhgBIAEoCRIPCgdtZXNzYWdlGAIgASgJIh0KC05ldHdvcmtTcGVjEg4KBmVncmVzcxgBIAMoCSJcCglTZWNyZXRSZWYSDAoEbmFtZRgBIAEoCRIPCgdkZWxpdmVyGAIgASgJEjAKBmluamVjdBgDIAEoCzIgLnRvb2xyZWdpc3RyeS52MS5TZWNyZXRJbmplY3Rpb24iTQoPU2VjcmV0SW5qZWN0aW9uEgwKBGhvc3QYASABKAkSDAoEcG9ydBgCIAEoBRIOCgZoZWFkZXIYAyABKAkSDgoGZm9ybWF0GAQgASgJIr4BCgtTYW5kYm94U3BlYxINCgVpbWFnZRgBIAEoCRIPCgdjb21tYW5kGAIgAygJEjIKA2VudhgDIAMoCzIlLnRvb2xyZWdpc3RyeS52MS5TYW5kYm94U3BlYy5FbnZFbnRyeRIvCgZsaW1pdHMYBCABKAsyHy50b29scmVnaXN0cnkudjEuUmVzb3VyY2VMaW1pdHMaKgoIRW52RW50cnkSCwoDa2V5GAEgASgJEg0KBXZhbHVlGAIgASgJOgI4ASJvCg5SZXNvdXJjZUxpbWl0cxIRCgltZW1vcnlfbWIYASABKAMSEgoKY3B1X21pbGxpcxgCIAEoAxIMCgRwaWRzGAMgASgDEhIKCnRpbWVvdXRfbXMYBCABKAMSFAoMb3V0cHV0X2J5dGVzGAUgASgDIksKE1JlZ2lzdGVyVG9vbFJlcXVlc3QSIwoEdG9vbBgBIAEoCzIVLnRvb2xyZWdpc3RyeS52MS5Ub29sEg8KB3JlcGxhY2UYAiABKAgiHgoOR2V0VG9vbFJlcXVlc3QSDAoEbmFtZRgBIAEoCSKFAQoQTGlzdFRvb2xzUmVxdWVzdBI2ChBtYXhfc2FmZXR5X2xldmVsGAEgASgOMhwudG9vbHJlZ2lzdHJ5LnYxLlNhZmV0eUxldmVsEhIKCmNhdGVnb3JpZXMYAiADKAkSEQoJcGFnZV9zaXplGAMgASgFEhIKCnBhZ2VfdG9rZW4YBCABKAkiUgoRTGlzdFRvb2xzUmVzcG9uc2USJAoFdG9vbHMYASADKAsyFS50b29scmVnaXN0cnkudjEuVG9vbBIXCg9uZXh0X3BhZ2VfdG9rZW4YAiABKAkiuQEKFUdldFRvb2xTY2hlbWFzUmVxdWVzdBItCgZmb3JtYXQYASABKA4yHS50b29scmVnaXN0cnkudjEuU2NoZW1hRm9ybWF0EjYKEG1heF9zYWZldHlfbGV2ZWwYAiABKA4yHC50b29scmVnaXN0cnkudjEuU2FmZXR5TGV2ZWwSEgoKY2F0ZWdvcmllcxgDIAMoCRIRCglwYWdlX3NpemUYBCABKAUSEgoKcGFnZV90b2tlbhgFIAEoCSJHChZHZXRUb29sU2NoZW1hc1Jlc3BvbnNlEhQKDHNjaGVtYXNfanNvbhgBIAEoCRIXCg9uZXh0X3BhZ2VfdG9rZW4YAiABKAkicAoSRXhlY3V0ZVRvb2xSZXF1ZXN0EgwKBG5hbWUYASABKAkSFgoOYXJndW1lbnRzX2pzb24YAiABKAkSFwoPYXBwcm92YWxfdG9rZW5zGAMgAygJEhsKE2FwcHJvdmFsX3JlcXVlc3RfaWQYBCABKAkipgIKClRvb2xSZXN1bHQSDwoHc3VjY2VzcxgBIAEoCBIwCgZzdGF0dXMYAiABKA4yIC50b29scmVnaXN0cnkudjEuRXhlY3V0aW9uU3RhdHVzEg8KB2NvbnRlbnQYAyABKAkSEQoJZGF0YV9qc29uGAQgASgJEg0KBWVycm9yGAUgASgJEhEKCWV4aXRfY29kZRgGIAEoBRIOCgZzdGRlcnIYByABKAkSEwoLZHVyYXRpb25fbXMYCCABKAMSGAoQb3V0cHV0X3RydW5jYXRlZBgJIAEoCBIUCgxleGVjdXRpb25faWQYCiABKAkSOgoQYXBwcm92YWxfcmVxdWVzdBgLIAEoCzIgLnRvb2xyZWdpc3RyeS52MS5BcHByb3ZhbFJlcXVlc3QibAoORXhlY3V0aW9uRXZlbnQSEAoGc3Rkb3V0GAEgASgMSAASEAoGc3RkZXJyGAIgASgMSAASLQoGcmVzdWx0GAMgASgLMhsudG9vbHJlZ2lzdHJ5LnYxLlRvb2xSZXN1bHRIAEIHCgVldmVudCKTBAoPQXBwcm92YWxSZXF1ZXN0EgoKAmlkGAEgASgJEhEKCXRvb2xfbmFtZRgCIAEoCRITCgt0b29sX2RpZ2VzdBgDIAEoCRIWCg5hcmd1bWVudHNfanNvbhgEIAEoCRIYChBhcmd1bWVudHNfZGlnZXN0GAUgASgJEhQKDHJlcXVlc3RlZF9ieRgGIAEoCRIaChJhcHByb3ZhbHNfcmVxdWlyZWQYByABKAUSEwoLYXBwcm92ZWRfYnkYCCADKAkSDQoFc3RhdGUYCSABKAkSLgoKY3JlYXRlZF9hdBgKIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASLgoKZXhwaXJlc19hdBgLIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASEAoIYXVkaWVuY2UYDCABKAkSFwoPbWF4X3Rva2VuX3R0bF9zGA0gASgFEhkKEWFwcHJvdmFsc19taXNzaW5nGA4gASgFEiMKBHRvb2wYDyABKAsyFS50b29scmVnaXN0cnkudjEuVG9vbBITCgtyZWplY3RlZF9ieRgQIAEoCRIYChByZWplY3Rpb25fcmVhc29uGBEgASgJEhUKDXZvaWRlZF9yZWFzb24YEiABKAkSMwoNYXBwbGllZF9ydWxlcxgTIAMoCzIcLnRvb2xyZWdpc3RyeS52MS5BcHBsaWVkUnVsZSJpCgtBcHBsaWVkUnVsZRIMCgRuYW1lGAEgASgJEg0KBW1hdGNoGAIgASgJEhEKCWNvbmRpdGlvbhgDIAEoCRIaChJhcHByb3ZhbHNfcmVxdWlyZWQYBCABKAUSDgoGZ3JvdXBzGAUgAygJIjEKEURlbGV0ZVRvb2xSZXF1ZXN0EgwKBG5hbWUYASABKAkSDgoGcmVhc29uGAIgASgJIhQKEkRlbGV0ZVRvb2xSZXNwb25zZSJGChVTZXRUb29sRW5hYmxlZFJlcXVlc3QSDAoEbmFtZRgBIAEoCRIPCgdlbmFibGVkGAIgASgIEg4KBnJlYXNvbhgDIAEoCSIVChNSZWxvYWRQb2xpY3lSZXF1ZXN0IhYKFEdldFNlcnZlckluZm9SZXF1ZXN0IoEBCgpTZXJ2ZXJJbmZvEhUKDXBvbGljeV9kaWdlc3QYASABKAkSFQoNcG9saWN5X3NvdXJjZRgCIAEoCRI0ChBwb2xpY3lfbG9hZGVkX2F0GAMgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIPCgd2ZXJzaW9uGAQgASgJIkIKHFJlamVjdEFwcHJvdmFsUmVxdWVzdFJlcXVlc3QSEgoKcmVxdWVzdF9pZBgBIAEoCRIOCgZyZWFzb24YAiABKAkiMgocV2F0Y2hBcHByb3ZhbFJlcXVlc3RzUmVxdWVzdBISCgpyZXF1ZXN0X2lkGAEgASgJIsgBCg1BcHByb3ZhbEV2ZW50EjAKBHR5cGUYASABKA4yIi50b29scmVnaXN0cnkudjEuQXBwcm92YWxFdmVudFR5cGUSMQoHcmVxdWVzdBgCIAEoCzIgLnRvb2xyZWdpc3RyeS52MS5BcHByb3ZhbFJlcXVlc3QSDQoFYWN0b3IYAyABKAkSDgoGcmVhc29uGAQgASgJEiYKAmF0GAUgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBILCgNzZXEYBiABKAMiYgobTGlzdEFwcHJvdmFsUmVxdWVzdHNSZXF1ZXN0Eg0KBXN0YXRlGAEgASgJEg0KBWxpbWl0GAIgASgFEhEKCXBhZ2Vfc2l6ZRgDIAEoBRISCgpwYWdlX3Rva2VuGAQgASgJImsKHExpc3RBcHByb3ZhbFJlcXVlc3RzUmVzcG9uc2USMgoIcmVxdWVzdHMYASADKAsyIC50b29scmVnaXN0cnkudjEuQXBwcm92YWxSZXF1ZXN0EhcKD25leHRfcGFnZV90b2tlbhgCIAEoCSInChlHZXRBcHByb3ZhbFJlcXVlc3RSZXF1ZXN0EgoKAmlkGAEgASgJIjoKFVN1Ym1pdEFwcHJvdmFsUmVxdWVzdBISCgpyZXF1ZXN0X2lkGAEgASgJEg0KBXRva2VuGAIgASgJKnkKC1NhZmV0eUxldmVsEhwKGFNBRkVUWV9MRVZFTF9VTlNQRUNJRklFRBAAEhUKEVNBRkVUWV9MRVZFTF9TQUZFEAESGQoVU0FGRVRZX0xFVkVMX0NBVVRJT1VTEAISGgoWU0FGRVRZX0xFVkVMX0RBTkdFUk9VUxADKnsKDFNjaGVtYUZvcm1hdBIdChlTQ0hFTUFfRk9STUFUX1VOU1BFQ0lGSUVEEAASGAoUU0NIRU1BX0ZPUk1BVF9PUEVOQUkQARIbChdTQ0hFTUFfRk9STUFUX0FOVEhST1BJQxACEhUKEVNDSEVNQV9GT1JNQVRfTUNQEAMquwMKD0V4ZWN1dGlvblN0YXR1cxIgChxFWEVDVVRJT05fU1RBVFVTX1VOU1BFQ0lGSUVEEAASFwoTRVhFQ1VUSU9OX1NUQVRVU19PSxABEiMKH0VYRUNVVElPTl9TVEFUVVNfVE9PTF9OT1RfRk9VTkQQAhImCiJFWEVDVVRJT05fU1RBVFVTX0lOVkFMSURfQVJHVU1FTlRTEAMSJgoiRVhFQ1VUSU9OX1NUQVRVU19BUFBST1ZBTF9SRVFVSVJFRBAEEiQKIEVYRUNVVElPTl9TVEFUVVNfQVBQUk9WQUxfREVOSUVEEAUSHwobRVhFQ1VUSU9OX1NUQVRVU19UT09MX0VSUk9SEAYSHAoYRVhFQ1VUSU9OX1NUQVRVU19USU1FT1VUEAcSJwojRVhFQ1VUSU9OX1NUQVRVU19SRVNPVVJDRV9FWEhBVVNURUQQCBIiCh5FWEVDVVRJT05fU1RBVFVTX1NBTkRCT1hfRVJST1IQCRIiCh5FWEVDVVRJT05fU1RBVFVTX1RPT0xfRElTQUJMRUQQChIiCh5FWEVDVVRJT05fU1RBVFVTX1BPTElDWV9ERU5JRUQQCyroAgoRQXBwcm92YWxFdmVudFR5cGUSIwofQVBQUk9WQUxfRVZFTlRfVFlQRV9VTlNQRUNJRklFRBAAEh8KG0FQUFJPVkFMX0VWRU5UX1RZUEVfQ1VSUkVOVBABEh4KGkFQUFJPVkFMX0VWRU5UX1RZUEVfU1lOQ0VEEAISHgoaQVBQUk9WQUxfRVZFTlRfVFlQRV9PUEVORUQQAxImCiJBUFBST1ZBTF9FVkVOVF9UWVBFX0FQUFJPVkFMX0FEREVEEAQSIAocQVBQUk9WQUxfRVZFTlRfVFlQRV9BUFBST1ZFRBAFEiAKHEFQUFJPVkFMX0VWRU5UX1RZUEVfUkVKRUNURUQQBhIgChxBUFBST1ZBTF9FVkVOVF9UWVBFX0NPTlNVTUVEEAcSHwobQVBQUk9WQUxfRVZFTlRfVFlQRV9FWFBJUkVEEAgSHgoaQVBQUk9WQUxfRVZFTlRfVFlQRV9WT0lERUQQCTLcCgoMVG9vbFJlZ2lzdHJ5EksKDFJlZ2lzdGVyVG9vbBIkLnRvb2xyZWdpc3RyeS52MS5SZWdpc3RlclRvb2xSZXF1ZXN0GhUudG9vbHJlZ2lzdHJ5LnYxLlRvb2wSQQoHR2V0VG9vbBIfLnRvb2xyZWdpc3RyeS52MS5HZXRUb29sUmVxdWVzdBoVLnRvb2xyZWdpc3RyeS52MS5Ub29sElIKCUxpc3RUb29scxIhLnRvb2xyZWdpc3RyeS52MS5MaXN0VG9vbHNSZXF1ZXN0GiIudG9vbHJlZ2lzdHJ5LnYxLkxpc3RUb29sc1Jlc3BvbnNlEmEKDkdldFRvb2xTY2hlbWFzEiYudG9vbHJlZ2lzdHJ5LnYxLkdldFRvb2xTY2hlbWFzUmVxdWVzdBonLnRvb2xyZWdpc3RyeS52MS5HZXRUb29sU2NoZW1hc1Jlc3BvbnNlElUKCkRlbGV0ZVRvb2wSIi50b29scmVnaXN0cnkudjEuRGVsZXRlVG9vbFJlcXVlc3QaIy50b29scmVnaXN0cnkudjEuRGVsZXRlVG9vbFJlc3BvbnNlEk8KDlNldFRvb2xFbmFibGVkEiYudG9vbHJlZ2lzdHJ5LnYxLlNldFRvb2xFbmFibGVkUmVxdWVzdBoVLnRvb2xyZWdpc3RyeS52MS5Ub29sElEKDFJlbG9hZFBvbGljeRIkLnRvb2xyZWdpc3RyeS52MS5SZWxvYWRQb2xpY3lSZXF1ZXN0GhsudG9vbHJlZ2lzdHJ5LnYxLlNlcnZlckluZm8SUwoNR2V0U2VydmVySW5mbxIlLnRvb2xyZWdpc3RyeS52MS5HZXRTZXJ2ZXJJbmZvUmVxdWVzdBobLnRvb2xyZWdpc3RyeS52MS5TZXJ2ZXJJbmZvEk8KC0V4ZWN1dGVUb29sEiMudG9vbHJlZ2lzdHJ5LnYxLkV4ZWN1dGVUb29sUmVxdWVzdBobLnRvb2xyZWdpc3RyeS52MS5Ub29sUmVzdWx0ElsKEVN0cmVhbUV4ZWN1dGVUb29sEiMudG9vbHJlZ2lzdHJ5LnYxLkV4ZWN1dGVUb29sUmVxdWVzdBofLnRvb2xyZWdpc3RyeS52MS5FeGVjdXRpb25FdmVudDABEnMKFExpc3RBcHByb3ZhbFJlcXVlc3RzEiwudG9vbHJlZ2lzdHJ5LnYxLkxpc3RBcHByb3ZhbFJlcXVlc3RzUmVxdWVzdBotLnRvb2xyZWdpc3RyeS52MS5MaXN0QXBwcm92YWxSZXF1ZXN0c1Jlc3BvbnNlEmIKEkdldEFwcHJvdmFsUmVxdWVzdBIqLnRvb2xyZWdpc3RyeS52MS5HZXRBcHByb3ZhbFJlcXVlc3RSZXF1ZXN0GiAudG9vbHJlZ2lzdHJ5LnYxLkFwcHJvdmFsUmVxdWVzdBJaCg5TdWJtaXRBcHByb3ZhbBImLnRvb2xyZWdpc3RyeS52MS5TdWJtaXRBcHByb3ZhbFJlcXVlc3QaIC50b29scmVnaXN0cnkudjEuQXBwcm92YWxSZXF1ZXN0EmgKFVJlamVjdEFwcHJvdmFsUmVxdWVzdBItLnRvb2xyZWdpc3RyeS52MS5SZWplY3RBcHByb3ZhbFJlcXVlc3RSZXF1ZXN0GiAudG9vbHJlZ2lzdHJ5LnYxLkFwcHJvdmFsUmVxdWVzdBJoChVXYXRjaEFwcHJvdmFsUmVxdWVzdHMSLS50b29scmVnaXN0cnkudjEuV2F0Y2hBcHByb3ZhbFJlcXVlc3RzUmVxdWVzdBoeLnRvb2xyZWdpc3RyeS52MS5BcHByb3ZhbEV2ZW50MAFCYQobZGV2LnRvb2xyZWcudG9vbHJlZ2lzdHJ5LnYxUAFaQGdpdGh1Yi5jb20vdG9vbHJlZy90b29scmVnL2dlbi9nby90b29scmVnaXN0cnkvdjE7dG9vbHJlZ2lzdHJ5djFiBnByb3RvMw", [file_google_protobuf_timestamp]);
+  fileDesc("Ch50b29scmVnaXN0cnkvdjEvcmVnaXN0cnkucHJvdG8SD3Rvb2xyZWdpc3RyeS52MSKaAwoEVG9vbBIMCgRuYW1lGAEgASgJEhMKC2Rlc2NyaXB0aW9uGAIgASgJEhcKD3BhcmFtZXRlcnNfanNvbhgDIAEoCRIyCgxzYWZldHlfbGV2ZWwYBCABKA4yHC50b29scmVnaXN0cnkudjEuU2FmZXR5TGV2ZWwSEgoKY2F0ZWdvcmllcxgFIAMoCRItCgdzYW5kYm94GAYgASgLMhwudG9vbHJlZ2lzdHJ5LnYxLlNhbmRib3hTcGVjEg4KBmRpZ2VzdBgHIAEoCRIRCgl3YXJtX3Bvb2wYCCABKAUSDQoFb3duZXIYCSABKAkSLQoHbmV0d29yaxgKIAEoCzIcLnRvb2xyZWdpc3RyeS52MS5OZXR3b3JrU3BlYxIrCgdzZWNyZXRzGAsgAygLMhoudG9vbHJlZ2lzdHJ5LnYxLlNlY3JldFJlZhIQCghkaXNhYmxlZBgMIAEoCBIXCg9kaXNhYmxlZF9yZWFzb24YDSABKAkSJgoGZ3VhcmRzGA4gAygLMhYudG9vbHJlZ2lzdHJ5LnYxLkd1YXJkIisKBUd1YXJkEhEKCWNvbmRpdGlvbhgBIAEoCRIPCgdtZXNzYWdlGAIgASgJIh0KC05ldHdvcmtTcGVjEg4KBmVncmVzcxgBIAMoCSJcCglTZWNyZXRSZWYSDAoEbmFtZRgBIAEoCRIPCgdkZWxpdmVyGAIgASgJEjAKBmluamVjdBgDIAEoCzIgLnRvb2xyZWdpc3RyeS52MS5TZWNyZXRJbmplY3Rpb24iTQoPU2VjcmV0SW5qZWN0aW9uEgwKBGhvc3QYASABKAkSDAoEcG9ydBgCIAEoBRIOCgZoZWFkZXIYAyABKAkSDgoGZm9ybWF0GAQgASgJIuEBCgtTYW5kYm94U3BlYxINCgVpbWFnZRgBIAEoCRIPCgdjb21tYW5kGAIgAygJEjIKA2VudhgDIAMoCzIlLnRvb2xyZWdpc3RyeS52MS5TYW5kYm94U3BlYy5FbnZFbnRyeRIvCgZsaW1pdHMYBCABKAsyHy50b29scmVnaXN0cnkudjEuUmVzb3VyY2VMaW1pdHMSEAoIcHJlc3RhcnQYBSABKAkSDwoHcHJlbG9hZBgGIAMoCRoqCghFbnZFbnRyeRILCgNrZXkYASABKAkSDQoFdmFsdWUYAiABKAk6AjgBIm8KDlJlc291cmNlTGltaXRzEhEKCW1lbW9yeV9tYhgBIAEoAxISCgpjcHVfbWlsbGlzGAIgASgDEgwKBHBpZHMYAyABKAMSEgoKdGltZW91dF9tcxgEIAEoAxIUCgxvdXRwdXRfYnl0ZXMYBSABKAMiSwoTUmVnaXN0ZXJUb29sUmVxdWVzdBIjCgR0b29sGAEgASgLMhUudG9vbHJlZ2lzdHJ5LnYxLlRvb2wSDwoHcmVwbGFjZRgCIAEoCCIeCg5HZXRUb29sUmVxdWVzdBIMCgRuYW1lGAEgASgJIoUBChBMaXN0VG9vbHNSZXF1ZXN0EjYKEG1heF9zYWZldHlfbGV2ZWwYASABKA4yHC50b29scmVnaXN0cnkudjEuU2FmZXR5TGV2ZWwSEgoKY2F0ZWdvcmllcxgCIAMoCRIRCglwYWdlX3NpemUYAyABKAUSEgoKcGFnZV90b2tlbhgEIAEoCSJSChFMaXN0VG9vbHNSZXNwb25zZRIkCgV0b29scxgBIAMoCzIVLnRvb2xyZWdpc3RyeS52MS5Ub29sEhcKD25leHRfcGFnZV90b2tlbhgCIAEoCSK5AQoVR2V0VG9vbFNjaGVtYXNSZXF1ZXN0Ei0KBmZvcm1hdBgBIAEoDjIdLnRvb2xyZWdpc3RyeS52MS5TY2hlbWFGb3JtYXQSNgoQbWF4X3NhZmV0eV9sZXZlbBgCIAEoDjIcLnRvb2xyZWdpc3RyeS52MS5TYWZldHlMZXZlbBISCgpjYXRlZ29yaWVzGAMgAygJEhEKCXBhZ2Vfc2l6ZRgEIAEoBRISCgpwYWdlX3Rva2VuGAUgASgJIkcKFkdldFRvb2xTY2hlbWFzUmVzcG9uc2USFAoMc2NoZW1hc19qc29uGAEgASgJEhcKD25leHRfcGFnZV90b2tlbhgCIAEoCSJwChJFeGVjdXRlVG9vbFJlcXVlc3QSDAoEbmFtZRgBIAEoCRIWCg5hcmd1bWVudHNfanNvbhgCIAEoCRIXCg9hcHByb3ZhbF90b2tlbnMYAyADKAkSGwoTYXBwcm92YWxfcmVxdWVzdF9pZBgEIAEoCSKmAgoKVG9vbFJlc3VsdBIPCgdzdWNjZXNzGAEgASgIEjAKBnN0YXR1cxgCIAEoDjIgLnRvb2xyZWdpc3RyeS52MS5FeGVjdXRpb25TdGF0dXMSDwoHY29udGVudBgDIAEoCRIRCglkYXRhX2pzb24YBCABKAkSDQoFZXJyb3IYBSABKAkSEQoJZXhpdF9jb2RlGAYgASgFEg4KBnN0ZGVychgHIAEoCRITCgtkdXJhdGlvbl9tcxgIIAEoAxIYChBvdXRwdXRfdHJ1bmNhdGVkGAkgASgIEhQKDGV4ZWN1dGlvbl9pZBgKIAEoCRI6ChBhcHByb3ZhbF9yZXF1ZXN0GAsgASgLMiAudG9vbHJlZ2lzdHJ5LnYxLkFwcHJvdmFsUmVxdWVzdCKiAQoORXhlY3V0aW9uRXZlbnQSEAoGc3Rkb3V0GAEgASgMSAASEAoGc3RkZXJyGAIgASgMSAASLQoGcmVzdWx0GAMgASgLMhsudG9vbHJlZ2lzdHJ5LnYxLlRvb2xSZXN1bHRIABI0CgdzdGFydGVkGAQgASgLMiEudG9vbHJlZ2lzdHJ5LnYxLkV4ZWN1dGlvblN0YXJ0ZWRIAEIHCgVldmVudCIoChBFeGVjdXRpb25TdGFydGVkEhQKDGV4ZWN1dGlvbl9pZBgBIAEoCSJcChZBdHRhY2hFeGVjdXRpb25SZXF1ZXN0EhQKDGV4ZWN1dGlvbl9pZBgBIAEoCRIVCg1zdGRvdXRfb2Zmc2V0GAIgASgDEhUKDXN0ZGVycl9vZmZzZXQYAyABKAMikwQKD0FwcHJvdmFsUmVxdWVzdBIKCgJpZBgBIAEoCRIRCgl0b29sX25hbWUYAiABKAkSEwoLdG9vbF9kaWdlc3QYAyABKAkSFgoOYXJndW1lbnRzX2pzb24YBCABKAkSGAoQYXJndW1lbnRzX2RpZ2VzdBgFIAEoCRIUCgxyZXF1ZXN0ZWRfYnkYBiABKAkSGgoSYXBwcm92YWxzX3JlcXVpcmVkGAcgASgFEhMKC2FwcHJvdmVkX2J5GAggAygJEg0KBXN0YXRlGAkgASgJEi4KCmNyZWF0ZWRfYXQYCiABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEi4KCmV4cGlyZXNfYXQYCyABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEhAKCGF1ZGllbmNlGAwgASgJEhcKD21heF90b2tlbl90dGxfcxgNIAEoBRIZChFhcHByb3ZhbHNfbWlzc2luZxgOIAEoBRIjCgR0b29sGA8gASgLMhUudG9vbHJlZ2lzdHJ5LnYxLlRvb2wSEwoLcmVqZWN0ZWRfYnkYECABKAkSGAoQcmVqZWN0aW9uX3JlYXNvbhgRIAEoCRIVCg12b2lkZWRfcmVhc29uGBIgASgJEjMKDWFwcGxpZWRfcnVsZXMYEyADKAsyHC50b29scmVnaXN0cnkudjEuQXBwbGllZFJ1bGUiaQoLQXBwbGllZFJ1bGUSDAoEbmFtZRgBIAEoCRINCgVtYXRjaBgCIAEoCRIRCgljb25kaXRpb24YAyABKAkSGgoSYXBwcm92YWxzX3JlcXVpcmVkGAQgASgFEg4KBmdyb3VwcxgFIAMoCSIxChFEZWxldGVUb29sUmVxdWVzdBIMCgRuYW1lGAEgASgJEg4KBnJlYXNvbhgCIAEoCSIUChJEZWxldGVUb29sUmVzcG9uc2UiRgoVU2V0VG9vbEVuYWJsZWRSZXF1ZXN0EgwKBG5hbWUYASABKAkSDwoHZW5hYmxlZBgCIAEoCBIOCgZyZWFzb24YAyABKAkiFQoTUmVsb2FkUG9saWN5UmVxdWVzdCIWChRHZXRTZXJ2ZXJJbmZvUmVxdWVzdCKBAQoKU2VydmVySW5mbxIVCg1wb2xpY3lfZGlnZXN0GAEgASgJEhUKDXBvbGljeV9zb3VyY2UYAiABKAkSNAoQcG9saWN5X2xvYWRlZF9hdBgDIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASDwoHdmVyc2lvbhgEIAEoCSJCChxSZWplY3RBcHByb3ZhbFJlcXVlc3RSZXF1ZXN0EhIKCnJlcXVlc3RfaWQYASABKAkSDgoGcmVhc29uGAIgASgJIjIKHFdhdGNoQXBwcm92YWxSZXF1ZXN0c1JlcXVlc3QSEgoKcmVxdWVzdF9pZBgBIAEoCSLIAQoNQXBwcm92YWxFdmVudBIwCgR0eXBlGAEgASgOMiIudG9vbHJlZ2lzdHJ5LnYxLkFwcHJvdmFsRXZlbnRUeXBlEjEKB3JlcXVlc3QYAiABKAsyIC50b29scmVnaXN0cnkudjEuQXBwcm92YWxSZXF1ZXN0Eg0KBWFjdG9yGAMgASgJEg4KBnJlYXNvbhgEIAEoCRImCgJhdBgFIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASCwoDc2VxGAYgASgDImIKG0xpc3RBcHByb3ZhbFJlcXVlc3RzUmVxdWVzdBINCgVzdGF0ZRgBIAEoCRINCgVsaW1pdBgCIAEoBRIRCglwYWdlX3NpemUYAyABKAUSEgoKcGFnZV90b2tlbhgEIAEoCSJrChxMaXN0QXBwcm92YWxSZXF1ZXN0c1Jlc3BvbnNlEjIKCHJlcXVlc3RzGAEgAygLMiAudG9vbHJlZ2lzdHJ5LnYxLkFwcHJvdmFsUmVxdWVzdBIXCg9uZXh0X3BhZ2VfdG9rZW4YAiABKAkiJwoZR2V0QXBwcm92YWxSZXF1ZXN0UmVxdWVzdBIKCgJpZBgBIAEoCSI6ChVTdWJtaXRBcHByb3ZhbFJlcXVlc3QSEgoKcmVxdWVzdF9pZBgBIAEoCRINCgV0b2tlbhgCIAEoCSp5CgtTYWZldHlMZXZlbBIcChhTQUZFVFlfTEVWRUxfVU5TUEVDSUZJRUQQABIVChFTQUZFVFlfTEVWRUxfU0FGRRABEhkKFVNBRkVUWV9MRVZFTF9DQVVUSU9VUxACEhoKFlNBRkVUWV9MRVZFTF9EQU5HRVJPVVMQAyp7CgxTY2hlbWFGb3JtYXQSHQoZU0NIRU1BX0ZPUk1BVF9VTlNQRUNJRklFRBAAEhgKFFNDSEVNQV9GT1JNQVRfT1BFTkFJEAESGwoXU0NIRU1BX0ZPUk1BVF9BTlRIUk9QSUMQAhIVChFTQ0hFTUFfRk9STUFUX01DUBADKrsDCg9FeGVjdXRpb25TdGF0dXMSIAocRVhFQ1VUSU9OX1NUQVRVU19VTlNQRUNJRklFRBAAEhcKE0VYRUNVVElPTl9TVEFUVVNfT0sQARIjCh9FWEVDVVRJT05fU1RBVFVTX1RPT0xfTk9UX0ZPVU5EEAISJgoiRVhFQ1VUSU9OX1NUQVRVU19JTlZBTElEX0FSR1VNRU5UUxADEiYKIkVYRUNVVElPTl9TVEFUVVNfQVBQUk9WQUxfUkVRVUlSRUQQBBIkCiBFWEVDVVRJT05fU1RBVFVTX0FQUFJPVkFMX0RFTklFRBAFEh8KG0VYRUNVVElPTl9TVEFUVVNfVE9PTF9FUlJPUhAGEhwKGEVYRUNVVElPTl9TVEFUVVNfVElNRU9VVBAHEicKI0VYRUNVVElPTl9TVEFUVVNfUkVTT1VSQ0VfRVhIQVVTVEVEEAgSIgoeRVhFQ1VUSU9OX1NUQVRVU19TQU5EQk9YX0VSUk9SEAkSIgoeRVhFQ1VUSU9OX1NUQVRVU19UT09MX0RJU0FCTEVEEAoSIgoeRVhFQ1VUSU9OX1NUQVRVU19QT0xJQ1lfREVOSUVEEAsq6AIKEUFwcHJvdmFsRXZlbnRUeXBlEiMKH0FQUFJPVkFMX0VWRU5UX1RZUEVfVU5TUEVDSUZJRUQQABIfChtBUFBST1ZBTF9FVkVOVF9UWVBFX0NVUlJFTlQQARIeChpBUFBST1ZBTF9FVkVOVF9UWVBFX1NZTkNFRBACEh4KGkFQUFJPVkFMX0VWRU5UX1RZUEVfT1BFTkVEEAMSJgoiQVBQUk9WQUxfRVZFTlRfVFlQRV9BUFBST1ZBTF9BRERFRBAEEiAKHEFQUFJPVkFMX0VWRU5UX1RZUEVfQVBQUk9WRUQQBRIgChxBUFBST1ZBTF9FVkVOVF9UWVBFX1JFSkVDVEVEEAYSIAocQVBQUk9WQUxfRVZFTlRfVFlQRV9DT05TVU1FRBAHEh8KG0FQUFJPVkFMX0VWRU5UX1RZUEVfRVhQSVJFRBAIEh4KGkFQUFJPVkFMX0VWRU5UX1RZUEVfVk9JREVEEAkyuwsKDFRvb2xSZWdpc3RyeRJLCgxSZWdpc3RlclRvb2wSJC50b29scmVnaXN0cnkudjEuUmVnaXN0ZXJUb29sUmVxdWVzdBoVLnRvb2xyZWdpc3RyeS52MS5Ub29sEkEKB0dldFRvb2wSHy50b29scmVnaXN0cnkudjEuR2V0VG9vbFJlcXVlc3QaFS50b29scmVnaXN0cnkudjEuVG9vbBJSCglMaXN0VG9vbHMSIS50b29scmVnaXN0cnkudjEuTGlzdFRvb2xzUmVxdWVzdBoiLnRvb2xyZWdpc3RyeS52MS5MaXN0VG9vbHNSZXNwb25zZRJhCg5HZXRUb29sU2NoZW1hcxImLnRvb2xyZWdpc3RyeS52MS5HZXRUb29sU2NoZW1hc1JlcXVlc3QaJy50b29scmVnaXN0cnkudjEuR2V0VG9vbFNjaGVtYXNSZXNwb25zZRJVCgpEZWxldGVUb29sEiIudG9vbHJlZ2lzdHJ5LnYxLkRlbGV0ZVRvb2xSZXF1ZXN0GiMudG9vbHJlZ2lzdHJ5LnYxLkRlbGV0ZVRvb2xSZXNwb25zZRJPCg5TZXRUb29sRW5hYmxlZBImLnRvb2xyZWdpc3RyeS52MS5TZXRUb29sRW5hYmxlZFJlcXVlc3QaFS50b29scmVnaXN0cnkudjEuVG9vbBJRCgxSZWxvYWRQb2xpY3kSJC50b29scmVnaXN0cnkudjEuUmVsb2FkUG9saWN5UmVxdWVzdBobLnRvb2xyZWdpc3RyeS52MS5TZXJ2ZXJJbmZvElMKDUdldFNlcnZlckluZm8SJS50b29scmVnaXN0cnkudjEuR2V0U2VydmVySW5mb1JlcXVlc3QaGy50b29scmVnaXN0cnkudjEuU2VydmVySW5mbxJPCgtFeGVjdXRlVG9vbBIjLnRvb2xyZWdpc3RyeS52MS5FeGVjdXRlVG9vbFJlcXVlc3QaGy50b29scmVnaXN0cnkudjEuVG9vbFJlc3VsdBJbChFTdHJlYW1FeGVjdXRlVG9vbBIjLnRvb2xyZWdpc3RyeS52MS5FeGVjdXRlVG9vbFJlcXVlc3QaHy50b29scmVnaXN0cnkudjEuRXhlY3V0aW9uRXZlbnQwARJdCg9BdHRhY2hFeGVjdXRpb24SJy50b29scmVnaXN0cnkudjEuQXR0YWNoRXhlY3V0aW9uUmVxdWVzdBofLnRvb2xyZWdpc3RyeS52MS5FeGVjdXRpb25FdmVudDABEnMKFExpc3RBcHByb3ZhbFJlcXVlc3RzEiwudG9vbHJlZ2lzdHJ5LnYxLkxpc3RBcHByb3ZhbFJlcXVlc3RzUmVxdWVzdBotLnRvb2xyZWdpc3RyeS52MS5MaXN0QXBwcm92YWxSZXF1ZXN0c1Jlc3BvbnNlEmIKEkdldEFwcHJvdmFsUmVxdWVzdBIqLnRvb2xyZWdpc3RyeS52MS5HZXRBcHByb3ZhbFJlcXVlc3RSZXF1ZXN0GiAudG9vbHJlZ2lzdHJ5LnYxLkFwcHJvdmFsUmVxdWVzdBJaCg5TdWJtaXRBcHByb3ZhbBImLnRvb2xyZWdpc3RyeS52MS5TdWJtaXRBcHByb3ZhbFJlcXVlc3QaIC50b29scmVnaXN0cnkudjEuQXBwcm92YWxSZXF1ZXN0EmgKFVJlamVjdEFwcHJvdmFsUmVxdWVzdBItLnRvb2xyZWdpc3RyeS52MS5SZWplY3RBcHByb3ZhbFJlcXVlc3RSZXF1ZXN0GiAudG9vbHJlZ2lzdHJ5LnYxLkFwcHJvdmFsUmVxdWVzdBJoChVXYXRjaEFwcHJvdmFsUmVxdWVzdHMSLS50b29scmVnaXN0cnkudjEuV2F0Y2hBcHByb3ZhbFJlcXVlc3RzUmVxdWVzdBoeLnRvb2xyZWdpc3RyeS52MS5BcHByb3ZhbEV2ZW50MAFCYQobZGV2LnRvb2xyZWcudG9vbHJlZ2lzdHJ5LnYxUAFaQGdpdGh1Yi5jb20vdG9vbHJlZy90b29scmVnL2dlbi9nby90b29scmVnaXN0cnkvdjE7dG9vbHJlZ2lzdHJ5djFiBnByb3RvMw", [file_google_protobuf_timestamp]);
 
 /**
  * @generated from message toolregistry.v1.Tool
@@ -301,6 +301,21 @@ export type SandboxSpec = Message<"toolregistry.v1.SandboxSpec"> & {
    * @generated from field: toolregistry.v1.ResourceLimits limits = 4;
    */
   limits?: ResourceLimits | undefined;
+
+  /**
+   * A warm interpreter for safe and cautious tools: "python" starts the
+   * command's Python interpreter in the warm container before the call, with
+   * the modules in `preload` imported (no input, no network), and the call's
+   * release runs the tool's code in it. Empty: none. Part of the digest.
+   *
+   * @generated from field: string prestart = 5;
+   */
+  prestart: string;
+
+  /**
+   * @generated from field: repeated string preload = 6;
+   */
+  preload: string[];
 };
 
 /**
@@ -661,6 +676,14 @@ export type ExecutionEvent = Message<"toolregistry.v1.ExecutionEvent"> & {
      */
     value: ToolResult;
     case: "result";
+  } | {
+    /**
+     * First, once the call is admitted. Clients ignore events they do not know.
+     *
+     * @generated from field: toolregistry.v1.ExecutionStarted started = 4;
+     */
+    value: ExecutionStarted;
+    case: "started";
   } | { case: undefined; value?: undefined };
 };
 
@@ -670,6 +693,55 @@ export type ExecutionEvent = Message<"toolregistry.v1.ExecutionEvent"> & {
  */
 export const ExecutionEventSchema: GenMessage<ExecutionEvent> = /*@__PURE__*/
   messageDesc(file_toolregistry_v1_registry, 15);
+
+/**
+ * @generated from message toolregistry.v1.ExecutionStarted
+ */
+export type ExecutionStarted = Message<"toolregistry.v1.ExecutionStarted"> & {
+  /**
+   * The call's audit record id, as ToolResult.execution_id.
+   *
+   * @generated from field: string execution_id = 1;
+   */
+  executionId: string;
+};
+
+/**
+ * Describes the message toolregistry.v1.ExecutionStarted.
+ * Use `create(ExecutionStartedSchema)` to create a new message.
+ */
+export const ExecutionStartedSchema: GenMessage<ExecutionStarted> = /*@__PURE__*/
+  messageDesc(file_toolregistry_v1_registry, 16);
+
+/**
+ * @generated from message toolregistry.v1.AttachExecutionRequest
+ */
+export type AttachExecutionRequest = Message<"toolregistry.v1.AttachExecutionRequest"> & {
+  /**
+   * @generated from field: string execution_id = 1;
+   */
+  executionId: string;
+
+  /**
+   * Bytes of stdout and of stderr the client already holds: the answer
+   * starts after them.
+   *
+   * @generated from field: int64 stdout_offset = 2;
+   */
+  stdoutOffset: bigint;
+
+  /**
+   * @generated from field: int64 stderr_offset = 3;
+   */
+  stderrOffset: bigint;
+};
+
+/**
+ * Describes the message toolregistry.v1.AttachExecutionRequest.
+ * Use `create(AttachExecutionRequestSchema)` to create a new message.
+ */
+export const AttachExecutionRequestSchema: GenMessage<AttachExecutionRequest> = /*@__PURE__*/
+  messageDesc(file_toolregistry_v1_registry, 17);
 
 /**
  * @generated from message toolregistry.v1.ApprovalRequest
@@ -794,7 +866,7 @@ export type ApprovalRequest = Message<"toolregistry.v1.ApprovalRequest"> & {
  * Use `create(ApprovalRequestSchema)` to create a new message.
  */
 export const ApprovalRequestSchema: GenMessage<ApprovalRequest> = /*@__PURE__*/
-  messageDesc(file_toolregistry_v1_registry, 16);
+  messageDesc(file_toolregistry_v1_registry, 18);
 
 /**
  * One approval rule that applies to a call.
@@ -842,7 +914,7 @@ export type AppliedRule = Message<"toolregistry.v1.AppliedRule"> & {
  * Use `create(AppliedRuleSchema)` to create a new message.
  */
 export const AppliedRuleSchema: GenMessage<AppliedRule> = /*@__PURE__*/
-  messageDesc(file_toolregistry_v1_registry, 17);
+  messageDesc(file_toolregistry_v1_registry, 19);
 
 /**
  * @generated from message toolregistry.v1.DeleteToolRequest
@@ -867,7 +939,7 @@ export type DeleteToolRequest = Message<"toolregistry.v1.DeleteToolRequest"> & {
  * Use `create(DeleteToolRequestSchema)` to create a new message.
  */
 export const DeleteToolRequestSchema: GenMessage<DeleteToolRequest> = /*@__PURE__*/
-  messageDesc(file_toolregistry_v1_registry, 18);
+  messageDesc(file_toolregistry_v1_registry, 20);
 
 /**
  * @generated from message toolregistry.v1.DeleteToolResponse
@@ -880,7 +952,7 @@ export type DeleteToolResponse = Message<"toolregistry.v1.DeleteToolResponse"> &
  * Use `create(DeleteToolResponseSchema)` to create a new message.
  */
 export const DeleteToolResponseSchema: GenMessage<DeleteToolResponse> = /*@__PURE__*/
-  messageDesc(file_toolregistry_v1_registry, 19);
+  messageDesc(file_toolregistry_v1_registry, 21);
 
 /**
  * @generated from message toolregistry.v1.SetToolEnabledRequest
@@ -909,7 +981,7 @@ export type SetToolEnabledRequest = Message<"toolregistry.v1.SetToolEnabledReque
  * Use `create(SetToolEnabledRequestSchema)` to create a new message.
  */
 export const SetToolEnabledRequestSchema: GenMessage<SetToolEnabledRequest> = /*@__PURE__*/
-  messageDesc(file_toolregistry_v1_registry, 20);
+  messageDesc(file_toolregistry_v1_registry, 22);
 
 /**
  * @generated from message toolregistry.v1.ReloadPolicyRequest
@@ -922,7 +994,7 @@ export type ReloadPolicyRequest = Message<"toolregistry.v1.ReloadPolicyRequest">
  * Use `create(ReloadPolicyRequestSchema)` to create a new message.
  */
 export const ReloadPolicyRequestSchema: GenMessage<ReloadPolicyRequest> = /*@__PURE__*/
-  messageDesc(file_toolregistry_v1_registry, 21);
+  messageDesc(file_toolregistry_v1_registry, 23);
 
 /**
  * @generated from message toolregistry.v1.GetServerInfoRequest
@@ -935,7 +1007,7 @@ export type GetServerInfoRequest = Message<"toolregistry.v1.GetServerInfoRequest
  * Use `create(GetServerInfoRequestSchema)` to create a new message.
  */
 export const GetServerInfoRequestSchema: GenMessage<GetServerInfoRequest> = /*@__PURE__*/
-  messageDesc(file_toolregistry_v1_registry, 22);
+  messageDesc(file_toolregistry_v1_registry, 24);
 
 /**
  * @generated from message toolregistry.v1.ServerInfo
@@ -973,7 +1045,7 @@ export type ServerInfo = Message<"toolregistry.v1.ServerInfo"> & {
  * Use `create(ServerInfoSchema)` to create a new message.
  */
 export const ServerInfoSchema: GenMessage<ServerInfo> = /*@__PURE__*/
-  messageDesc(file_toolregistry_v1_registry, 23);
+  messageDesc(file_toolregistry_v1_registry, 25);
 
 /**
  * @generated from message toolregistry.v1.RejectApprovalRequestRequest
@@ -998,7 +1070,7 @@ export type RejectApprovalRequestRequest = Message<"toolregistry.v1.RejectApprov
  * Use `create(RejectApprovalRequestRequestSchema)` to create a new message.
  */
 export const RejectApprovalRequestRequestSchema: GenMessage<RejectApprovalRequestRequest> = /*@__PURE__*/
-  messageDesc(file_toolregistry_v1_registry, 24);
+  messageDesc(file_toolregistry_v1_registry, 26);
 
 /**
  * @generated from message toolregistry.v1.WatchApprovalRequestsRequest
@@ -1018,7 +1090,7 @@ export type WatchApprovalRequestsRequest = Message<"toolregistry.v1.WatchApprova
  * Use `create(WatchApprovalRequestsRequestSchema)` to create a new message.
  */
 export const WatchApprovalRequestsRequestSchema: GenMessage<WatchApprovalRequestsRequest> = /*@__PURE__*/
-  messageDesc(file_toolregistry_v1_registry, 25);
+  messageDesc(file_toolregistry_v1_registry, 27);
 
 /**
  * @generated from message toolregistry.v1.ApprovalEvent
@@ -1068,7 +1140,7 @@ export type ApprovalEvent = Message<"toolregistry.v1.ApprovalEvent"> & {
  * Use `create(ApprovalEventSchema)` to create a new message.
  */
 export const ApprovalEventSchema: GenMessage<ApprovalEvent> = /*@__PURE__*/
-  messageDesc(file_toolregistry_v1_registry, 26);
+  messageDesc(file_toolregistry_v1_registry, 28);
 
 /**
  * @generated from message toolregistry.v1.ListApprovalRequestsRequest
@@ -1110,7 +1182,7 @@ export type ListApprovalRequestsRequest = Message<"toolregistry.v1.ListApprovalR
  * Use `create(ListApprovalRequestsRequestSchema)` to create a new message.
  */
 export const ListApprovalRequestsRequestSchema: GenMessage<ListApprovalRequestsRequest> = /*@__PURE__*/
-  messageDesc(file_toolregistry_v1_registry, 27);
+  messageDesc(file_toolregistry_v1_registry, 29);
 
 /**
  * @generated from message toolregistry.v1.ListApprovalRequestsResponse
@@ -1134,7 +1206,7 @@ export type ListApprovalRequestsResponse = Message<"toolregistry.v1.ListApproval
  * Use `create(ListApprovalRequestsResponseSchema)` to create a new message.
  */
 export const ListApprovalRequestsResponseSchema: GenMessage<ListApprovalRequestsResponse> = /*@__PURE__*/
-  messageDesc(file_toolregistry_v1_registry, 28);
+  messageDesc(file_toolregistry_v1_registry, 30);
 
 /**
  * @generated from message toolregistry.v1.GetApprovalRequestRequest
@@ -1151,7 +1223,7 @@ export type GetApprovalRequestRequest = Message<"toolregistry.v1.GetApprovalRequ
  * Use `create(GetApprovalRequestRequestSchema)` to create a new message.
  */
 export const GetApprovalRequestRequestSchema: GenMessage<GetApprovalRequestRequest> = /*@__PURE__*/
-  messageDesc(file_toolregistry_v1_registry, 29);
+  messageDesc(file_toolregistry_v1_registry, 31);
 
 /**
  * @generated from message toolregistry.v1.SubmitApprovalRequest
@@ -1173,7 +1245,7 @@ export type SubmitApprovalRequest = Message<"toolregistry.v1.SubmitApprovalReque
  * Use `create(SubmitApprovalRequestSchema)` to create a new message.
  */
 export const SubmitApprovalRequestSchema: GenMessage<SubmitApprovalRequest> = /*@__PURE__*/
-  messageDesc(file_toolregistry_v1_registry, 30);
+  messageDesc(file_toolregistry_v1_registry, 32);
 
 /**
  * @generated from enum toolregistry.v1.SafetyLevel
@@ -1595,6 +1667,8 @@ export const ToolRegistry: GenService<{
   /**
    * StreamExecuteTool is ExecuteTool that streams the tool's stdout and
    * stderr chunks as they are produced, then ends with exactly one `result`.
+   * Once the call is admitted (before its sandbox runs) the first event is
+   * `started`, with the execution id that AttachExecution takes.
    * Errors: as ExecuteTool.
    *
    * @generated from rpc toolregistry.v1.ToolRegistry.StreamExecuteTool
@@ -1602,6 +1676,24 @@ export const ToolRegistry: GenService<{
   streamExecuteTool: {
     methodKind: "server_streaming";
     input: typeof ExecuteToolRequestSchema;
+    output: typeof ExecutionEventSchema;
+  },
+  /**
+   * AttachExecution re-attaches to a call that StreamExecuteTool started,
+   * after its stream broke: the events from the given offsets on (what the
+   * client already has is not sent again), then exactly one `result`. A
+   * call's output and result are kept until it ends plus a grace period.
+   * Only the client that made the call may attach.
+   * Errors:
+   * - NOT_FOUND: no such call kept, or it is another client's (the two are
+   *   not told apart).
+   * - INVALID_ARGUMENT: a malformed id or a negative offset.
+   *
+   * @generated from rpc toolregistry.v1.ToolRegistry.AttachExecution
+   */
+  attachExecution: {
+    methodKind: "server_streaming";
+    input: typeof AttachExecutionRequestSchema;
     output: typeof ExecutionEventSchema;
   },
   /**
