@@ -28,6 +28,9 @@ decides who may use it and how much:
 * **How much.** Request bodies are capped before parsing (413), open sessions
   are capped (503 for more) and closed after an idle period, connections are
   capped (uvicorn answers 503 beyond), and a session's requests are the SDK's.
+* **Resuming.** SSE events carry ids; a client whose stream dropped resumes
+  it with ``Last-Event-ID`` in the same session, as the same principal, from
+  a bounded in-memory store (``mcp_event_store``, ``mcp_resume``).
 
 * **OAuth.** With ``--oauth-provider`` (one of the policy's identity
   providers), the bridge is also an OAuth 2.1 resource server for MCP hosts:
@@ -36,7 +39,8 @@ decides who may use it and how much:
   a registry token exchanged for them at the provider (``mcp_oauth``).
 
 Order of checks on a request: bearer token (401), then body size (413), then
-Host (421) / Origin (403), then the MCP session and message. The settings and
+Host (421) / Origin (403), then the MCP session and message (a resume whose
+events are no longer held: 410, in the caller's own open session only). The settings and
 the checks made before anything listens: ``mcp_http_settings.py``.
 """
 
@@ -54,7 +58,7 @@ from mcp.server.auth.middleware.bearer_auth import (
 )
 from mcp.server.auth.provider import AccessToken
 from mcp.server.context import ServerRequestContext
-from mcp.server.streamable_http_manager import StreamableHTTPASGIApp, StreamableHTTPSessionManager
+from mcp.server.streamable_http_manager import StreamableHTTPASGIApp
 from mcp.server.transport_security import TransportSecuritySettings
 from mcp.shared.exceptions import MCPError
 from mcp.types import INVALID_REQUEST
@@ -74,6 +78,7 @@ from registry_server.client.http_listener import (
     uvicorn_config,
 )
 from registry_server.client.mcp_bridge import Bridge, build_server
+from registry_server.client.mcp_event_store import ResumableEvents
 from registry_server.client.mcp_http_settings import HttpSettings, check_settings
 from registry_server.client.mcp_oauth import (
     IdpTokenVerifier,
@@ -82,6 +87,7 @@ from registry_server.client.mcp_oauth import (
     TokenExchange,
     metadata_routes,
 )
+from registry_server.client.mcp_resume import ResumableSessionManager, ResumeGuard
 from registry_server.client.registry_client import RegistryClient, TokenProvider
 from registry_server.policy.model import Policy
 
@@ -175,14 +181,18 @@ def build_app(
 ) -> Starlette:
     """The ASGI app: the SDK's session manager at ``/mcp``, behind bearer auth
     (and, with OAuth, the RFC 9728 metadata the SDK's routes serve)."""
-    manager = StreamableHTTPSessionManager(
+    security = transport_security(settings, port)
+    events = ResumableEvents(settings.resume)
+    manager = ResumableSessionManager(
+        events=events,
         app=build_server(bridge),
-        security_settings=transport_security(settings, port),
+        security_settings=security,
         max_request_body_size=settings.max_body_bytes,
         session_idle_timeout=settings.session_idle_s,
         max_sessions=settings.max_sessions,
     )
-    endpoint: ASGIApp = StreamableHTTPASGIApp(manager)
+    # Inside the bearer check: a resume is judged only for an authenticated caller.
+    endpoint: ASGIApp = ResumeGuard(StreamableHTTPASGIApp(manager), events, security)
     middleware: list[Middleware] = []
     routes: list[Route] = []
     if settings.policy is not None:

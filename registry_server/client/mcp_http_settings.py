@@ -4,6 +4,7 @@ the server, so that reading and checking them does not import the MCP SDK."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,30 @@ DEFAULT_MAX_BODY_BYTES = MAX_ARGUMENTS_BYTES + 64 * 1024
 DEFAULT_MAX_SESSIONS = 64  # MCP sessions open at once; the next gets 503 until one ends
 DEFAULT_SESSION_IDLE_S = 600.0  # seconds without a request before a session is closed
 CLIENT_SECRET_ENV = "TOOLREG_OAUTH_CLIENT_SECRET"  # the bridge's secret at the IdP (never argv)
+
+
+@dataclass(frozen=True)
+class ResumeLimits:
+    """How much of the SSE streams the bridge keeps so that a client whose
+    stream dropped can resume it with ``Last-Event-ID`` (mcp_event_store.py).
+    Every bound holds at once; the least recently written stream goes first."""
+
+    events_per_stream: int = 1024  # a stream's oldest events are dropped beyond this
+    bytes_per_stream: int = 8 * 1024 * 1024  # likewise; a single larger event ends resumption
+    streams: int = 256  # streams held, across all sessions
+    total_bytes: int = 64 * 1024 * 1024  # bytes held, across all sessions
+    ttl_s: float = 600.0  # seconds a stream is kept after its last event
+
+    def problems(self) -> list[str]:
+        """What is wrong with these limits (empty when they are usable)."""
+        found = [
+            f"{name} must be a positive number"
+            for name, value in vars(self).items()
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0)
+        ]
+        if not found and self.bytes_per_stream > self.total_bytes:
+            found.append("bytes_per_stream must not exceed total_bytes")
+        return found
 
 
 @dataclass(frozen=True)
@@ -67,6 +92,7 @@ class HttpSettings:
     max_level: SafetyLevel | None = None
     categories: tuple[str, ...] = ()
     oauth: OAuthSettings | None = None
+    resume: ResumeLimits = ResumeLimits()  # SSE events kept for Last-Event-ID
 
     @property
     def tls(self) -> bool:
@@ -89,6 +115,9 @@ def check_settings(settings: HttpSettings) -> None:
             f"refusing to serve MCP on {settings.host} with --insecure-dev: without"
             " authentication it listens on loopback only (127.0.0.1, ::1, localhost)"
         )
+    problems = settings.resume.problems()
+    if problems:
+        raise ConfigError("--resume-*: " + "; ".join(problems))
     if settings.oauth is not None:
         _check_oauth(settings.oauth)
     elif settings.policy is not None and not any(c.token_sha256 for c in settings.policy.clients):
@@ -148,6 +177,20 @@ def oauth_settings(
     )  # fmt: skip
 
 
+def resume_limits(ttl_s: float | None, max_bytes: int | None) -> ResumeLimits:
+    """``--resume-ttl-s`` and ``--resume-max-bytes`` (None = the default). A
+    total below the per-stream default lowers that too, so one flag suffices."""
+    base = ResumeLimits()
+    total = base.total_bytes if max_bytes is None else max_bytes
+    return ResumeLimits(
+        events_per_stream=base.events_per_stream,
+        bytes_per_stream=min(base.bytes_per_stream, total) if total > 0 else base.bytes_per_stream,
+        streams=base.streams,
+        total_bytes=total,
+        ttl_s=base.ttl_s if ttl_s is None else ttl_s,
+    )
+
+
 def http_settings(
     endpoint: str,
     *,
@@ -168,6 +211,8 @@ def http_settings(
     oauth_client_id: str | None = None,
     oauth_client_secret_file: Path | None = None,
     registry_resource: str | None = None,
+    resume_ttl_s: float | None = None,
+    resume_max_bytes: int | None = None,
 ) -> HttpSettings:
     """The CLI's options as checked settings (None = the default); ConfigError
     names the first problem, PolicyError's lines included."""
@@ -192,6 +237,7 @@ def http_settings(
         max_body_bytes=DEFAULT_MAX_BODY_BYTES if max_body_bytes is None else max_body_bytes,
         max_level=max_level,
         categories=tuple(categories),
+        resume=resume_limits(resume_ttl_s, resume_max_bytes),
         oauth=None
         if oauth_provider is None
         else oauth_settings(

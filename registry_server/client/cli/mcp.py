@@ -74,6 +74,20 @@ def mcp_serve(
         int | None,
         typer.Option("--max-body-bytes", help="With --http: request body cap (1 MiB + 64 KiB)."),
     ] = None,
+    resume_ttl_s: Annotated[
+        float | None,
+        typer.Option(
+            "--resume-ttl-s",
+            help="With --http: keep a stream's events for Last-Event-ID this long after its"
+            " last event (600 s).",
+        ),
+    ] = None,
+    resume_max_bytes: Annotated[
+        int | None,
+        typer.Option(
+            "--resume-max-bytes", help="With --http: bytes of stream events kept in all (64 MiB)."
+        ),
+    ] = None,
     oauth_provider: Annotated[
         str | None,
         typer.Option(
@@ -138,6 +152,8 @@ def mcp_serve(
         "--http-tls-cert": http_tls_cert is not None, "--http-tls-key": http_tls_key is not None,
         "--max-sessions": max_sessions is not None, "--session-idle-s": session_idle_s is not None,
         "--max-body-bytes": max_body_bytes is not None,
+        "--resume-ttl-s": resume_ttl_s is not None,
+        "--resume-max-bytes": resume_max_bytes is not None,
         "--oauth-provider": oauth_provider is not None, "--resource-url": resource_url is not None,
         "--oauth-scope": bool(oauth_scope), "--oauth-client-id": oauth_client_id is not None,
         "--oauth-client-secret-file": oauth_client_secret_file is not None,
@@ -155,6 +171,7 @@ def mcp_serve(
         allowed_hosts=allow_host or (), allowed_origins=allow_origin or (),
         tls_cert=http_tls_cert, tls_key=http_tls_key, max_sessions=max_sessions,
         session_idle_s=session_idle_s, max_body_bytes=max_body_bytes,
+        resume_ttl_s=resume_ttl_s, resume_max_bytes=resume_max_bytes,
         max_level=level, categories=category or (), oauth_provider=oauth_provider,
         resource_url=resource_url, oauth_scopes=oauth_scope or (),
         oauth_client_id=oauth_client_id, oauth_client_secret_file=oauth_client_secret_file,
