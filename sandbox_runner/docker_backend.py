@@ -55,7 +55,9 @@ from .egress.gateway import (
 )
 from .framing import (
     INIT_EXIT,
+    INIT_FAILED,
     INIT_HELLO,
+    INIT_READY,
     STDERR,
     STDOUT,
     CappedBuffer,
@@ -84,6 +86,7 @@ from .spec import (
     SandboxSpec,
 )
 from .tracing import SANDBOX_REMOVE, TOOL_RUN, within_call
+from .warm_interpreter import stub_command
 
 __all__ = [
     "EXIT_FRAME",
@@ -123,6 +126,7 @@ NETSTACK_UNSUPPORTED: Final = "cannot run with network enabled in root network n
 # The init (init/toolreg_init.c). Docker creates the mountpoint in the container's own
 # layer, so this works on a read-only root, in a FROM scratch image, under runc and runsc.
 INIT_TARGET: Final = "/.toolreg/init"  # in-container path of the init (read-only bind)
+PRESTART_FLAG: Final = "--prestart"  # the init execs its program now (warm_interpreter.py)
 INIT_PROTOCOL: Final = 3  # version of the init's protocol (init/toolreg_init.c)
 GO_BYTE: Final = b"G"  # a first stdin byte that lets the init run the tool on that stdin
 # The first stdin byte finish sends: it lets the init run the tool, and a 4-byte
@@ -131,6 +135,9 @@ GO_BYTE: Final = b"G"  # a first stdin byte that lets the init run the tool on t
 SIZED_GO_BYTE: Final = b"S"
 MAX_INPUT_BYTES: Final = 2**32 - 1  # bytes: what the 4-byte length can say
 HELLO_TIMEOUT_S: Final = 10.0  # seconds for a started init to say which protocol it speaks
+# seconds for a prestarted interpreter (warm_interpreter.py) to import its preloads and
+# say it is ready, after the hello (a slow import under half a CPU and gVisor included)
+PRESTART_TIMEOUT_S: Final = 30.0
 SIGKILL_NUMBER: Final = 9  # a tool killed so may have met the memory limit: ask the engine
 INIT_NOT_RELEASED_EXIT: Final = 125  # exit code: the init got EOF/another byte, ran nothing
 # Prepared.marks: the go byte and input sent, the first output frame and the exit
@@ -541,17 +548,25 @@ def _close_attached(attached: Any) -> None:
             response.close()
 
 
-def _await_hello(sock: socket.socket, container_id: str) -> None:
+def _await_hello(sock: socket.socket, container_id: str, *, prestart: bool = False) -> None:
     """Read the init's hello frame, and nothing after it (nothing follows before the
     go byte): the init runs and speaks this server's protocol. A stale init, built
-    before the protocol changed, fails here, before any call is handed to it."""
+    before the protocol changed, fails here, before any call is handed to it.
+    ``prestart``: then the frame that says the interpreter is ready (its preloads
+    imported), or SandboxError with the reason it is not (a preload that failed)."""
     demux, decoder = FrameDemuxer(), InitDecoder()
     deadline = time.monotonic() + HELLO_TIMEOUT_S
+    hello = False
     while True:
         wait = deadline - time.monotonic()
         if wait <= 0 or not select.select([sock], [], [], wait)[0]:
+            if hello:
+                raise SandboxError(
+                    f"{container_id[:12]}: prestart: the interpreter was not ready within"
+                    f" {PRESTART_TIMEOUT_S:g} s (its preloads take too long)"
+                )
             raise SandboxError(f"{container_id[:12]}: the sandbox init did not start")
-        data = sock.recv(64)
+        data = sock.recv(2048)
         if not data:
             raise SandboxError(f"{container_id[:12]}: the sandbox init exited at start")
         try:
@@ -559,14 +574,22 @@ def _await_hello(sock: socket.socket, container_id: str) -> None:
                 if stream == STDERR:
                     continue
                 for kind, value in decoder.feed(piece):
-                    if kind != INIT_HELLO:
+                    if kind == INIT_FAILED:
+                        assert isinstance(value, bytes)
+                        raise SandboxError(value.decode("utf-8", "replace"))
+                    if kind == INIT_READY and hello:
+                        return
+                    if kind != INIT_HELLO or hello:
                         raise FramingError(f"{kind} before hello")
                     if value != INIT_PROTOCOL:
                         raise SandboxError(
                             f"the sandbox init speaks protocol v{value}, this server v"
                             f"{INIT_PROTOCOL}: rebuild it (make init)"
                         )
-                    return
+                    if not prestart:
+                        return
+                    hello = True
+                    deadline = time.monotonic() + PRESTART_TIMEOUT_S
         except FramingError as e:
             raise SandboxError(
                 f"the sandbox init does not speak protocol v{INIT_PROTOCOL} ({e}):"
@@ -958,11 +981,24 @@ class DockerBackend:
         clash = [m.target for m in spec.mounts if _overlaps_init(m.target)]
         if clash:
             raise ValueError(f"mount targets {clash} overlap the init's directory {_INIT_DIR}")
+        if spec.prestart:
+            stub_command(spec.command, spec.preload)  # ValueError for a form it cannot run
 
     def _process(self, spec: SandboxSpec, facts: _ImageFacts) -> dict[str, Any]:
         """The create arguments naming the container's process."""
         if self.init_path is None:
             return {"command": list(spec.command) or None}
+        if spec.prestart:
+            if facts.entrypoint:
+                raise SandboxError(
+                    f"image {spec.image!r} has an ENTRYPOINT ({' '.join(facts.entrypoint)}):"
+                    " prestart needs the tool's command to be the interpreter itself"
+                )
+            # The held process is the interpreter, started now (init --prestart).
+            return {
+                "entrypoint": [INIT_TARGET, PRESTART_FLAG],
+                "command": stub_command(spec.command, spec.preload),
+            }
         # The init comes first whatever the image says: Docker runs Entrypoint + Cmd, so
         # the image's ENTRYPOINT (kept, as without an init) becomes the init's program.
         return {"entrypoint": [INIT_TARGET, *facts.entrypoint], "command": list(spec.command)}
@@ -1057,7 +1093,7 @@ class DockerBackend:
                 with _netstack_hint(spec.runtime), _engine_call("container start"):
                     api.start(container_id)
                 if self.init_path is not None:
-                    _await_hello(sock, container_id)
+                    _await_hello(sock, container_id, prestart=bool(spec.prestart))
             except BaseException:
                 _close_attached(attached)
                 raise

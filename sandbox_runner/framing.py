@@ -14,7 +14,9 @@ from typing import Final
 
 __all__ = [
     "INIT_EXIT",
+    "INIT_FAILED",
     "INIT_HELLO",
+    "INIT_READY",
     "STDERR",
     "STDOUT",
     "CappedBuffer",
@@ -113,10 +115,15 @@ class CappedBuffer:
 
 INIT_HELLO: Final = "hello"
 INIT_EXIT: Final = "exit"
+# Prestart only (warm_interpreter.py), right after the hello: the interpreter is ready
+# (no payload), or it could not be made ready (payload: why, as text).
+INIT_READY: Final = "ready"
+INIT_FAILED: Final = "failed"
 _INIT_HEADER_SIZE: Final = 5  # type byte + big-endian uint32 payload length
 _INIT_MAX_FRAME: Final = 1 << 20  # bytes; the init sends at most 64 KiB per frame
 _INIT_TYPES: Final[dict[int, str]] = {
     ord("H"): INIT_HELLO, ord("O"): STDOUT, ord("E"): STDERR, ord("X"): INIT_EXIT,
+    ord("R"): INIT_READY, ord("F"): INIT_FAILED,
 }  # fmt: skip
 
 
@@ -169,12 +176,18 @@ class InitDecoder:
                 (size,) = struct.unpack_from(">I", self._header, 1)
                 if kind is None or size > _INIT_MAX_FRAME:
                     raise FramingError(f"bad init frame header {bytes(self._header).hex()}")
-                if (kind == INIT_HELLO and size != 1) or (kind == INIT_EXIT and size != 5):
+                if (
+                    (kind == INIT_HELLO and size != 1)
+                    or (kind == INIT_EXIT and size != 5)
+                    or (kind == INIT_READY and size != 0)
+                ):
                     raise FramingError(f"bad {kind} frame of {size} bytes")
                 self._header.clear()
                 self._kind, self._remaining = kind, size
                 if size == 0:
                     self._kind = ""
+                    if kind in (INIT_READY, INIT_FAILED):
+                        out.append((kind, b""))
                 continue
             take = min(self._remaining, end - pos)
             chunk = bytes(view[pos : pos + take])
@@ -200,4 +213,6 @@ class InitDecoder:
                 raise FramingError(f"bad exit frame {payload.hex()}")
             self.exited = InitExit(signal=value if how == 1 else 0, status=value if how == 0 else 0)
             return [(INIT_EXIT, self.exited)]
+        if kind == INIT_FAILED:
+            return [(INIT_FAILED, payload)]
         return []

@@ -181,6 +181,11 @@ class SandboxSpec:
     workdir: str | None = None
     egress: EgressSpec | None = None  # None: no network at all
     secret_files: tuple[SecretFile, ...] = ()
+    # "python": the command's interpreter starts before the call with these modules
+    # imported, and the release runs the tool's code in it (warm_interpreter.py).
+    # Honoured only by a runner with an init; without one the command runs as it is.
+    prestart: str = ""
+    preload: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.image, str) or not self.image or "\0" in self.image:
@@ -215,6 +220,10 @@ class SandboxSpec:
             raise TypeError("SandboxSpec.mounts must be Mount instances")
         if self.workdir is not None and not posixpath.isabs(self.workdir):
             raise ValueError("SandboxSpec.workdir must be an absolute path")
+        if self.prestart not in ("", "python"):
+            raise ValueError(f"SandboxSpec.prestart must be '' or 'python', got {self.prestart!r}")
+        if self.preload and not self.prestart:
+            raise ValueError("SandboxSpec.preload needs prestart")
 
 
 @dataclass(frozen=True, slots=True)

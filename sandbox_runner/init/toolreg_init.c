@@ -42,6 +42,17 @@
  * running as the same user can neither open /proc/1/fd/1 nor ptrace it. Limits stay
  * the server's: it caps output, kills at its deadline and trusts no frame for either.
  *
+ * Prestart (`toolreg-init --prestart PROG [ARG...]`, sandbox_runner/warm_interpreter.py):
+ * the held process execs PROG at once instead of at release. PROG is then toolreg's own
+ * stand-in for the held process (a Python stub that imports the tool's preloads), never
+ * the tool: it gets the report pipe's write end as fd 3 and the sized input pipe's read
+ * end as fd 4 (not close-on-exec), reports PRESTART_READY (or PRESTART_FAILED with a
+ * message), then blocks on the go byte and reports exactly as held() below does, takes
+ * fd 4 as its stdin on 'S', and closes fd 3 (EOF: the tool's code runs now). On
+ * PRESTART_READY the init sends an 'R' frame after the hello; on a failure an 'F' frame
+ * with the message, and exits 125 (nothing of the tool ran). The server waits for one of
+ * them before it counts the container as ready. Everything else is unchanged.
+ *
  * Exit codes of its own: 125 not released (nothing ran), 126 PROG found but not
  * executable (EACCES), 127 PROG could not be run otherwise, as a shell; otherwise the
  * tool's status, or 128 + the signal that killed it.
@@ -80,7 +91,17 @@
 
 /* What the held process tells the init over its report pipe (close-on-exec: EOF after
  * RELEASED means the exec succeeded). */
-enum { REPORT_RELEASED = 1, REPORT_NOT_RELEASED, REPORT_EXEC_FAILED, REPORT_SETUP_FAILED };
+enum {
+    REPORT_RELEASED = 1,
+    REPORT_NOT_RELEASED,
+    REPORT_EXEC_FAILED,
+    REPORT_SETUP_FAILED,
+    REPORT_PRESTART_FAILED, /* prestart: value = length of the message that follows */
+    REPORT_PRESTART_READY   /* prestart: preloaded, now waiting for the go byte */
+};
+#define PRESTART_REPORT_FD 3 /* warm_interpreter.py's stub writes its reports here */
+#define PRESTART_INPUT_FD 4  /* and takes a sized input from here */
+#define PRESTART_MESSAGE 1024 /* bytes of a prestart failure's message at most */
 
 struct report {
     int kind;
@@ -312,6 +333,62 @@ static void held(int in, int out, int err, int rep, char *argv[])
     _exit(EXIT_CANNOT_RUN);
 }
 
+/* Prestart: the held process becomes PROG (the stub) now, with its report pipe and the
+ * sized input's pipe at known numbers; the stub does the rest of held() itself. */
+static void held_prestart(int in, int out, int err, int rep, char *argv[])
+{
+    sigset_t none;
+    int rep_copy, in_copy;
+
+    /* Copies above the low numbers first: a pipe may itself be fd 3 or 4. dup2 leaves
+     * the targets without close-on-exec; every other pipe end closes at exec. */
+    if (sigemptyset(&none) < 0 || sigprocmask(SIG_SETMASK, &none, NULL) < 0 ||
+        dup2(out, STDOUT_FILENO) < 0 || dup2(err, STDERR_FILENO) < 0 ||
+        (rep_copy = fcntl(rep, F_DUPFD_CLOEXEC, 10)) < 0 ||
+        (in_copy = fcntl(in, F_DUPFD_CLOEXEC, 10)) < 0 ||
+        dup2(rep_copy, PRESTART_REPORT_FD) < 0 || dup2(in_copy, PRESTART_INPUT_FD) < 0) {
+        report(rep, REPORT_SETUP_FAILED, errno);
+        _exit(EXIT_CANNOT_RUN);
+    }
+    execvp(argv[0], argv);
+    report(PRESTART_REPORT_FD, REPORT_SETUP_FAILED, errno);
+    _exit(EXIT_CANNOT_RUN);
+}
+
+/* Prestart: the stub's first report. 1 once it is ready ('R' sent); else 0, after an
+ * 'F' frame saying why (the server refuses the container; nothing of the tool ran). */
+static int prestart_ready(int fd, const char *prog)
+{
+    char msg[PRESTART_MESSAGE];
+    struct report r;
+    int len;
+
+    if (!read_report(fd, &r)) {
+        len = snprintf(msg, sizeof msg, "prestart: %s ended before it was ready", prog);
+    } else if (r.kind == REPORT_PRESTART_READY) {
+        send_frame('R', msg, 0);
+        return 1;
+    } else if (r.kind == REPORT_PRESTART_FAILED) {
+        size_t want = r.value > 0 && r.value < (int)sizeof msg ? (size_t)r.value : 0, got = 0;
+        while (got < want) {
+            ssize_t n = read(fd, msg + got, want - got);
+            if (n < 0 && errno == EINTR)
+                continue;
+            if (n <= 0)
+                break;
+            got += (size_t)n;
+        }
+        len = (int)got;
+    } else {
+        len = snprintf(msg, sizeof msg, "prestart: cannot start %s: %s", prog,
+                       r.kind == REPORT_SETUP_FAILED ? strerror(r.value) : "unexpected report");
+    }
+    if (len < 0)
+        len = 0;
+    send_frame('F', msg, (uint32_t)(len < (int)sizeof msg ? len : (int)sizeof msg - 1));
+    return 0;
+}
+
 enum { RELAY_EOF, RELAY_DATA, RELAY_EMPTY };
 
 /* Relay one read of a pipe as one frame, in one write. */
@@ -443,12 +520,14 @@ int main(int argc, char *argv[])
     sigset_t chld, blocked;
     struct report r;
     pid_t child;
+    int prestart = argc > 1 && strcmp(argv[1], "--prestart") == 0;
+    char **prog = argv + 1 + prestart; /* the tool's command, or the prestart stub's */
 
     /* Not dumpable: the tool (same uid) cannot reach our stdout through /proc or ptrace. */
     (void)prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
     send_frame('H', &version, 1);
-    if (argc < 2) {
-        fputs("toolreg-init: usage: toolreg-init PROG [ARG...]\n", stderr);
+    if (argc < 2 + prestart) {
+        fputs("toolreg-init: usage: toolreg-init [--prestart] PROG [ARG...]\n", stderr);
         return EXIT_NOT_RELEASED;
     }
     /* SIGCHLD is read from a signalfd, never handled: no handler to run, no EINTR.
@@ -456,29 +535,36 @@ int main(int argc, char *argv[])
     if (default_dispositions() < 0 || sigemptyset(&chld) < 0 || sigaddset(&chld, SIGCHLD) < 0 ||
         sigemptyset(&blocked) < 0 || sigaddset(&blocked, SIGCHLD) < 0 ||
         sigaddset(&blocked, SIGPIPE) < 0 || sigprocmask(SIG_BLOCK, &blocked, NULL) < 0)
-        return cannot_prepare(argv[1], errno);
+        return cannot_prepare(prog[0], errno);
     if (pipe2(in, O_CLOEXEC) < 0 || pipe2(out, O_CLOEXEC) < 0 || pipe2(err, O_CLOEXEC) < 0 ||
         pipe2(rep, O_CLOEXEC) < 0 || fcntl(in[1], F_SETFL, O_NONBLOCK) < 0)
-        return cannot_prepare(argv[1], errno);
+        return cannot_prepare(prog[0], errno);
     sfd = signalfd(-1, &chld, SFD_CLOEXEC | SFD_NONBLOCK);
     if (sfd < 0)
-        return cannot_prepare(argv[1], errno);
+        return cannot_prepare(prog[0], errno);
     STAMP(T_FORK);
     child = fork();
     if (child < 0)
-        return cannot_prepare(argv[1], errno);
-    if (child == 0)
-        held(in[0], out[1], err[1], rep[1], argv + 1); /* never returns */
+        return cannot_prepare(prog[0], errno);
+    if (child == 0) { /* never returns */
+        if (prestart)
+            held_prestart(in[0], out[1], err[1], rep[1], prog);
+        held(in[0], out[1], err[1], rep[1], prog);
+    }
     STAMP(T_HELD);
     close(in[0]);
     close(out[1]);
     close(err[1]);
     close(rep[1]);
+    if (prestart && !prestart_ready(rep[0], prog[0])) {
+        wait_for(child);
+        return EXIT_NOT_RELEASED;
+    }
 
     /* The call: the go byte, or nothing ever runs. */
     if (!read_report(rep[0], &r)) {
         wait_for(child);
-        return cannot_prepare(argv[1], 0);
+        return cannot_prepare(prog[0], 0);
     }
     if (r.kind == REPORT_NOT_RELEASED) {
         wait_for(child);
@@ -487,7 +573,7 @@ int main(int argc, char *argv[])
     }
     if (r.kind != REPORT_RELEASED) {
         wait_for(child);
-        return cannot_prepare(argv[1], r.value);
+        return cannot_prepare(prog[0], r.value);
     }
 #ifdef TOOLREG_INIT_TIMING
     stamps[T_GO] = r.usec;
@@ -501,7 +587,7 @@ int main(int argc, char *argv[])
     }
     if (read_report(rep[0], &r)) { /* the exec failed (EOF: it succeeded) */
         char msg[512];
-        int len = snprintf(msg, sizeof msg, "toolreg-init: cannot run %s: %s\n", argv[1],
+        int len = snprintf(msg, sizeof msg, "toolreg-init: cannot run %s: %s\n", prog[0],
                            strerror(r.value));
         int code = r.value == EACCES ? EXIT_NOT_EXECUTABLE : EXIT_CANNOT_RUN;
         if (len > 0)
