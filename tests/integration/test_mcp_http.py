@@ -357,6 +357,126 @@ def test_cancelling_a_streamed_call_stops_its_sandbox(
     assert record["duration_ms"] < 3000, record  # killed, not run to the end of its sleep
 
 
+# --------------------------------------------------------- resuming a stream
+
+PROTOCOL = {"MCP-Protocol-Version": "2025-11-25"}  # the version whose clients resume
+# The tool prints, is silent while the test's stream is down, prints again.
+PRINT_PAUSE_PRINT = (
+    "import time  # resume-arg-marker-3c71\n"
+    "print('one', flush=True)\ntime.sleep(1.5)\n"
+    "print('two', flush=True)\ntime.sleep(1.5)\n"
+    "print('three', flush=True)\n"
+)
+
+
+@dataclass
+class SseEvent:
+    id: str | None
+    data: Any  # the JSON-RPC message; None for a priming event (empty data)
+
+
+def sse_events(response: httpx.Response) -> Iterator[SseEvent]:
+    """The events of an SSE response as they arrive (comments skipped)."""
+    event_id: str | None = None
+    data: list[str] = []
+    for line in response.iter_lines():
+        if line == "":
+            if event_id is not None or data:
+                yield SseEvent(event_id, json.loads("\n".join(data)) if any(data) else None)
+            event_id, data = None, []
+        elif line.startswith("id:"):
+            event_id = line[3:].strip()
+        elif line.startswith("data:"):
+            data.append(line[5:].lstrip())
+
+
+def open_session(client: httpx.Client, url: str, token: str) -> dict[str, str]:
+    """initialize + initialized; the headers every later request of the session needs."""
+    init = dict(INITIALIZE, params=dict(INITIALIZE["params"], protocolVersion="2025-11-25"))
+    opened = raw(url, token, init)
+    assert opened.status_code == 200, opened.text
+    headers = {"Authorization": f"Bearer {token}", "Accept": ACCEPT, **PROTOCOL,
+               "Mcp-Session-Id": opened.headers["mcp-session-id"]}  # fmt: skip
+    done = client.post(
+        url, headers=headers, json={"jsonrpc": "2.0", "method": "notifications/initialized"}
+    )
+    assert done.status_code == 202, done.text
+    return headers
+
+
+def resume(client: httpx.Client, url: str, headers: dict[str, str], last_id: str) -> list[SseEvent]:
+    """GET with Last-Event-ID: every event up to the request's response."""
+    got: list[SseEvent] = []
+    sent = {**headers, "Accept": "text/event-stream", "Last-Event-ID": last_id}
+    with client.stream("GET", url, headers=sent) as response:
+        assert response.status_code == 200, response.read()
+        for event in sse_events(response):
+            got.append(event)
+            if event.data is not None and "id" in event.data and event.data.get("id") == 7:
+                break
+    return got
+
+
+def progress_messages(events: list[SseEvent]) -> list[str]:
+    return [e.data["params"].get("message", "") for e in events
+            if e.data is not None and e.data.get("method") == "notifications/progress"]  # fmt: skip
+
+
+def test_a_dropped_stream_resumes_with_last_event_id(bridge: BridgeProcess) -> None:
+    """The client closes its tools/call stream after the first output; a GET
+    with the last event id it saw gets what it missed, the rest live, and the
+    result. No one else can resume it, and a gone id is answered 410."""
+    call = {"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": {
+        "name": "run_python", "arguments": {"code": PRINT_PAUSE_PRINT},
+        "_meta": {"progressToken": "resume-1"}}}  # fmt: skip
+    with httpx.Client(timeout=CALL_TIMEOUT_S) as client:
+        agent = open_session(client, bridge.url, TOKENS["agent"])
+        before: list[SseEvent] = []
+        with client.stream("POST", bridge.url, headers=agent, json=call) as response:
+            assert response.status_code == 200
+            for event in sse_events(response):
+                before.append(event)
+                if any("one" in m for m in progress_messages(before)):
+                    break  # dropped here: the connection closes with the stream unread
+        ids = [e.id for e in before]
+        assert all(ids) and before[0].data is None, before  # a priming event, then ids on all
+        time.sleep(2)  # 'two' is printed while nobody listens
+        after = resume(client, bridge.url, agent, before[-1].id or "")
+
+        # Everything after the last id seen, once: the missed output, the rest, the result.
+        messages = progress_messages(after)
+        assert "stdout: two" in messages and "stdout: three" in messages, messages
+        assert not any("one" in m for m in messages), messages
+        result = after[-1].data
+        assert result["id"] == 7 and not result["result"].get("isError"), result
+        assert result["result"]["content"][0]["text"] == "one\ntwo\nthree\n"
+        replayed = [e.id for e in after if e.data is not None]
+        assert len(set(replayed)) == len(replayed) and not set(replayed) & set(ids)
+
+        # The same id again, once the result was sent: still replayable, the result last.
+        again = resume(client, bridge.url, agent, before[-1].id or "")
+        assert again[-1].data == result
+
+        # Another client, in its own session: the id names nothing of its own.
+        rival = open_session(client, bridge.url, TOKENS["rival"])
+        stolen = client.get(bridge.url, headers={**rival, "Last-Event-ID": before[-1].id or ""})
+        assert stolen.status_code == 410, stolen.text
+        # ... nor can it use the agent's session (the SDK binds it to its opener).
+        hijack = {**agent, "Authorization": f"Bearer {TOKENS['rival']}", "Last-Event-ID": ids[-1]}
+        assert client.get(bridge.url, headers=hijack).status_code == 404
+        # Unknown, malformed or future ids in the agent's own session: 410, said in JSON-RPC.
+        key = (before[-1].id or "").rpartition(".")[0]
+        for bad in ["0" * 22 + ".1", "not-an-id", f"{key}.999"]:
+            gone = client.get(bridge.url, headers={**agent, "Last-Event-ID": bad})
+            assert gone.status_code == 410, (bad, gone.text)
+            assert "not held" in gone.json()["error"]["message"]
+    time.sleep(0.2)  # the log reader thread catches up
+    log = "".join(bridge.log)
+    assert "resuming a stream" in log and "resume refused" in log
+    for secret in [*TOKENS.values(), "resume-arg-marker-3c71", key]:
+        assert secret not in log
+
+
 # ---------------------------------------------------------------- who calls
 
 
