@@ -15,8 +15,10 @@ from registry_server.client.mcp_http_settings import (
     DEFAULT_MAX_BODY_BYTES,
     HttpSettings,
     OAuthSettings,
+    ResumeLimits,
     check_settings,
     oauth_settings,
+    resume_limits,
 )
 from registry_server.domain.arguments import MAX_ARGUMENTS_BYTES
 from registry_server.domain.errors import ConfigError
@@ -160,3 +162,33 @@ def test_oauth_settings_from_the_cli_options(
         oauth_settings(None, "corp", resource_url="https://m.test/mcp")
     with pytest.raises(ConfigError, match="--resource-url"):
         oauth_settings(IDP_POLICY, "corp", resource_url=None)
+
+
+@pytest.mark.parametrize(
+    "limits",
+    [
+        ResumeLimits(ttl_s=0),
+        ResumeLimits(ttl_s=float("inf")),
+        ResumeLimits(ttl_s=float("nan")),
+        ResumeLimits(events_per_stream=0),
+        ResumeLimits(streams=-1),
+        ResumeLimits(total_bytes=1024, bytes_per_stream=2048),
+    ],
+)
+def test_resume_limits_refused(limits: ResumeLimits) -> None:
+    """Resumable streams are never unbounded (mcp_event_store.py)."""
+    assert limits.problems()
+    with pytest.raises(ConfigError, match="--resume-"):
+        check_settings(settings(resume=limits))
+
+
+def test_resume_limits_from_the_command_line() -> None:
+    assert ResumeLimits().problems() == []
+    assert resume_limits(None, None) == ResumeLimits()
+    small = resume_limits(30, 1024 * 1024)  # a total below the per-stream default lowers it
+    assert (small.ttl_s, small.total_bytes, small.bytes_per_stream) == (
+        30,
+        1024 * 1024,
+        1024 * 1024,
+    )
+    assert resume_limits(None, 0).problems()  # zero is refused, not read as "no cap"
