@@ -35,6 +35,7 @@ from registry_server.domain.egress import (
     freeze_secrets,
 )
 from registry_server.domain.errors import InvalidDefinition, Violation
+from registry_server.domain.prestart import prestart_problems
 
 NAME_PATTERN = r"^[a-z][a-z0-9_]{0,63}$"
 MAX_NAME_CHARS = 64  # characters of a tool name (what NAME_PATTERN allows)
@@ -126,6 +127,10 @@ class ToolSandbox:
     command: tuple[str, ...]
     env: tuple[tuple[str, str], ...] = ()  # sorted by key
     limits: ToolLimits = field(default_factory=ToolLimits)
+    # "python": a warm interpreter, started before the call with ``preload``
+    # imported (domain/prestart.py); "": the command starts at release.
+    prestart: str = ""
+    preload: tuple[str, ...] = ()  # in the author's order: imported so
 
     def env_dict(self) -> dict[str, str]:
         return dict(self.env)
@@ -190,6 +195,9 @@ class ToolDefinition:
                 "command": list(self.sandbox.command),
                 "env": self.sandbox.env_dict(),
                 "limits": self.sandbox.limits.as_dict(),
+                # Only when set: definitions without them keep their digests.
+                **({"prestart": self.sandbox.prestart} if self.sandbox.prestart else {}),
+                **({"preload": list(self.sandbox.preload)} if self.sandbox.preload else {}),
             },
             "warm_pool": self.warm_pool,
             # Only when set, so definitions without them keep the digests
@@ -233,6 +241,8 @@ class SandboxInput(_Strict):
     command: list[str]
     env: dict[str, str] = Field(default_factory=dict)
     limits: LimitsInput = Field(default_factory=lambda: LimitsInput())
+    prestart: str = ""  # checked with the rest of the tool: domain/prestart.py
+    preload: list[str] = Field(default_factory=list)
 
     @field_validator("image")
     @classmethod
@@ -440,6 +450,10 @@ def parse_definition(raw: Mapping[str, Any], *, source: str = "tool definition")
     except ValidationError as exc:
         raise InvalidDefinition(_violations(exc), source) from None
     mismatched = cross_check(manifest.network, manifest.secrets, manifest.warm_pool)
+    sandbox = manifest.sandbox
+    mismatched += prestart_problems(
+        sandbox.prestart, sandbox.preload, sandbox.command, manifest.safety_level
+    )
     if mismatched:
         raise InvalidDefinition([Violation(f, rule) for f, rule in mismatched], source)
     return _freeze(manifest)
@@ -451,6 +465,8 @@ def _freeze(m: ToolManifest) -> ToolDefinition:
         command=tuple(m.sandbox.command),
         env=tuple(sorted(m.sandbox.env.items())),
         limits=ToolLimits(**m.sandbox.limits.model_dump()),
+        prestart=m.sandbox.prestart,
+        preload=tuple(m.sandbox.preload),
     )
     unsigned = ToolDefinition(
         name=m.name,

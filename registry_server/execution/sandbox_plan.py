@@ -220,6 +220,9 @@ class SandboxPlanner:
             mounts = (Mount(str(workspace.resolve()), WORKSPACE_TARGET, read_only=False),)
             env[TOOL_WORKSPACE_ENV] = WORKSPACE_TARGET
         egress, files = self._egress_and_secrets(tool, secrets or {})
+        # Registration refuses prestart for a dangerous tool; a stored one never
+        # gets it either: nothing of its registrant's runs before its approval.
+        warm = tool.safety_level is not SafetyLevel.DANGEROUS and bool(tool.sandbox.prestart)
         return SandboxSpec(
             image=tool.sandbox.image,
             command=tool.sandbox.command,
@@ -230,6 +233,8 @@ class SandboxPlanner:
             mounts=mounts,
             egress=egress,
             secret_files=files,
+            prestart=tool.sandbox.prestart if warm else "",
+            preload=tool.sandbox.preload if warm else (),
         )
 
     def check_grant(self, tool: ToolDefinition) -> None:

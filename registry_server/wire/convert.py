@@ -52,6 +52,7 @@ from registry_server.domain.outcome import (
 from registry_server.domain.schemas import SchemaFormat
 from registry_server.policy.model import Policy
 from sandbox_runner.egress import rules
+from sandbox_runner.warm_interpreter import MAX_PRELOAD, MAX_PRELOAD_CHARS
 
 _LEVEL_TO_PB = {
     SafetyLevel.SAFE: pb.SAFETY_LEVEL_SAFE,
@@ -111,6 +112,8 @@ def _definition_from_pb(msg: pb.Tool) -> ToolDefinition:
             "command": list(msg.sandbox.command),
             "env": dict(msg.sandbox.env),
             "limits": {name: getattr(limits, name) for name in LIMIT_FIELDS},
+            "prestart": msg.sandbox.prestart,
+            "preload": list(msg.sandbox.preload),
         },
         "warm_pool": msg.warm_pool,
         "network": {"egress": list(msg.network.egress)},
@@ -145,6 +148,10 @@ def _oversized(msg: pb.Tool) -> list[Violation]:
         ("sandbox.command", any(len(a) > MAX_COMMAND_ARG_CHARS for a in sandbox.command),
          f"each entry at most {MAX_COMMAND_ARG_CHARS} characters"),
         ("sandbox.env", len(sandbox.env) > MAX_ENV_VARS, f"at most {MAX_ENV_VARS} variables"),
+        ("sandbox.prestart", len(sandbox.prestart) > MAX_PRELOAD_CHARS, 'must be "" or "python"'),
+        ("sandbox.preload", len(sandbox.preload) > MAX_PRELOAD, f"at most {MAX_PRELOAD} modules"),
+        ("sandbox.preload", any(len(p) > MAX_PRELOAD_CHARS for p in sandbox.preload),
+         f"each at most {MAX_PRELOAD_CHARS} characters"),
         ("sandbox.env", any(len(k) > MAX_ENV_KEY_CHARS for k in sandbox.env),
          f"names at most {MAX_ENV_KEY_CHARS} characters"),
         ("sandbox.env", any(len(v) > MAX_ENV_VALUE_CHARS for v in sandbox.env.values()),
@@ -236,6 +243,8 @@ def tool_to_pb(tool: ToolDefinition) -> pb.Tool:
             command=tool.sandbox.command,
             env=tool.sandbox.env_dict(),
             limits=pb.ResourceLimits(**lim.as_dict()),
+            prestart=tool.sandbox.prestart,
+            preload=tool.sandbox.preload,
         ),
         digest=tool.digest,
         warm_pool=tool.warm_pool,
