@@ -30,6 +30,8 @@ from registry_server.domain.errors import (
 from registry_server.domain.manifests import load_manifests
 from registry_server.domain.models import SafetyLevel, ToolDefinition
 from registry_server.execution.admission import Admission
+from registry_server.execution.call_log import CallLog
+from registry_server.execution.call_relay import CallRelay
 from registry_server.execution.executor import Executor
 from registry_server.execution.quotas import RateLimits, Shares
 from registry_server.execution.sandbox_plan import SandboxPolicy, runsc_net_problem
@@ -90,6 +92,8 @@ class App:
     reloads: PolicyReloads | None = None
     checkpointer: audit_tree.Checkpointer | None = None  # signs the audit log's checkpoints
     exporters: list[Exporter] = field(default_factory=list)  # SIEM export, one per destination
+    calls: CallLog = field(default_factory=CallLog)  # streamed calls kept for AttachExecution
+    relay: CallRelay | None = None  # publishes them to a shared store (PostgreSQL)
 
     def close(self) -> None:
         self.health.enter_graceful_shutdown()
@@ -176,6 +180,7 @@ def build_app(config: ServerConfig) -> App:
         app.closers.insert(0, pools.close)  # before the backend's engine connection goes
     if webhooks:
         _start_webhooks(app, config, webhooks)
+    _keep_calls(app, config)
     app.metrics.watch(executor.admission, app.pools.stats if app.pools else None, rates)
     # Tools stored by other servers on the same database: served here at once.
     store.watch_tools(registry.reload)
@@ -192,6 +197,17 @@ def build_app(config: ServerConfig) -> App:
     if export_sinks:
         _start_siem_export(app, export_sinks, config.log_origin or f"toolreg/{policy.audience}")
     return app
+
+
+def _keep_calls(app: App, config: ServerConfig) -> None:
+    """Streamed calls kept for re-attaching; on a store other servers share,
+    published to it too, so a client may re-attach through any of them."""
+    app.calls = CallLog(grace_s=config.attach_grace_s, max_ended=config.attach_max_ended)
+    app.closers.insert(0, app.calls.close)  # stop calls no client may come back for
+    if config.store.startswith(POSTGRES_URL_PREFIXES):
+        app.relay = CallRelay(app.calls, app.store, f"server-{uuid.uuid4().hex}")
+        app.relay.start()
+        app.closers.insert(1, app.relay.close)
 
 
 def _start_checkpoints(app: App, signer: Signer, log_now: audit_tree.Log) -> None:

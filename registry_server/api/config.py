@@ -13,6 +13,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from registry_server.approvals.watch import DEFAULT_MAX_WATCHES
+from registry_server.execution.call_log import DEFAULT_GRACE_S, DEFAULT_MAX_ENDED, MAX_GRACE_S
 from registry_server.execution.warm_pool import (
     DEFAULT_MAX_AGE_S,
     DEFAULT_MAX_WARM,
@@ -121,6 +122,10 @@ class ServerConfig(BaseSettings):
     witness_timeout_s: float = Field(WITNESS_TIMEOUT_S, gt=0, le=300)
     dev_audience: str = "toolreg-dev"  # the `aud` of tokens in development mode
     shutdown_grace_s: float = Field(SHUTDOWN_GRACE_S, ge=0)
+    # Seconds a streamed call's output and result stay attachable after it
+    # ends (AttachExecution), and how many ended calls a server keeps at most.
+    attach_grace_s: float = Field(DEFAULT_GRACE_S, ge=0, le=MAX_GRACE_S)
+    attach_max_ended: int = Field(DEFAULT_MAX_ENDED, ge=0, le=100_000)
     # Egress (docs/deploying.md): the networks the egress proxy reaches the
     # world through, its resolvers, and the CAs it verifies upstreams with.
     egress_networks: tuple[str, ...] = ("bridge",)

@@ -65,6 +65,8 @@ def create_server(config: ServerConfig, app: App | None = None) -> tuple[grpc.Se
             app.policy,
             app.reloads,
             pages=page_tokens(app.store),
+            calls=app.calls,
+            relay=app.relay,
         ),
         server,
     )

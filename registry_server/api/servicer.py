@@ -23,6 +23,8 @@ from registry_server.domain import schemas
 from registry_server.domain.errors import InvalidArgument, Unimplemented, Violation
 from registry_server.domain.models import NAME_PATTERN, valid_tool_name
 from registry_server.domain.pages import PageQuery, PageTokens
+from registry_server.execution.call_log import CallEvent, CallLog, KeptCall, check_attach
+from registry_server.execution.call_relay import Attachments, CallRelay, failed_call
 from registry_server.execution.call_request import CallRequest
 from registry_server.execution.executor import Executor
 from registry_server.policy.clients import Role
@@ -30,6 +32,9 @@ from registry_server.policy.live import LivePolicy
 from registry_server.wire import convert
 
 CANCELLED_CALL_WAIT_S = 5.0  # seconds an ended stream waits for its cancelled call
+# Request metadata of StreamExecuteTool: "1" = this client re-attaches if its
+# stream breaks, so a started call runs on instead of being cancelled.
+REATTACH_METADATA = "toolreg-reattach"
 
 
 def _deadline(context: grpc.ServicerContext) -> float | None:
@@ -48,34 +53,70 @@ def _cancel_event(context: grpc.ServicerContext) -> threading.Event:
 
 
 class StreamedCall:
-    """Runs an execution on its own thread and yields its output as events,
-    then exactly one result. The queue is bounded by the output caps. The
-    thread runs in a copy of the RPC's context: its trace span and caller."""
+    """Runs an execution on its own thread and yields its output as events:
+    ``started`` once the call is admitted, the chunks, then exactly one result.
+    The queue is bounded by the output caps. The thread runs in a copy of the
+    RPC's context: its trace span and caller.
+
+    What the stream carries is kept in the call log too, for AttachExecution.
+    When the RPC ends early the call is cancelled (the container killed), unless
+    the client said it re-attaches (``REATTACH_METADATA``) and the call has
+    started: then it runs on to its own end (its timeout, the client's deadline)
+    and waits for the client in the log (README "Re-attaching to a running call")."""
 
     _DONE = object()
 
-    def __init__(self, executor: Executor, call: CallRequest, cancel: threading.Event) -> None:
+    def __init__(
+        self,
+        executor: Executor,
+        call: CallRequest,
+        context: grpc.ServicerContext,
+        calls: CallLog,
+        keep_running: bool,
+    ) -> None:
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._error: BaseException | None = None
-        context = contextvars.copy_context()
+        self._calls = calls
+        self._caller = call.caller
+        self._kept: KeptCall | None = None
+        self._cancel = threading.Event()
+        self._keep_running = keep_running
+        if not context.add_callback(self._rpc_ended):
+            self._cancel.set()  # the RPC has already terminated
+        context_copy = contextvars.copy_context()
         self._thread = threading.Thread(
-            target=context.run,
-            args=(self._run, executor, call, cancel),
+            target=context_copy.run,
+            args=(self._run, executor, call),
             name="stream-exec",
             daemon=True,
         )
         self._thread.start()
 
-    def _run(self, executor: Executor, call: CallRequest, cancel: threading.Event) -> None:
+    def _rpc_ended(self) -> None:
+        if not (self._keep_running and self._kept is not None):
+            self._cancel.set()
+
+    def _run(self, executor: Executor, call: CallRequest) -> None:
         try:
-            outcome = executor.execute(call, on_output=self._on_output, cancel=cancel)
+            outcome = executor.execute(
+                call, on_output=self._on_output, cancel=self._cancel, on_started=self._on_started
+            )
             self._queue.put(pb.ExecutionEvent(result=convert.outcome_to_pb(outcome)))
         except BaseException as exc:  # re-raised on the RPC thread, mapped there
             self._error = exc
+            outcome = failed_call(exc, self._kept.execution_id if self._kept else "")
         finally:
             self._queue.put(self._DONE)
+        if self._kept is not None:
+            self._calls.finish(self._kept, outcome)
+
+    def _on_started(self, execution_id: str) -> None:
+        self._kept = self._calls.start(execution_id, self._caller, self._cancel)
+        self._queue.put(pb.ExecutionEvent(started=pb.ExecutionStarted(execution_id=execution_id)))
 
     def _on_output(self, stream: str, chunk: bytes) -> None:
+        if self._kept is not None:
+            self._calls.append(self._kept, stream, chunk)
         if stream == "stdout":
             self._queue.put(pb.ExecutionEvent(stdout=chunk))
         else:
@@ -87,14 +128,31 @@ class StreamedCall:
                 assert isinstance(item, pb.ExecutionEvent)
                 yield item
         except GeneratorExit:
-            # The RPC ended early (the client cancelled, its deadline passed) and the
-            # cancel event is stopping the call: wait for that, within bounds, so the
-            # RPC (and its span) covers the call's end, status included.
-            self._thread.join(CANCELLED_CALL_WAIT_S)
+            # The RPC ended early (the client cancelled, its deadline passed). A
+            # call being cancelled: wait for that, within bounds, so the RPC (and
+            # its span) covers the call's end, status included. A call kept
+            # running for its client to re-attach is not waited for.
+            if self._cancel.is_set():
+                self._thread.join(CANCELLED_CALL_WAIT_S)
             raise
         self._thread.join()
         if self._error is not None:
             raise self._error
+
+
+def _event_to_pb(event: CallEvent) -> pb.ExecutionEvent:
+    if event.outcome is not None:
+        return pb.ExecutionEvent(result=convert.outcome_to_pb(event.outcome))
+    if event.stream == "stdout":
+        return pb.ExecutionEvent(stdout=event.data)
+    return pb.ExecutionEvent(stderr=event.data)
+
+
+def _keeps_running(context: grpc.ServicerContext) -> bool:
+    return any(
+        key == REATTACH_METADATA and value == "1"
+        for key, value in context.invocation_metadata() or ()
+    )
 
 
 def _required(value: str, field: str) -> str:
@@ -130,6 +188,8 @@ class ToolRegistryServicer(pb_grpc.ToolRegistryServicer):
         policy: LivePolicy | None = None,
         reloads: PolicyReloads | None = None,
         pages: PageTokens | None = None,
+        calls: CallLog | None = None,
+        relay: CallRelay | None = None,
     ) -> None:  # fmt: skip
         self._registry = registry
         self._executor = executor
@@ -140,6 +200,9 @@ class ToolRegistryServicer(pb_grpc.ToolRegistryServicer):
         # Without the store's key (server.py passes it), tokens work on this server only.
         self._pages = pages or PageTokens.ephemeral()
         self._views = RegistryViews(registry, self._pages)
+        # Without a log of its own (tests), a servicer keeps its calls for the default grace.
+        self._calls = calls or CallLog()
+        self._attach = Attachments(self._calls, relay)
 
     def _approval_service(self) -> Approvals:
         if self._approvals is None:
@@ -234,8 +297,23 @@ class ToolRegistryServicer(pb_grpc.ToolRegistryServicer):
     def StreamExecuteTool(
         self, request: pb.ExecuteToolRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.ExecutionEvent]:
-        events = StreamedCall(self._executor, self._call(request, context), _cancel_event(context))
+        events = StreamedCall(
+            self._executor, self._call(request, context), context, self._calls,
+            keep_running=_keeps_running(context),
+        )  # fmt: skip
         yield from events
+
+    @maps_errors
+    def AttachExecution(
+        self, request: pb.AttachExecutionRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.ExecutionEvent]:
+        check_attach(request.execution_id, request.stdout_offset, request.stderr_offset)
+        followed = self._attach.follow(
+            request.execution_id, current_principal().id,
+            request.stdout_offset, request.stderr_offset, _cancel_event(context),
+        )  # fmt: skip
+        for event in followed:
+            yield _event_to_pb(event)
 
     @maps_errors
     def ListApprovalRequests(

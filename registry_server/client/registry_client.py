@@ -36,6 +36,7 @@ from grpc_status import rpc_status
 
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
+from registry_server.client.reattach import REATTACH_METADATA, reattaching
 from registry_server.client.trace_context import TraceContext
 from registry_server.domain.files import read_credential
 from registry_server.domain.models import SafetyLevel, ToolDefinition
@@ -424,7 +425,9 @@ class RegistryClient:
         timeout: float | None = None,
     ) -> Iterator[StreamEvent]:
         """StreamExecuteTool: stdout/stderr chunks as they arrive, then one
-        event whose ``result`` is the CallResult."""
+        event whose ``result`` is the CallResult. A stream that breaks in
+        transit mid-call is re-attached on its own (every byte comes once).
+        Events this client does not know are skipped."""
         for event in self.stream(
             name,
             arguments_text(arguments),
@@ -706,9 +709,36 @@ class RegistryClient:
         tokens: Iterable[str] = (),
         request_id: str = "",
         timeout: float | None = None,
+        reattach: bool = True,
     ) -> Iterator[pb.ExecutionEvent]:
+        """StreamExecuteTool's events. ``reattach``: a stream that breaks in
+        transit once the call started is re-attached (client/reattach.py) and
+        the call runs on meanwhile; False: it ends with the error, and the
+        server cancels the call."""
         request = _execute_request(name, arguments, tokens, request_id)
-        yield from self.stub.StreamExecuteTool(request, timeout=timeout)
+        if not reattach:
+            yield from self.stub.StreamExecuteTool(request, timeout=timeout)
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        stream = self.stub.StreamExecuteTool(
+            request, timeout=timeout, metadata=(REATTACH_METADATA,)
+        )
+        yield from reattaching(self.stub, stream, deadline=deadline)
+
+    def attach(
+        self,
+        execution_id: str,
+        stdout_offset: int = 0,
+        stderr_offset: int = 0,
+        *,
+        timeout: float | None = None,
+    ) -> Iterator[pb.ExecutionEvent]:
+        """AttachExecution: a started call's events after the offsets, then its
+        result. NOT_FOUND once it is no longer kept, or if it is another client's."""
+        request = pb.AttachExecutionRequest(
+            execution_id=execution_id, stdout_offset=stdout_offset, stderr_offset=stderr_offset
+        )
+        yield from self.stub.AttachExecution(request, timeout=timeout)
 
 
 def _execute_request(

@@ -137,7 +137,10 @@ class Executor:
         call: CallRequest,
         on_output: OutputSink | None = None,
         cancel: threading.Event | None = None,
+        on_started: Callable[[str], None] | None = None,
     ) -> Outcome:
+        """``on_started`` is told the execution id once every check has passed,
+        before the call waits for a sandbox (StreamExecuteTool's ``started``)."""
         if not valid_tool_name(call.name):
             # Refused before look-up: a name that is not a name never becomes a
             # log line, an audit row or a metric label.
@@ -160,6 +163,8 @@ class Executor:
                 spec = self._plan_sandbox(record, tool, arguments, runtime)
             except _Refused as refused:
                 return self._record(record, refused.outcome)
+            if on_started is not None:
+                on_started(record.execution_id)
             return self._record(record, self._run(record, tool, spec, on_output, cancel))
 
     # -- the steps before any sandbox ---------------------------------------------------

@@ -127,6 +127,22 @@ class WebhookBacklog:
 
 
 @dataclass(frozen=True)
+class KeptCallRecord:
+    """A running or recently ended streamed call as its server published it,
+    for AttachExecution through another server (execution/call_relay.py): the
+    output so far (within the tool's caps) and, once ended, the result."""
+
+    execution_id: str
+    caller: str  # the client that made the call: the only one who may attach
+    server: str  # the publishing server's instance id
+    stdout: bytes
+    stderr: bytes
+    result_json: str  # "" while the call runs
+    beat_at: float  # time.time() of the last publication: a dead server's goes stale
+    ended_at: float | None = None
+
+
+@dataclass(frozen=True)
 class AuditEntry:
     seq: int  # 1, 2, 3, ... in append order
     at: float
@@ -283,6 +299,10 @@ class StoreReads(Protocol):
 
     def webhook_delivery(self, event_seq: int, endpoint: str) -> WebhookDeliveryRecord | None: ...
 
+    def kept_call(self, execution_id: str) -> KeptCallRecord | None:
+        """A published call (any caller's: the reader checks whose it is)."""
+        ...
+
     def webhook_backlog(self) -> WebhookBacklog:
         """How many deliveries are pending, and when the first is due."""
         ...
@@ -422,6 +442,15 @@ class UnitOfWork(StoreReads, Protocol):
         last_error, delivered_at as ``delivery`` has them) and release the
         claim; False when ``owner`` no longer holds it (it lapsed and another
         server took it over)."""
+        ...
+
+    def put_kept_call(self, call: KeptCallRecord) -> None:
+        """Insert or replace a call's published state (its server only)."""
+        ...
+
+    def prune_kept_calls(self, before: float, limit: int) -> int:
+        """Delete up to ``limit`` calls that ended, or were last published (a
+        dead server's), before ``before``; returns how many."""
         ...
 
     def prune_webhook_deliveries(self, before: float, limit: int) -> int:

@@ -31,6 +31,7 @@ from registry_server.store.base import (
     CheckpointRecord,
     CosignatureRecord,
     ExportCursor,
+    KeptCallRecord,
     StoredTool,
     WebhookBacklog,
     WebhookDeliveryRecord,
@@ -55,6 +56,7 @@ class _Data:
     exports: dict[str, ExportCursor] = field(default_factory=dict)  # sink -> its cursor
     # (event seq, endpoint) -> the outbox row
     deliveries: dict[tuple[int, str], WebhookDeliveryRecord] = field(default_factory=dict)
+    kept_calls: dict[str, KeptCallRecord] = field(default_factory=dict)  # execution id -> call
 
     def draft(self) -> _Data:
         """A copy a unit of work may change: new containers, the same records.
@@ -74,6 +76,7 @@ class _Data:
             events=list(self.events),
             exports=dict(self.exports),
             deliveries=dict(self.deliveries),
+            kept_calls=dict(self.kept_calls),
         )
 
 
@@ -200,6 +203,9 @@ class _Reads:
 
     def webhook_delivery(self, event_seq: int, endpoint: str) -> WebhookDeliveryRecord | None:
         return self._data.deliveries.get((event_seq, endpoint))
+
+    def kept_call(self, execution_id: str) -> KeptCallRecord | None:
+        return self._data.kept_calls.get(execution_id)
 
     def webhook_backlog(self) -> WebhookBacklog:
         due = [d.next_attempt_at for d in self._data.deliveries.values()
@@ -376,6 +382,20 @@ class _Writes(_Reads):
             delivered_at=delivery.delivered_at, claimed_by="", claim_until=0.0,
         )  # fmt: skip
         return True
+
+    def put_kept_call(self, call: KeptCallRecord) -> None:
+        held = self._data.kept_calls.get(call.execution_id)
+        if held is None or held.server == call.server:
+            self._data.kept_calls[call.execution_id] = call
+
+    def prune_kept_calls(self, before: float, limit: int) -> int:
+        def last(c: KeptCallRecord) -> float:
+            return c.ended_at if c.ended_at is not None else c.beat_at
+
+        old = [k for k, c in self._data.kept_calls.items() if last(c) < before][:limit]
+        for key in old:
+            del self._data.kept_calls[key]
+        return len(old)
 
     def prune_webhook_deliveries(self, before: float, limit: int) -> int:
         done = (DELIVERED, DELIVERY_FAILED)

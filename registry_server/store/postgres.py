@@ -205,6 +205,19 @@ _MIGRATIONS: list[str] = [
     );
     CREATE INDEX audit_cosignatures_by_size ON audit_cosignatures (origin, size);
     """,
+    # 13: streamed calls published for AttachExecution on other servers (execution/call_relay.py)
+    """
+    CREATE TABLE kept_calls (
+        execution_id TEXT PRIMARY KEY,
+        caller       TEXT NOT NULL,
+        server       TEXT NOT NULL,
+        stdout       BYTEA NOT NULL,
+        stderr       BYTEA NOT NULL,
+        result_json  TEXT NOT NULL,
+        beat_at      DOUBLE PRECISION NOT NULL,
+        ended_at     DOUBLE PRECISION
+    );
+    """,
 ]
 
 

@@ -26,6 +26,7 @@ from registry_server.store.base import (
     CheckpointRecord,
     CosignatureRecord,
     ExportCursor,
+    KeptCallRecord,
     StoredTool,
     WebhookBacklog,
     WebhookDeliveryRecord,
@@ -148,6 +149,19 @@ def _export_cursor(row: tuple[object, ...]) -> ExportCursor:
     return ExportCursor(
         str(sink), int(str(seq)), float(str(updated_at)), str(owner), float(str(until))
     )
+
+
+_KEPT_CALL_COLUMNS = "execution_id, caller, server, stdout, stderr, result_json, beat_at, ended_at"
+
+
+def _kept_call(row: tuple[object, ...]) -> KeptCallRecord:
+    eid, caller, server, stdout, stderr, result, beat, ended = row
+    return KeptCallRecord(
+        execution_id=str(eid), caller=str(caller), server=str(server),
+        stdout=bytes(stdout), stderr=bytes(stderr),  # type: ignore[call-overload]
+        result_json=str(result), beat_at=float(str(beat)),
+        ended_at=None if ended is None else float(str(ended)),
+    )  # fmt: skip
 
 
 class _SqlStore(Protocol):
@@ -368,6 +382,12 @@ class SqlReads:
             (event_seq, endpoint),
         )
         return _delivery(rows[0]) if rows else None
+
+    def kept_call(self, execution_id: str) -> KeptCallRecord | None:
+        rows = self._all(
+            f"SELECT {_KEPT_CALL_COLUMNS} FROM kept_calls WHERE execution_id = ?", (execution_id,)
+        )
+        return _kept_call(rows[0]) if rows else None
 
     def webhook_backlog(self) -> WebhookBacklog:
         ((count, due),) = self._all(
@@ -639,6 +659,26 @@ class SqlWrites(SqlReads):
             ),
         ).rowcount  # fmt: skip
         return bool(changed == 1)
+
+    def put_kept_call(self, call: KeptCallRecord) -> None:
+        c = call
+        self._run(
+            f"INSERT INTO kept_calls ({_KEPT_CALL_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+            " ON CONFLICT(execution_id) DO UPDATE SET stdout = excluded.stdout,"
+            " stderr = excluded.stderr, result_json = excluded.result_json,"
+            " beat_at = excluded.beat_at, ended_at = excluded.ended_at"
+            " WHERE kept_calls.server = excluded.server",
+            (c.execution_id, c.caller, c.server, c.stdout, c.stderr, c.result_json,
+             c.beat_at, c.ended_at),
+        )  # fmt: skip
+
+    def prune_kept_calls(self, before: float, limit: int) -> int:
+        deleted = self._run(
+            "DELETE FROM kept_calls WHERE execution_id IN (SELECT execution_id FROM kept_calls"
+            " WHERE ended_at < ? OR (ended_at IS NULL AND beat_at < ?) LIMIT ?)",
+            (before, before, limit),
+        ).rowcount
+        return int(deleted)
 
     def prune_webhook_deliveries(self, before: float, limit: int) -> int:
         deleted = self._run(

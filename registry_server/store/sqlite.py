@@ -200,6 +200,19 @@ _MIGRATIONS: list[str] = [
     );
     CREATE INDEX audit_cosignatures_by_size ON audit_cosignatures (origin, size);
     """,
+    # 13: streamed calls published for AttachExecution on other servers (execution/call_relay.py)
+    """
+    CREATE TABLE kept_calls (
+        execution_id TEXT PRIMARY KEY,
+        caller       TEXT NOT NULL,      -- the only client that may attach
+        server       TEXT NOT NULL,      -- the publishing server's instance id
+        stdout       BLOB NOT NULL,      -- the output so far, within the tool's caps
+        stderr       BLOB NOT NULL,
+        result_json  TEXT NOT NULL,      -- '' while the call runs
+        beat_at      REAL NOT NULL,      -- last publication (stale: the server died)
+        ended_at     REAL                -- NULL while the call runs
+    );
+    """,
 ]
 
 

@@ -40,6 +40,8 @@ METHOD_ROLES: dict[str, frozenset[Role]] = {
     SERVICE + "GetToolSchemas": ANY_CLIENT,
     SERVICE + "ExecuteTool": frozenset({Role.EXECUTE}),
     SERVICE + "StreamExecuteTool": frozenset({Role.EXECUTE}),
+    # only the call's own client: the domain checks (execution/call_log.py)
+    SERVICE + "AttachExecution": frozenset({Role.EXECUTE}),
     SERVICE + "ListApprovalRequests": frozenset({Role.APPROVE}),
     # callers poll their own request while they wait for approvers
     SERVICE + "GetApprovalRequest": frozenset({Role.APPROVE, Role.EXECUTE}),
