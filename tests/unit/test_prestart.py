@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server.domain.errors import InvalidDefinition
 from registry_server.domain.models import SafetyLevel, parse_definition
 from registry_server.execution.sandbox_plan import SandboxPlanner, SandboxPolicy
@@ -152,7 +153,7 @@ def test_the_wire_carries_both_fields() -> None:
 
 def test_the_wire_refuses_what_the_manifest_refuses() -> None:
     msg = convert.tool_to_pb(parse_definition(warm()))
-    msg.safety_level = convert.pb.SAFETY_LEVEL_DANGEROUS
+    msg.safety_level = pb.SAFETY_LEVEL_DANGEROUS
     with pytest.raises(InvalidDefinition) as caught:
         convert.tool_from_pb(msg)
     assert "sandbox.prestart" in {v.field for v in caught.value.violations}
