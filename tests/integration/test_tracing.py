@@ -327,6 +327,7 @@ def test_a_traced_stream_is_grpcs_own_call_and_cancels_the_sandbox(
         stream = client.stub.StreamExecuteTool(
             pb.ExecuteToolRequest(name="traced_slow", arguments_json="{}"), timeout=CALL_TIMEOUT_S
         )
+        assert next(stream).WhichOneof("event") == "started"
         assert next(stream).stdout == b"started\n"
         started = time.monotonic()
         stream.cancel()  # the call object itself, not a wrapper without cancel()

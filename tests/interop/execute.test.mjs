@@ -73,6 +73,7 @@ describe("StreamExecuteTool", () => {
     const events = await agent.StreamExecuteTool({ name: TICKER, arguments_json: "{}" });
     assert.ok(events.length >= 2, `expected chunks and a result, got ${events.length} events`);
     const kinds = events.map((e) => e.event);
+    assert.equal(kinds[0], "started", kinds.join()); // the execution id AttachExecution takes
     assert.equal(kinds.filter((k) => k === "result").length, 1, kinds.join());
     assert.equal(kinds.at(-1), "result", kinds.join());
     const chunks = events.filter((e) => e.event === "stdout");

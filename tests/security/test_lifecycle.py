@@ -46,6 +46,7 @@ def test_client_cancel_stops_the_stream(
         limits={"timeout_ms": 10_000},
     )
     call = sandbox_server.stub.StreamExecuteTool(pb.ExecuteToolRequest(name="ticker"))
+    assert next(call).WhichOneof("event") == "started"
     first = next(call)
     assert first.stdout.startswith(b"tick 0")
     call.cancel()
@@ -60,6 +61,8 @@ def test_stream_delivers_chunks_then_one_result(
         sandbox_server.stub.StreamExecuteTool(pb.ExecuteToolRequest(name="chatty"), timeout=30)
     )
     kinds = [e.WhichOneof("event") for e in events]
+    assert kinds[0] == "started" and kinds.count("started") == 1
+    assert events[0].started.execution_id == events[-1].result.execution_id
     assert kinds[-1] == "result" and kinds.count("result") == 1
     stdout = b"".join(e.stdout for e in events if e.WhichOneof("event") == "stdout")
     stderr = b"".join(e.stderr for e in events if e.WhichOneof("event") == "stderr")

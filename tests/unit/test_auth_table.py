@@ -92,6 +92,7 @@ EXPECTED_TABLE: dict[str, frozenset[Role]] = {
     "GetToolSchemas": frozenset(),
     "ExecuteTool": frozenset({EXECUTE}),
     "StreamExecuteTool": frozenset({EXECUTE}),
+    "AttachExecution": frozenset({EXECUTE}),
     "ListApprovalRequests": frozenset({APPROVE}),
     "GetApprovalRequest": frozenset({APPROVE, EXECUTE}),
     "SubmitApproval": frozenset({APPROVE}),

@@ -46,7 +46,7 @@ def exec_tool(
                     elif kind == "stderr":
                         sys.stderr.buffer.write(event.stderr)
                         sys.stderr.flush()
-                    else:
+                    elif kind == "result":
                         result = event.result
                 if result is None:
                     fail("the server ended the stream without a result")
