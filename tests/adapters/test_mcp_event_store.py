@@ -16,6 +16,7 @@ from mcp.types import JSONRPCNotification, JSONRPCResponse
 
 from registry_server.client.mcp_event_store import ResumableEvents, SessionEvents
 from registry_server.client.mcp_http_settings import ResumeLimits
+from registry_server.client.mcp_resume import ResumableSessionManager
 
 AGENT = {"client_id": "agent", "issuer": None, "subject": None}
 RIVAL = {"client_id": "rival", "issuer": None, "subject": None}
@@ -227,3 +228,19 @@ def test_events_stored_during_a_replay_are_replayed_and_eviction_ends_it() -> No
 def test_limits_are_checked_when_the_store_is_made() -> None:
     with pytest.raises(ValueError, match="ttl_s"):
         ResumableEvents(dataclasses.replace(LIMITS, ttl_s=0))
+
+
+def test_each_session_of_the_sdk_manager_gets_its_own_bound_view() -> None:
+    """The SDK hooks mcp_resume.py relies on (private to the SDK): pinned here,
+    so an SDK that changes them fails this test, not a client's resume."""
+    events, _ = store()
+    manager = ResumableSessionManager(events=events, app=None)  # type: ignore[arg-type]
+    first, second = manager._admit_session(AGENT), manager._admit_session(RIVAL)
+    assert first is not None and second is not None
+    views = [first._event_store, second._event_store]
+    assert all(isinstance(v, SessionEvents) for v in views)
+    assert [v.session_id for v in views] == [first.mcp_session_id, second.mcp_session_id]
+    assert events.knows_session(first.mcp_session_id or "", AGENT)
+    assert not events.knows_session(first.mcp_session_id or "", RIVAL)
+    anyio.run(manager._discard_session, first.mcp_session_id or "", first)
+    assert not events.knows_session(first.mcp_session_id or "", AGENT)
