@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 import hashlib
 import hmac
 import json
@@ -220,12 +221,20 @@ def test_a_seen_client_is_found_by_id_as_the_policy_maps_it_now(tmp_path: Path) 
 # ----------------------------------------------------------------- the verifier
 
 
+@functools.cache
+def _provider_keys() -> tuple[ec.EllipticCurvePrivateKey, rsa.RSAPrivateKey]:
+    """The provider's signing keys, made once: an RSA key takes tens of
+    milliseconds, and keys are immutable (a test that rotates makes its own)."""
+    return ec.generate_private_key(ec.SECP256R1()), rsa.generate_private_key(
+        public_exponent=65537, key_size=2048
+    )
+
+
 class Keys:
     """An in-memory provider: its keys, its JWKS, and a count of fetches."""
 
     def __init__(self) -> None:
-        self.ec = ec.generate_private_key(ec.SECP256R1())
-        self.rsa = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        self.ec, self.rsa = _provider_keys()
         self.jwks: dict[str, Any] = {"keys": [self.public_jwk(self.ec, "ec-1"),
                                               self.public_jwk(self.rsa, "rsa-1")]}  # fmt: skip
         self.fetched: list[str] = []

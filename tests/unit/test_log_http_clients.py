@@ -48,9 +48,10 @@ def stderr(capsys: pytest.CaptureFixture[str]) -> Iterator[Stderr]:
         logging.getLogger(name).setLevel(level)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def receiver() -> Iterator[str]:
-    """An HTTP server on loopback answering every POST 500; its base URL."""
+    """An HTTP server on loopback answering every POST 500; its base URL.
+    One for the module: it keeps no state, and each shutdown waits out a poll."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self) -> None:
@@ -63,7 +64,7 @@ def receiver() -> Iterator[str]:
             pass
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(target=server.serve_forever, args=(0.01,), daemon=True).start()
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
     server.server_close()

@@ -1,9 +1,10 @@
 """`toolreg policy test` and `toolreg policy explain` as an operator runs
-them, as real processes: the example policy passes its own tests, a wrong
-expectation fails with its FAIL line, and explain shows the example
-policy's decisions. The refusals (a malformed tests file names the file,
-the line and the field; explain's bad options) run in process: one
-process each would cost most of a second."""
+them: in real processes, the example policy passes its own tests (exit 0),
+a malformed tests file is exit 2, and explain shows the example policy's
+decision for a prod deploy. The rest (a wrong expectation's FAIL lines and
+exit 1, where a malformed tests file names the file, the line and the field,
+explain's other decisions and its bad options) run in process: one process
+each would cost half a second."""
 
 from __future__ import annotations
 
@@ -68,8 +69,8 @@ cases:
 def test_a_wrong_expectation_fails_with_the_difference(tmp_path: Path) -> None:
     tests = tmp_path / "wrong.tests.yaml"
     tests.write_text(WRONG)
-    ran = toolreg("policy", "test", str(POLICY), str(tests))
-    assert ran.returncode == 1, ran.stdout + ran.stderr
+    ran = in_process("policy", "test", str(POLICY), str(tests))
+    assert ran.exit_code == 1, ran.output
     out = ran.stdout
     assert (
         f"FAIL  prod needs one approver ({tests} line 2): approvals: expected 1, got 2;"
@@ -142,6 +143,12 @@ def explain(*args: str) -> str:
     return ran.stdout
 
 
+def explain_in_process(*args: str) -> str:
+    ran = in_process("policy", "explain", str(POLICY), "--client", "agent-1", *args)
+    assert ran.exit_code == 0, ran.output
+    return str(ran.stdout)
+
+
 def test_explain_prod_needs_two_from_sre_staging_one_from_anyone() -> None:
     prod = explain("--tool", "deploy", "--args", '{"env": "prod"}')
     assert "decision: APPROVAL (APPROVAL_REQUIRED)" in prod
@@ -149,7 +156,7 @@ def test_explain_prod_needs_two_from_sre_staging_one_from_anyone() -> None:
     assert "sre-prod: 2 from sre: bob, carol" in prod
     assert "APPLIES  sre-prod" in prod and 'when args.env == "prod": true' in prod
 
-    staging = explain("--tool", "deploy", "--args", '{"env": "staging"}')
+    staging = explain_in_process("--tool", "deploy", "--args", '{"env": "staging"}')
     assert (
         "decision: APPROVAL (APPROVAL_REQUIRED)\n          1 approval(s) from any approver\n"
         in staging
@@ -159,7 +166,7 @@ def test_explain_prod_needs_two_from_sre_staging_one_from_anyone() -> None:
 
 
 def test_explain_drop_table_shows_the_deny_rule() -> None:
-    out = explain(
+    out = explain_in_process(
         "--tool", "run_sql", "--level", "cautious", "--args", '{"sql": "drop table users"}'
     )
     assert "decision: DENIED (POLICY_DENIED)" in out
