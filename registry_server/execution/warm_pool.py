@@ -74,6 +74,9 @@ class _Pool:
     ready: collections.deque[WarmSandbox] = field(default_factory=collections.deque)
     refill_after: float = 0.0  # monotonic time before which refills are not tried
     engine_failing: bool = False  # the last refill failed in the engine (not for room)
+    # Why the last refill failed: the same reason again (a preload that does not
+    # import fails every refill) is not logged again until a refill succeeds.
+    last_failure: str = ""
     # Monotonic time a call first took from a full pool (0: full). Refills yield to
     # calls in flight for at most after_call.YIELD_S from then, not from each refill:
     # under sustained load the pool never fills, and each refill must not wait again.
@@ -304,10 +307,15 @@ class WarmPools:
             # refuses) is logged the same way: never kill the worker, never
             # keep the room.
             self._admission.release(reservation)
-            log.warning(
-                "warm pool of %s cannot refill (calls run cold meanwhile): %s", pool.tool.name, exc
+            level = logging.DEBUG if str(exc) == pool.last_failure else logging.WARNING
+            log.log(
+                level,
+                "warm pool of %s cannot refill (calls run cold meanwhile): %s",
+                pool.tool.name,
+                exc,
             )
             with self._cond:
+                pool.last_failure = str(exc)
                 self._stats.refill_failures += 1
                 pool.refill_after = time.monotonic() + REFILL_BACKOFF_S
                 pool.engine_failing = True
@@ -317,7 +325,7 @@ class WarmPools:
             current = self._pools.get(pool.tool.name)
             if current is pool and not self._closed:
                 pool.ready.append(warm)
-                pool.refill_after, pool.engine_failing = 0.0, False
+                pool.refill_after, pool.engine_failing, pool.last_failure = 0.0, False, ""
                 if len(pool.ready) >= pool.size:
                     pool.short_since = 0.0
                 return
