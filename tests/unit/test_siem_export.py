@@ -26,6 +26,7 @@ from registry_server.api.app import _export_sinks
 from registry_server.api.config import ServerConfig
 from registry_server.domain import merkle
 from registry_server.domain.errors import ConfigError
+from registry_server.notify.siem import exporter as exporter_module
 from registry_server.notify.siem import ocsf
 from registry_server.notify.siem.exporter import Exporter
 from registry_server.notify.siem.metrics import ExportMetrics
@@ -387,7 +388,11 @@ def test_a_file_from_another_log_does_not_move_the_cursor(tmp_path: Path) -> Non
     assert seqs_in(path) == [1, 2, 3, 4, *range(1, 20)]  # appended after it, all of this log
 
 
-def test_a_failing_destination_is_tried_again_from_where_it_was(tmp_path: Path) -> None:
+def test_a_failing_destination_is_tried_again_from_where_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Where it resumes is the point here, not how long it waits first (0.5 s).
+    monkeypatch.setattr(exporter_module, "RETRY_S", (0.02, 0.1))
     store = log_of()
     sink = Flaky(tmp_path / "audit.jsonl")
     e = exporter(store, sink, poll_s=0.01)
