@@ -5,6 +5,7 @@ own re-attachment; nobody else may attach; kept calls expire."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -157,19 +158,15 @@ class CuttingProxy:
             pass
         finally:
             for s in (source, sink):
-                try:
+                with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
 
     def cut(self) -> None:
         with self._lock:
             cut, self._open = self._open, []
         for s in cut:
-            try:
+            with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
             s.close()
 
     def close(self) -> None:

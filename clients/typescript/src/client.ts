@@ -18,6 +18,7 @@ import {
   ToolRegistry,
   type ApprovalEvent as PbApprovalEvent,
 } from "./gen/toolregistry/v1/registry_pb.js";
+import { brokeInTransit, pauseBefore, REATTACH_HEADERS, REATTACH_TRIES } from "./reattach.js";
 import { openConnection, type Connection, type ConnectionOptions } from "./transport.js";
 import type {
   ApprovalEvent,
@@ -60,9 +61,20 @@ export interface ExecuteOptions {
   approvalRequestId?: string;
   /** Deadline of the RPC in milliseconds; default none (the tool's own limit applies). */
   timeoutMs?: number;
-  /** Cancels the call; the server stops the container. */
+  /**
+   * Cancels the call. The server stops the container at once for executeTool,
+   * and for streamTool with `reattach: false`; with re-attachment on it runs
+   * to its own end.
+   */
   signal?: AbortSignal;
+  /**
+   * streamTool only: re-attach when the stream breaks in transit mid-call
+   * (AttachExecution); default true.
+   */
+  reattach?: boolean;
 }
+
+type StreamCall = { timeoutMs?: number; signal: AbortSignal };
 
 export interface ToolFilter {
   /** Tools at or below this level (default: no limit). */
@@ -238,26 +250,60 @@ export class ToolregClient {
 
   /**
    * StreamExecuteTool: stdout/stderr chunks as the tool writes them, then one
-   * event with the result. Leaving the loop early cancels the call.
+   * event with the result. A stream that breaks in transit once the call has
+   * started is re-attached on its own (AttachExecution, from the bytes already
+   * received): every byte comes once, then the result. With re-attachment on
+   * (the default) the server lets a started call run on when its stream ends,
+   * so leaving the loop early or aborting stops reading, not the tool (it ends
+   * at its own timeout); `reattach: false` cancels the call instead.
    */
   async *streamTool(name: string, args: Arguments = {}, options: ExecuteOptions = {}): AsyncGenerator<StreamEvent> {
     const request = executeRequest(name, args, options);
-    // Leaving the loop early cancels the RPC, so the server stops the container.
-    for await (const msg of this.#stream((call) => this.stub.streamExecuteTool(request, call), options)) {
-      const event = msg.event;
-      switch (event.case) {
-        case "stdout":
-          yield { kind: "stdout", stdout: event.value };
-          break;
-        case "stderr":
-          yield { kind: "stderr", stderr: event.value };
-          break;
-        case "result":
-          yield { kind: "result", result: resultFromPb(event.value) };
-          break;
-        default:
-          break; // an event kind a newer server added: not ours to interpret
+    const reattach = options.reattach ?? true;
+    const deadline = options.timeoutMs === undefined ? undefined : Date.now() + options.timeoutMs;
+    const headers = reattach ? REATTACH_HEADERS : {};
+    let open = (call: StreamCall) => this.stub.streamExecuteTool(request, { ...call, headers });
+    let executionId = "";
+    const offsets = { stdout: 0n, stderr: 0n };
+    let failures = 0;
+    for (;;) {
+      try {
+        const timeoutMs = deadline === undefined ? undefined : Math.max(1, deadline - Date.now());
+        for await (const msg of this.#stream(open, { timeoutMs, signal: options.signal })) {
+          const event = msg.event;
+          switch (event.case) {
+            case "started":
+              executionId = event.value.executionId;
+              break;
+            case "stdout":
+              offsets.stdout += BigInt(event.value.length);
+              failures = 0;
+              yield { kind: "stdout", stdout: event.value };
+              break;
+            case "stderr":
+              offsets.stderr += BigInt(event.value.length);
+              failures = 0;
+              yield { kind: "stderr", stderr: event.value };
+              break;
+            case "result":
+              yield { kind: "result", result: resultFromPb(event.value) };
+              return;
+            default:
+              break; // an event kind a newer server added: not ours to interpret
+          }
+        }
+        return;
+      } catch (err) {
+        const failed = toRpcError(err);
+        const aborted = options.signal?.aborted ?? false;
+        if (!reattach || !executionId || !brokeInTransit(failed, aborted) || failures >= REATTACH_TRIES) {
+          throw failed;
+        }
+        failures += 1;
       }
+      await sleep(pauseBefore(failures), options.signal);
+      const attach = { executionId, stdoutOffset: offsets.stdout, stderrOffset: offsets.stderr };
+      open = (call: StreamCall) => this.stub.attachExecution(attach, call);
     }
   }
 

@@ -1,18 +1,20 @@
 // executeTool and streamTool: every outcome of a call is a CallResult.
 import { strict as assert } from "node:assert";
+import { createServer, connect as connectTcp, type AddressInfo, type Socket } from "node:net";
 import { execFileSync } from "node:child_process";
 import { setTimeout as sleep } from "node:timers/promises";
 import { after, before, describe, test } from "node:test";
 
-import type { StreamEvent, ToolregClient } from "toolreg-client";
+import type { CallResult, StreamEvent, ToolregClient } from "toolreg-client";
 
-import { closeAll, connect, rpcError, tokens, uniqueName } from "./helpers.js";
+import { closeAll, connect, env, rpcError, tokens, uniqueName } from "./helpers.js";
 
 const TICKER = uniqueName("ts_ticker");
 const FAILING = uniqueName("ts_failing");
 const SLEEPER = uniqueName("ts_sleeper");
 const LINGERER = uniqueName("ts_lingerer");
 const MARKER = uniqueName("ts_marker"); // the lingerer's $0: finds its container in `docker ps`
+const TALKER = uniqueName("ts_talker");
 const LINES = 4;
 const EMPTY = JSON.stringify({ type: "object", properties: {} });
 
@@ -30,6 +32,12 @@ before(async () => {
       image: "toolreg/base",
       command: ["sh", "-c", `for i in $(seq 1 ${LINES}); do echo "line $i"; sleep 0.2; done; echo warned >&2`],
     },
+  });
+  await admin.registerTool({
+    ...base,
+    name: TALKER,
+    description: "Prints, sleeps, prints.",
+    sandbox: { image: "toolreg/base", command: ["sh", "-c", "echo one; sleep 1.5; echo two >&2; sleep 1; echo three"] },
   });
   await admin.registerTool({
     ...base,
@@ -142,9 +150,9 @@ describe("streamTool", () => {
     assert.equal(only.result.status, "TOOL_NOT_FOUND");
   });
 
-  test("leaving the loop early cancels the call: the server stops the container", async () => {
+  test("leaving the loop early with reattach off cancels the call: the server stops the container", async () => {
     let first: StreamEvent | undefined;
-    for await (const event of agent.streamTool(LINGERER)) {
+    for await (const event of agent.streamTool(LINGERER, {}, { reattach: false })) {
       first = event;
       assert.ok(lingererRunning(), "the tool's container runs while its output streams");
       break;
@@ -167,5 +175,64 @@ describe("streamTool", () => {
       })(),
     );
     assert.equal(err.code, "UNAUTHENTICATED");
+  });
+});
+
+/** A loopback TCP proxy to the server whose open connections a test can cut at once. */
+async function cuttingProxy(): Promise<{ address: string; cut: () => void; close: () => void; connections: () => number }> {
+  const [host, port] = env("TOOLREG_ADDRESS").split(":");
+  const open = new Set<Socket>();
+  let connections = 0;
+  const server = createServer((client) => {
+    connections += 1;
+    const upstream = connectTcp(Number(port), host);
+    for (const s of [client, upstream]) {
+      open.add(s);
+      s.on("error", () => s.destroy());
+      s.on("close", () => open.delete(s));
+    }
+    client.pipe(upstream).pipe(client);
+  });
+  await new Promise<void>((resolve) => server.listen(0, "127.0.0.1", resolve));
+  const cut = () => {
+    for (const s of open) s.destroy();
+  };
+  return {
+    address: `127.0.0.1:${(server.address() as AddressInfo).port}`,
+    cut,
+    close: () => {
+      cut();
+      server.close();
+    },
+    connections: () => connections,
+  };
+}
+
+describe("re-attaching", () => {
+  test("a stream cut mid-call is re-attached: every byte once, then the result", async () => {
+    const proxy = await cuttingProxy();
+    try {
+      const client = connect(tokens.agent, { address: proxy.address });
+      let stdout = "";
+      let stderr = "";
+      let result: CallResult | undefined;
+      for await (const event of client.streamTool(TALKER, {}, { timeoutMs: 60_000 })) {
+        if (event.kind === "stdout") {
+          stdout += Buffer.from(event.stdout).toString();
+          if (stdout === "one\n") proxy.cut(); // while the tool sleeps
+        } else if (event.kind === "stderr") {
+          stderr += Buffer.from(event.stderr).toString();
+        } else {
+          result = event.result;
+        }
+      }
+      assert.equal(stdout, "one\nthree\n");
+      assert.equal(stderr, "two\n");
+      assert.ok(result?.success, result?.error);
+      assert.equal(result?.content, "one\nthree\n");
+      assert.ok(proxy.connections() >= 2, "the stream was cut and came back");
+    } finally {
+      proxy.close();
+    }
   });
 });
