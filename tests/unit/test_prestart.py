@@ -168,3 +168,15 @@ def test_the_plan_gives_prestart_to_safe_and_cautious_tools_only() -> None:
     risky = dataclasses.replace(tool, safety_level=SafetyLevel.DANGEROUS)
     spec = planner.spec(risky, b"{}", "runc")
     assert (spec.prestart, spec.preload) == ("", ())
+
+
+def test_the_init_says_ready_or_why_not_after_its_hello() -> None:
+    from sandbox_runner.framing import INIT_FAILED, INIT_HELLO, INIT_READY, InitDecoder
+
+    why = b"prestart: preload 'nope' failed: No module named 'nope'"
+    stream = b"H\0\0\0\1\3" + b"R\0\0\0\0" + b"F" + len(why).to_bytes(4, "big") + why
+    events: list[tuple[str, object]] = []
+    decoder = InitDecoder()
+    for i in range(len(stream)):  # byte by byte: frames cut anywhere
+        events += decoder.feed(stream[i : i + 1])
+    assert events == [(INIT_HELLO, 3), (INIT_READY, b""), (INIT_FAILED, why)]
