@@ -5,7 +5,9 @@ never an RPC's time.
 
 * Claims are leases (store/base.py ``claim_webhook_deliveries``): with
   several servers on PostgreSQL each delivery is claimed by one of them, and
-  a server that dies mid-send has its claims taken over once they lapse.
+  a server that dies mid-send has its claims taken over once they lapse, or
+  at once by a server that can prove its process gone (claimant.py: its own
+  previous process after a crash, or another one on the same host).
   Only as many are claimed as there are free senders, so a claim is never
   held by a delivery waiting in a queue.
 * Every attempt is signed with the ``standardwebhooks`` library (webhook-id
@@ -24,11 +26,9 @@ from __future__ import annotations
 
 import logging
 import random
-import socket
 import ssl
 import threading
 import time
-import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -39,6 +39,7 @@ import httpx
 
 from registry_server.domain.errors import StoreError
 from registry_server.domain.text import escape
+from registry_server.notify.claimant import claimant, claimant_gone
 from registry_server.notify.endpoints import Endpoint
 from registry_server.notify.outbox import (
     DEFAULT_MAX_ATTEMPTS,
@@ -52,6 +53,7 @@ from registry_server.store.base import (
     Store,
     WebhookDeliveryRecord,
 )
+from sandbox_runner.ownership import OwnerIdentity, process_alive
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +68,9 @@ PRUNE_EVERY_S = 3_600.0  # seconds between prunes of old finished rows
 PRUNE_BATCH = 1_000  # rows deleted per prune
 CLOSE_WAIT_S = 2.0  # seconds close() waits for attempts in flight
 MIN_WAIT_S = 0.01  # seconds: the shortest wait between two looks at the outbox
+# seconds between looks for claims of dead processes while a due delivery is
+# claimed elsewhere (the first look is at the dispatcher's first turn)
+GONE_CHECK_S = 5.0
 USER_AGENT = "toolreg-webhooks/1"
 # Outcomes (the metric's label values)
 OUT_DELIVERED, OUT_RETRIED, OUT_FAILED = "delivered", "retried", "failed"
@@ -130,11 +135,6 @@ def signed_headers(endpoint: Endpoint, webhook_id: str, body: str, now: float) -
     }
 
 
-def _owner() -> str:
-    """Who holds a claim: this process on this host, unique per start."""
-    return f"{socket.gethostname()[:64]}/{uuid.uuid4().hex[:12]}"
-
-
 class Dispatcher:
     def __init__(
         self,
@@ -149,6 +149,7 @@ class Dispatcher:
         clock: Callable[[], float] = time.time,
         rng: Callable[[], float] = random.random,
         poll_s: float = POLL_S,
+        owner_alive: Callable[[int, int], bool] = process_alive,
     ) -> None:
         self._store = store
         self._endpoints = dict(endpoints)
@@ -160,7 +161,10 @@ class Dispatcher:
         self._clock = clock
         self._rng = rng
         self._poll_s = poll_s
-        self.owner = _owner()
+        self._me = OwnerIdentity.current()
+        self._owner_alive = owner_alive
+        self.owner = claimant(self._me)
+        self._gone_checked_at: float | None = None  # None: not yet
         self.backlog = 0  # pending deliveries at the last look (a gauge reads it)
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -195,6 +199,8 @@ class Dispatcher:
 
     def _turn(self) -> float:
         """Claim and hand out what is due; seconds until the next look."""
+        if self._gone_checked_at is None:
+            self.take_back_from_the_gone()  # a crash's leftovers, before the first claim
         with self._lock:
             free = self._concurrency - self._in_flight
         claimed = self._claim(free) if free > 0 else []
@@ -213,9 +219,39 @@ class Dispatcher:
         wait = backlog.next_due - self._clock()
         if wait <= 0:
             # Due but not claimable: in flight here (a sender's end wakes the
-            # loop) or claimed by another server. Never spin on it.
+            # loop) or claimed by another server. Never spin on it; look
+            # again at once only when that server proved to be gone.
+            checked = self._gone_checked_at
+            if (checked is None or self._clock() - checked >= GONE_CHECK_S) and (
+                self.take_back_from_the_gone()
+            ):
+                return MIN_WAIT_S
             return self._poll_s
         return max(MIN_WAIT_S, min(self._poll_s, wait))
+
+    def take_back_from_the_gone(self) -> int:
+        """Release the claims of dispatchers whose process is provably gone
+        (claimant.py), so they are claimed now rather than when their lease
+        lapses; how many. A live claimant's claims, or another host's, stay."""
+        now = self._clock()
+        self._gone_checked_at = now
+        with self._store.reading() as reads:
+            holders = reads.webhook_claimants(now)
+        released = 0
+        for holder in holders:
+            if holder == self.owner:
+                continue
+            reason = claimant_gone(holder, me=self._me, owner_alive=self._owner_alive)
+            if reason is None:
+                continue
+            with self._store.unit_of_work() as uow:
+                count = uow.release_webhook_claims(holder)
+            released += count
+            if count:
+                log.info("webhook outbox: %d delivery(ies) claimed by %s taken back before"
+                         " their claim lapsed: %s", count, holder.split(";")[0],
+                         reason)  # fmt: skip
+        return released
 
     def _claim(self, limit: int) -> list[WebhookDeliveryRecord]:
         now = self._clock()
@@ -240,6 +276,7 @@ class Dispatcher:
 
     def pump(self) -> int:
         """Claim and attempt what is due now, on this thread (tests drive it)."""
+        self.take_back_from_the_gone()
         claimed = self._claim(self._concurrency)
         for delivery in claimed:
             self.attempt(delivery)

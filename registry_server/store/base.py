@@ -307,6 +307,10 @@ class StoreReads(Protocol):
         """How many deliveries are pending, and when the first is due."""
         ...
 
+    def webhook_claimants(self, now: float) -> list[str]:
+        """Who holds a claim that has not lapsed on a pending delivery (each once)."""
+        ...
+
 
 class UnitOfWork(StoreReads, Protocol):
     """Reads and writes inside one transaction."""
@@ -435,6 +439,12 @@ class UnitOfWork(StoreReads, Protocol):
         (or whose claim lapsed) for ``owner`` until ``until``, earliest due
         first. Claims of concurrent transactions never overlap (PostgreSQL:
         locked rows are skipped), so each is sent by one server at a time."""
+        ...
+
+    def release_webhook_claims(self, owner: str) -> int:
+        """Give back every claim ``owner`` holds on a pending delivery, lapsed
+        or not (its process is provably gone), so any server claims them
+        now; how many."""
         ...
 
     def finish_webhook_delivery(self, delivery: WebhookDeliveryRecord, owner: str) -> bool:

@@ -212,6 +212,10 @@ class _Reads:
                if d.state == DELIVERY_PENDING]  # fmt: skip
         return WebhookBacklog(len(due), min(due, default=None))
 
+    def webhook_claimants(self, now: float) -> list[str]:
+        return sorted({d.claimed_by for d in self._data.deliveries.values()
+                       if d.state == DELIVERY_PENDING and d.claim_until > now})  # fmt: skip
+
 
 class _Writes(_Reads):
     def put_tool(self, tool: StoredTool, now: float) -> None:
@@ -370,6 +374,15 @@ class _Writes(_Reads):
         for d in claimed:
             self._data.deliveries[(d.event_seq, d.endpoint)] = d
         return claimed
+
+    def release_webhook_claims(self, owner: str) -> int:
+        held = [d for d in self._data.deliveries.values()
+                if d.claimed_by == owner and d.state == DELIVERY_PENDING]  # fmt: skip
+        for d in held:
+            self._data.deliveries[(d.event_seq, d.endpoint)] = replace(
+                d, claimed_by="", claim_until=0.0
+            )
+        return len(held)
 
     def finish_webhook_delivery(self, delivery: WebhookDeliveryRecord, owner: str) -> bool:
         key = (delivery.event_seq, delivery.endpoint)

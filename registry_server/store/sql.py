@@ -396,6 +396,14 @@ class SqlReads:
         )
         return WebhookBacklog(int(str(count)), None if due is None else float(str(due)))
 
+    def webhook_claimants(self, now: float) -> list[str]:
+        rows = self._all(
+            "SELECT DISTINCT claimed_by FROM webhook_deliveries"
+            " WHERE state = ? AND claim_until > ? ORDER BY claimed_by",
+            (DELIVERY_PENDING, now),
+        )
+        return [str(owner) for (owner,) in rows]
+
 
 class SqlWrites(SqlReads):
     """Used only inside a store's transaction."""
@@ -646,6 +654,14 @@ class SqlWrites(SqlReads):
         )
         # RETURNING promises no order
         return sorted(map(_delivery, rows), key=lambda d: (d.next_attempt_at, d.event_seq))
+
+    def release_webhook_claims(self, owner: str) -> int:
+        changed = self._run(
+            "UPDATE webhook_deliveries SET claimed_by = '', claim_until = 0"
+            " WHERE claimed_by = ? AND state = ?",
+            (owner, DELIVERY_PENDING),
+        ).rowcount
+        return int(changed)
 
     def finish_webhook_delivery(self, delivery: WebhookDeliveryRecord, owner: str) -> bool:
         d = delivery

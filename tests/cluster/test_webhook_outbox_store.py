@@ -119,3 +119,23 @@ def test_servers_claiming_at_once_on_postgres_never_share_a_row(database: str) -
     finally:
         for s in stores:
             s.close()
+
+
+def test_the_claims_of_a_gone_server_are_given_back_at_once(store: Store) -> None:
+    """What a server proved dead (notify/claimant.py) held is claimable before
+    its lease lapses; nobody else's claims move."""
+    with store.unit_of_work() as uow:
+        for seq in (1, 2, 3):
+            uow.add_webhook_delivery(delivery(seq))
+        uow.claim_webhook_deliveries("dead-server", NOW, NOW + 70, 2)
+        uow.claim_webhook_deliveries("live-server", NOW, NOW + 70, 1)
+    with store.reading() as reads:
+        assert reads.webhook_claimants(NOW + 1) == ["dead-server", "live-server"]
+        assert reads.webhook_claimants(NOW + 70) == []  # lapsed claims hold nothing
+    with store.unit_of_work() as uow:
+        assert uow.release_webhook_claims("dead-server") == 2
+        assert uow.release_webhook_claims("dead-server") == 0
+        taken = uow.claim_webhook_deliveries("b", NOW + 1, NOW + 71, 10)
+    assert [(d.event_seq, d.claimed_by) for d in taken] == [(1, "b"), (2, "b")]
+    with store.reading() as reads:
+        assert reads.webhook_claimants(NOW + 1) == ["b", "live-server"]

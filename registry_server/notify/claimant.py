@@ -1,0 +1,75 @@
+"""Who holds a webhook delivery's claim, written so that a later server can
+prove that process gone and take its deliveries back at once, instead of
+waiting out the claim's lease (dispatcher.CLAIM_LEASE_S, over a minute).
+
+A claim names its process the way a sandbox container names its server
+(sandbox_runner/ownership.py): host, boot, pid namespace, pid and the pid's
+start time, since a pid alone is reused. It is kept in the outbox's
+``claimed_by`` text, after the ``host/nonce`` that made it unique before,
+so no column changes:
+
+    host/nonce;pid=812;start=93117;boot=<boot id>;host_id=<machine id>;pidns=pid:[4026531836]
+
+Only a claimant on this host, in this boot and pid namespace, whose process
+is not running, is gone. Anything else (a live process, another host's
+server on PostgreSQL, another pid namespace, a claim written before this
+format) keeps its claim until the lease lapses.
+"""
+
+from __future__ import annotations
+
+import socket
+import uuid
+from collections.abc import Callable
+
+from sandbox_runner.ownership import (
+    LABEL_OWNER_BOOT,
+    LABEL_OWNER_HOST,
+    LABEL_OWNER_PID,
+    LABEL_OWNER_PIDNS,
+    LABEL_OWNER_START,
+    OwnerIdentity,
+    owner_gone,
+    process_alive,
+)
+
+# Field name in the claim -> the ownership label it stands for.
+_FIELDS = {
+    "pid": LABEL_OWNER_PID,
+    "start": LABEL_OWNER_START,
+    "boot": LABEL_OWNER_BOOT,
+    "host_id": LABEL_OWNER_HOST,
+    "pidns": LABEL_OWNER_PIDNS,
+}
+_BY_LABEL = {label: name for name, label in _FIELDS.items()}
+
+
+def claimant(me: OwnerIdentity, hostname: str | None = None, nonce: str | None = None) -> str:
+    """The ``claimed_by`` of this process's dispatcher: unique per start."""
+    host = (hostname if hostname is not None else socket.gethostname())[:64]
+    head = f"{host}/{nonce if nonce is not None else uuid.uuid4().hex[:12]}"
+    # ';' and '=' separate the fields; none of these values (from /proc, the
+    # machine id or the hostname) has them, but a garbled one must not shift
+    # the others: it is dropped, and the claim then proves nothing.
+    fields = [
+        f"{_BY_LABEL[label]}={value}"
+        for label, value in me.labels().items()
+        if ";" not in value and "=" not in value
+    ]
+    return ";".join([head.replace(";", "_"), *fields])
+
+
+def claimant_gone(
+    claimed_by: str,
+    *,
+    me: OwnerIdentity,
+    owner_alive: Callable[[int, int], bool] = process_alive,
+) -> str | None:
+    """Why the process behind ``claimed_by`` is provably gone, or None (alive,
+    this very process, elsewhere, or a claim that does not say)."""
+    labels: dict[str, str] = {}
+    for part in claimed_by.split(";")[1:]:
+        name, sep, value = part.partition("=")
+        if sep and name in _FIELDS:
+            labels[_FIELDS[name]] = value
+    return owner_gone(labels, me=me, owner_alive=owner_alive)
