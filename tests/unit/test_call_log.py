@@ -1,0 +1,223 @@
+"""The call log (execution/call_log.py) and its relay across servers
+(execution/call_relay.py): offsets, bounds, grace expiry, ownership, a dead
+server's call, with a fake clock and the in-memory store."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from registry_server.domain.errors import InvalidArgument, NotFound
+from registry_server.domain.outcome import Outcome, Status
+from registry_server.execution.call_log import CallEvent, CallLog, check_attach
+from registry_server.execution.call_relay import (
+    DEAD_AFTER_S,
+    SERVER_GONE,
+    Attachments,
+    CallRelay,
+    outcome_from_json,
+    outcome_json,
+)
+from registry_server.store.memory import MemoryStore
+
+ID = "a" * 32
+OK = Outcome(Status.OK, content="one\nthree\n", execution_id=ID, duration_ms=5)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _all(events: Iterator[CallEvent]) -> list[tuple[str, bytes | Outcome | None]]:
+    return [(e.stream, e.outcome or e.data) for e in events]
+
+
+def test_a_follower_gets_the_output_after_its_offsets_then_the_outcome() -> None:
+    log = CallLog()
+    call = log.start(ID, "agent")
+    log.append(call, "stdout", b"one\n")
+    log.append(call, "stderr", b"two\n")
+    log.append(call, "stdout", b"three\n")
+    log.finish(call, OK)
+    stopped = threading.Event()
+    assert _all(log.follow(ID, "agent", 4, 0, stopped)) == [
+        ("stdout", b"three\n"), ("stderr", b"two\n"), ("result", OK),
+    ]  # fmt: skip
+    # Offsets at or past the end: nothing more of that stream.
+    assert _all(log.follow(ID, "agent", 10, 99, stopped)) == [("result", OK)]
+
+
+def test_a_follower_waits_for_output_as_it_comes() -> None:
+    log = CallLog()
+    call = log.start(ID, "agent")
+    got: list[tuple[str, bytes | Outcome | None]] = []
+    follower = threading.Thread(
+        target=lambda: got.extend(_all(log.follow(ID, "agent", 0, 0, threading.Event())))
+    )
+    follower.start()
+    log.append(call, "stdout", b"x")
+    log.finish(call, OK)
+    follower.join(5)
+    assert got[0] == ("stdout", b"x") and got[-1] == ("result", OK)
+
+
+def test_a_stopped_follower_ends_without_an_outcome() -> None:
+    log = CallLog()
+    log.start(ID, "agent")
+    stopped = threading.Event()
+    stopped.set()
+    assert _all(log.follow(ID, "agent", 0, 0, stopped)) == []
+
+
+def test_only_the_calls_client_finds_it_and_unknown_ids_look_the_same() -> None:
+    log = CallLog()
+    log.start(ID, "agent")
+    assert log.find(ID, "agent") is not None
+    for who, execution_id in (("intruder", ID), ("agent", "b" * 32)):
+        assert log.find(execution_id, who) is None
+        with pytest.raises(NotFound) as info:
+            list(log.follow(execution_id, who, 0, 0, threading.Event()))
+        assert info.value.message == "no such call is kept for this client"
+
+
+def test_ended_calls_expire_after_the_grace_period() -> None:
+    clock = Clock()
+    log = CallLog(grace_s=60, clock=clock)
+    log.finish(log.start(ID, "agent"), OK)
+    clock.now += 59
+    assert log.find(ID, "agent") is not None
+    clock.now += 2
+    assert log.find(ID, "agent") is None
+
+
+def test_running_calls_never_expire_and_ended_ones_are_bounded() -> None:
+    clock = Clock()
+    log = CallLog(grace_s=1, max_ended=2, max_ended_bytes=10, clock=clock)
+    running = log.start("f" * 32, "agent")
+    for i in range(3):
+        call = log.start(str(i) * 32, "agent")
+        log.append(call, "stdout", b"1234")
+        log.finish(call, OK)
+    assert log.find("0" * 32, "agent") is None  # more than two ended: the oldest went
+    assert log.find("2" * 32, "agent") is not None
+    log.append(log.start("9" * 32, "agent"), "stdout", b"x" * 9)
+    log.finish(log.find("9" * 32, "agent"), OK)  # type: ignore[arg-type]
+    assert log.find("1" * 32, "agent") is None  # bytes bound: 4 + 4 + 9 > 10
+    clock.now += 100
+    assert log.find(running.execution_id, "agent") is running
+
+
+def test_close_stops_the_calls_still_running() -> None:
+    log = CallLog()
+    cancel = threading.Event()
+    log.start(ID, "agent", cancel)
+    log.close()
+    assert cancel.is_set()
+
+
+@pytest.mark.parametrize(
+    ("execution_id", "stdout", "stderr", "fields"),
+    [
+        ("A" * 32, 0, 0, ["execution_id"]),
+        ("a" * 5000, 0, 0, ["execution_id"]),
+        (ID, -1, 0, ["stdout_offset"]),
+        ("", 0, -5, ["execution_id", "stderr_offset"]),
+    ],
+)
+def test_malformed_attach_requests_are_refused(
+    execution_id: str, stdout: int, stderr: int, fields: list[str]
+) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        check_attach(execution_id, stdout, stderr)
+    assert [v.field for v in info.value.violations] == fields
+    assert "a" * 100 not in info.value.message  # the id is never echoed
+
+
+def test_outcomes_survive_the_store_form() -> None:
+    assert outcome_from_json(outcome_json(OK)) == OK
+
+
+def _relayed(clock: Clock) -> tuple[CallLog, CallRelay, CallRelay]:
+    """A call log published by server A; the relay server B reads it through."""
+    store = MemoryStore()
+    log_a = CallLog(grace_s=60, clock=clock)
+    relay_a = CallRelay(log_a, store, "server-a", clock=clock)
+    relay_b = CallRelay(CallLog(grace_s=60, clock=clock), store, "server-b", clock=clock)
+    return log_a, relay_a, relay_b
+
+
+def test_another_server_follows_a_published_call_to_its_result() -> None:
+    clock = Clock()
+    log_a, relay_a, relay_b = _relayed(clock)
+    call = log_a.start(ID, "agent")
+    log_a.append(call, "stdout", b"one\n")
+    relay_a.publish_once()
+    log_a.append(call, "stderr", b"two\n")
+    log_a.finish(call, OK)
+    relay_a.publish_once()
+    stopped = threading.Event()
+    assert _all(relay_b.follow(ID, "agent", 2, 0, stopped)) == [
+        ("stdout", b"e\n"), ("stderr", b"two\n"), ("result", OK),
+    ]  # fmt: skip
+    with pytest.raises(NotFound):
+        list(relay_b.follow(ID, "intruder", 0, 0, stopped))
+    clock.now += 61
+    with pytest.raises(NotFound):  # past the grace period
+        list(relay_b.follow(ID, "agent", 0, 0, stopped))
+
+
+def test_a_call_published_only_at_its_end_is_followed_too() -> None:
+    clock = Clock()
+    log_a, relay_a, relay_b = _relayed(clock)
+    log_a.finish(log_a.start(ID, "agent"), OK)
+    relay_a.publish_once()
+    assert _all(relay_b.follow(ID, "agent", 0, 0, threading.Event())) == [("result", OK)]
+
+
+def test_a_call_whose_server_went_silent_ends_with_a_clear_status() -> None:
+    clock = Clock()
+    log_a, relay_a, relay_b = _relayed(clock)
+    log_a.start(ID, "agent")
+    relay_a.publish_once()
+    clock.now += DEAD_AFTER_S + 1  # server A published nothing since
+    (event,) = list(relay_b.follow(ID, "agent", 0, 0, threading.Event()))
+    assert event.outcome is not None and event.outcome.status is Status.SANDBOX_ERROR
+    assert event.outcome.error == SERVER_GONE
+
+
+def test_a_quiet_running_call_is_republished_as_a_heartbeat_only_when_due() -> None:
+    clock = Clock()
+    log_a, relay_a, _ = _relayed(clock)
+    writes: list[str] = []
+    store = relay_a._store
+    original = store.unit_of_work
+
+    def counting():  # type: ignore[no-untyped-def]
+        writes.append("w")
+        return original()
+
+    store.unit_of_work = counting  # type: ignore[method-assign]
+    log_a.start(ID, "agent")
+    relay_a.publish_once()  # new: published (and the first pruning)
+    relay_a.publish_once()  # unchanged, beat not due: no write
+    clock.now += 2.5
+    relay_a.publish_once()  # the beat
+    assert len(writes) == 3
+
+
+def test_attachments_prefer_this_servers_own_calls() -> None:
+    clock = Clock()
+    log_a, relay_a, _ = _relayed(clock)
+    call = log_a.start(ID, "agent")
+    log_a.append(call, "stdout", b"x")
+    log_a.finish(call, OK)
+    attach = Attachments(log_a, relay_a)  # nothing published: served from memory
+    assert _all(attach.follow(ID, "agent", 0, 0, threading.Event()))[-1] == ("result", OK)
+    with pytest.raises(NotFound):
+        list(Attachments(CallLog(), None).follow(ID, "agent", 0, 0, threading.Event()))
