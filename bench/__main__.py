@@ -34,6 +34,7 @@ from bench import (
     report,
     throughput,
     tracing_cost,
+    warm_interpreter,
     webhooks,
 )
 from bench.common import (
@@ -66,6 +67,7 @@ SECTIONS = (
     "egress",
     "conditions",
     "export",
+    "interpreter",
 )
 PACKAGES = ("epicbox", "llm-sandbox", "docker", "grpcio", "matplotlib")
 FULL = {"runs": 50, "warmup": 3, "cell_seconds": 10.0, "read_runs": 200}
@@ -163,6 +165,8 @@ def main() -> None:
         if "export" in args.sections:
             records = export_cost.QUICK_RECORDS if args.quick else export_cost.RECORDS
             section("export", lambda: export_cost.run(args.runs, engine, records=records))
+        if "interpreter" in args.sections:
+            section("interpreter", lambda: warm_interpreter.run(args.runs, engine))
     finally:
         watch.stop()
         res["interference"] = watch.summary()

@@ -1,0 +1,167 @@
+"""Warm interpreters (issue 30, item 1): the `run_python` example as shipped
+(``prestart: python``) against a `cat` tool, both on toolreg/python, warm and
+cold, interleaved in one run on one server (runc: safe and cautious tools run
+nowhere else); then the same pair under gVisor (runsc) through the runner in
+process, since the server never gives runsc to a tool that may prestart (a
+dangerous tool is never pre-started): warm = the released call of a container
+prepared ahead, cold = prepare and call."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import docker
+import yaml
+
+from bench.common import RPC_TIMEOUT_S, Server, server, summary
+from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
+from registry_server.domain.models import parse_definition
+from registry_server.wire import convert
+from sandbox_runner import SandboxSpec
+from sandbox_runner.docker_backend import DockerBackend
+from sandbox_runner.profiles import GVISOR, profile_for
+from sandbox_runner.spec import INIT_BINARY
+
+IMAGE = "toolreg/python"
+WARM_POOL = 2  # warm containers per warm tool
+SETTLE_TIMEOUT_S = 10.0  # seconds for a pool to refill between rounds
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tools" / "run_python.yaml"
+CODE_ARGS = {"code": 'print(\'{"message":"hello"}\')'}  # prints what cat echoes
+CAT_ARGS = {"message": "hello"}
+EXPECTED = '{"message":"hello"}'
+
+CAT_WARM = f"cat warm_pool={WARM_POOL}"
+PY_WARM = f"run_python warm_pool={WARM_POOL}"
+CAT_COLD = "cat cold"
+PY_COLD = "run_python cold"
+GV_CAT_WARM = "runsc runner: cat warm"
+GV_PY_WARM = "runsc runner: run_python warm"
+GV_CAT_COLD = "runsc runner: cat cold"
+GV_PY_COLD = "runsc runner: run_python cold"
+
+
+def _manifest(name: str, warm_pool: int, python: bool) -> pb.Tool:
+    if python:
+        raw = yaml.safe_load(EXAMPLE.read_text())
+    else:
+        raw = {
+            "name": name, "description": "cat on the python image",
+            "parameters": {"type": "object"}, "safety_level": "cautious",
+            "sandbox": {"image": IMAGE, "command": ["cat"]},
+        }  # fmt: skip
+    raw.update(name=name, warm_pool=warm_pool)
+    return convert.tool_to_pb(parse_definition(raw))
+
+
+def _server_calls(srv: Server) -> dict[str, tuple[Callable[[], str], Callable[[], None]]]:
+    tools = {
+        CAT_WARM: ("bench_cat_warm", False, WARM_POOL, CAT_ARGS),
+        PY_WARM: ("bench_run_python_warm", True, WARM_POOL, CODE_ARGS),
+        CAT_COLD: ("bench_cat_cold", False, 0, CAT_ARGS),
+        PY_COLD: ("bench_run_python_cold", True, 0, CODE_ARGS),
+    }
+    calls: dict[str, tuple[Callable[[], str], Callable[[], None]]] = {}
+    for row, (name, python, pool, args) in tools.items():
+        srv.register(_manifest(name, pool, python))
+        request = pb.ExecuteToolRequest(name=name, arguments_json=json.dumps(args))
+
+        def call(request: pb.ExecuteToolRequest = request) -> str:
+            result = srv.stub.ExecuteTool(request, timeout=RPC_TIMEOUT_S)
+            if not result.success:
+                raise RuntimeError(f"{request.name}: {result.error}")
+            return str(result.content)
+
+        calls[row] = (call, lambda: None)
+    return calls
+
+
+def _runsc_calls(runner: DockerBackend) -> dict[str, tuple[Callable[[], str], Callable[[], None]]]:
+    """Under gVisor, in process: the warm rows time only the released call (the
+    container was prepared before, untimed), the cold rows prepare and call."""
+    limits = profile_for("cautious")
+    py = parse_definition(yaml.safe_load(EXAMPLE.read_text())).sandbox
+    specs = {
+        "cat": SandboxSpec(IMAGE, ("cat",), (), limits, runtime=GVISOR),
+        "py": SandboxSpec(IMAGE, py.command, (), limits, runtime=GVISOR,
+                          prestart=py.prestart, preload=py.preload),
+    }  # fmt: skip
+    inputs = {"cat": EXPECTED.encode(), "py": json.dumps(CODE_ARGS).encode()}
+    held: dict[str, Any] = {}
+
+    def prepare(kind: str) -> Any:
+        return runner.prepare(specs[kind], execution_id=uuid.uuid4().hex)
+
+    def warm(kind: str) -> tuple[Callable[[], str], Callable[[], None]]:
+        def before() -> None:
+            held[kind] = prepare(kind)
+
+        def call() -> str:
+            return str(held.pop(kind).finish(inputs[kind]).stdout.decode())
+
+        return call, before
+
+    def cold(kind: str) -> tuple[Callable[[], str], Callable[[], None]]:
+        return (lambda: str(prepare(kind).finish(inputs[kind]).stdout.decode())), (lambda: None)
+
+    return {
+        GV_CAT_WARM: warm("cat"), GV_PY_WARM: warm("py"),
+        GV_CAT_COLD: cold("cat"), GV_PY_COLD: cold("py"),
+    }  # fmt: skip
+
+
+def run(runs: int, engine: docker.DockerClient) -> dict[str, Any]:
+    samples: dict[str, list[float]] = {}
+    unavailable: dict[str, str] = {}
+    with server(engine) as srv:
+        calls = _server_calls(srv)
+        steady = srv.steady_count()
+        runner = DockerBackend(instance_id=f"bench-interp-{uuid.uuid4().hex[:8]}",
+                               init_path=INIT_BINARY)  # fmt: skip
+        if GVISOR in runner.runtimes():
+            calls.update(_runsc_calls(runner))
+        else:
+            unavailable["runsc rows"] = "the engine has no runsc runtime"
+        try:
+            for name, (call, before) in calls.items():  # warm-up proves the answer
+                before()
+                out = call()
+                if out.strip() != EXPECTED:
+                    raise RuntimeError(f"{name} returned {out[:200]!r}")
+            srv.settle_after_call(steady, SETTLE_TIMEOUT_S)
+            for i in range(runs):  # interleaved: noise hits every row alike
+                for name, (call, before) in calls.items():
+                    before()
+                    t0 = time.perf_counter()
+                    call()
+                    samples.setdefault(name, []).append((time.perf_counter() - t0) * 1000)
+                    srv.settle_after_call(steady, SETTLE_TIMEOUT_S)  # refills land nowhere
+                if i % 10 == 9:
+                    print(f"interpreter: {i + 1}/{runs} rounds", flush=True)
+        finally:
+            runner.close()
+    rows = [{"method": name, "runs": len(v), **summary(v)} for name, v in samples.items()]
+
+    def ratio(a: str, b: str) -> float | None:
+        if a in samples and b in samples:
+            return round(statistics.median(samples[a]) / statistics.median(samples[b]), 3)
+        return None
+
+    return {
+        "runs": runs,
+        "image": IMAGE,
+        "rows": rows,
+        "ratios_p50": {
+            "run_python warm / cat warm": ratio(PY_WARM, CAT_WARM),
+            "run_python cold / cat cold": ratio(PY_COLD, CAT_COLD),
+            "runsc: run_python warm / cat warm": ratio(GV_PY_WARM, GV_CAT_WARM),
+            "runsc: run_python cold / cat cold": ratio(GV_PY_COLD, GV_CAT_COLD),
+        },
+        "target": "run_python warm / cat warm <= 1.5 (issue 30)",
+        "unavailable": unavailable,
+    }
