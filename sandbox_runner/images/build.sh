@@ -10,7 +10,8 @@
 # files, tool sources; for python also the python-root image id) differs from the image's
 # io.toolreg.build-hash label. Delete toolreg/python-root to force a new debootstrap.
 #
-# Overrides: TOOLREG_DEBIAN_MIRROR (default: the machine's apt mirror, else deb.debian.org),
+# Overrides: TOOLREG_DEBIAN_MIRROR (default: the Debian mirror of the machine's apt sources;
+#            with none there, the build stops and asks for it),
 #            TOOLREG_DEBIAN_SUITE (default bookworm), TOOLREG_TOOLS_DIR (default examples/tools),
 #            TMPDIR (where debootstrap runs; default /var/tmp, must allow exec and mknod).
 set -Eeuo pipefail
@@ -126,25 +127,6 @@ build_base() {
 }
 
 # -------------------------------------------------------------------- toolreg/python-root
-# The machine's Debian mirror (deb822 .sources or one-line .list), else deb.debian.org.
-detect_mirror() {
-    local f uris=() u
-    for f in /etc/apt/sources.list.d/*.sources; do
-        [[ -r "$f" ]] || continue
-        # shellcheck disable=SC2207
-        uris+=($(sed -n 's/^URIs:[[:space:]]*//p' "$f"))
-    done
-    for f in /etc/apt/sources.list /etc/apt/sources.list.d/*.list; do
-        [[ -r "$f" ]] || continue
-        # shellcheck disable=SC2207
-        uris+=($(sed -n 's/^deb[[:space:]]\+\(\[[^]]*\][[:space:]]\+\)\?\([^[:space:]]\+\).*/\2/p' "$f"))
-    done
-    for u in "${uris[@]}"; do
-        [[ "$u" =~ ^https?://.*/debian/?$ ]] && { echo "${u%/}"; return 0; }
-    done
-    echo http://deb.debian.org/debian
-}
-
 # Copy a file of the debootstrap root to the same path in the slim root, following symlinks
 # (the path a program asks for becomes a symlink to the real file when they differ).
 take() {
@@ -204,7 +186,6 @@ slim_root() {
 
 build_python_root() {
     local root="$WORK/root" mirror arch recipe
-    mirror="${TOOLREG_DEBIAN_MIRROR:-$(detect_mirror)}"
     arch="$(dpkg --print-architecture)"
     recipe="debootstrap --variant=minbase --include=$DEBOOTSTRAP_INCLUDE $SUITE $arch"
     recipe+=" | slim v$SLIM_RECIPE_VERSION without ${STDLIB_LEFT_OUT[*]}"
@@ -214,6 +195,13 @@ build_python_root() {
         return 0
     fi
     [[ "$(id -u)" == 0 ]] || die "building $ROOT_IMAGE needs root (debootstrap)"
+    # The mirror is not part of the recipe (any mirror gives the same packages), and is
+    # looked up only when debootstrap runs: an up-to-date root needs no apt sources.
+    mirror="${TOOLREG_DEBIAN_MIRROR:-}"
+    if [[ -z "$mirror" ]] && ! mirror="$(debian_mirror /etc/apt "$SUITE" 2>"$WORK/mirror.err")"
+    then
+        die "$(tr '\n' ' ' <"$WORK/mirror.err")"  # it says what to set
+    fi
     ensure_pkg debootstrap
     log "building $ROOT_IMAGE: $recipe from $mirror (a few minutes) ..."
     local t0=$SECONDS
