@@ -423,17 +423,22 @@ class RegistryClient:
         approval_tokens: Iterable[str] = (),
         approval_request_id: str = "",
         timeout: float | None = None,
+        reattach: bool = True,
     ) -> Iterator[StreamEvent]:
         """StreamExecuteTool: stdout/stderr chunks as they arrive, then one
         event whose ``result`` is the CallResult. A stream that breaks in
         transit mid-call is re-attached on its own (every byte comes once).
-        Events this client does not know are skipped."""
+        Events this client does not know are skipped. With ``reattach`` (the
+        default) the server lets a started call run on when the stream ends,
+        so abandoning the iterator stops reading, not the tool (it ends at its
+        own timeout); ``reattach=False``: the call is cancelled instead."""
         for event in self.stream(
             name,
             arguments_text(arguments),
             tokens=approval_tokens,
             request_id=approval_request_id,
             timeout=timeout,
+            reattach=reattach,
         ):
             kind = event.WhichOneof("event")
             if kind == "stdout":

@@ -27,6 +27,7 @@ DEFAULT_GRACE_S = 120.0  # seconds an ended call stays attachable
 MAX_GRACE_S = 3600.0  # seconds: the most an operator may set
 DEFAULT_MAX_ENDED = 1000  # ended calls kept at once, per server
 DEFAULT_MAX_ENDED_BYTES = 256 * 1024 * 1024  # bytes of output kept for ended calls, per server
+CLOSE_WAIT_S = 5.0  # seconds a stopping server waits for the calls it cancelled
 WAIT_SLICE_S = 0.5  # seconds a follower waits before checking whether its RPC ended
 EXECUTION_ID_PATTERN = re.compile(r"^[0-9a-f]{32}$")  # what the executor issues (uuid4 hex)
 NOT_KEPT = "no such call is kept for this client"
@@ -165,12 +166,17 @@ class CallLog:
                 yield CallEvent("result", outcome=outcome)
                 return
 
-    def close(self) -> None:
+    def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
         """The server stops: calls still running for a client that may come back
-        are stopped now rather than left to their timeouts."""
+        are stopped now rather than left to their timeouts, and waited for
+        (within bounds) so their audit records are written before the store closes."""
         for call in self.running():
             if call.cancel is not None:
                 call.cancel.set()
+        until = time.monotonic() + wait_s
+        with self._changed:
+            while self._running and (left := until - time.monotonic()) > 0:
+                self._changed.wait(left)
 
     def running(self) -> list[KeptCall]:
         with self._changed:

@@ -113,12 +113,17 @@ def test_running_calls_never_expire_and_ended_ones_are_bounded() -> None:
     assert log.find(running.execution_id, "agent") is running
 
 
-def test_close_stops_the_calls_still_running() -> None:
+def test_close_stops_the_calls_still_running_and_waits_for_their_end() -> None:
     log = CallLog()
     cancel = threading.Event()
-    log.start(ID, "agent", cancel)
-    log.close()
-    assert cancel.is_set()
+    call = log.start(ID, "agent", cancel)
+    # The call's thread ends it once cancelled (its record written).
+    threading.Thread(target=lambda: cancel.wait(5) and log.finish(call, OK)).start()
+    log.close(wait_s=5)
+    assert cancel.is_set() and log.running() == []
+    stuck = log.start("b" * 32, "agent", threading.Event())
+    log.close(wait_s=0.05)  # bounded: a call that does not end is not waited for long
+    assert log.running() == [stuck]
 
 
 @pytest.mark.parametrize(
