@@ -54,13 +54,18 @@ def policy_check(file: PolicyFileArg = None) -> None:
 @policy_app.command("reload")
 def policy_reload(ctx: typer.Context, address: AddressOpt = None) -> None:
     """Make the server, and every server on its store, re-read its policy
-    file (admins). A file that does not load is refused; the old policy stays."""
+    file (admins). A file that does not load is refused; the old policy stays.
+    In development mode the server re-reads its approver keys."""
     with connect(ctx, address) as client:
         try:
             info = client.reload_policy()
         except grpc.RpcError as err:
             rpc_failed(err, client.address)
-    typer.echo(f"reloaded: {_info_line(info)}")
+    if info.policy_digest:
+        typer.echo(f"reloaded: {_info_line(info)}")
+    else:  # nothing to read but the keys `toolreg keys generate --install` puts there
+        typer.echo("reloaded: development mode (no policy file): the approver keys in the"
+                   " server's data directory were read again")  # fmt: skip
 
 
 @policy_app.command("show")

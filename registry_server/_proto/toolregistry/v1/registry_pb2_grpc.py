@@ -215,10 +215,13 @@ class ToolRegistryServicer:
         """ReloadPolicy re-reads this server's policy file (as SIGHUP does) and
         asks every server on the store to re-read its own. A file that does not
         load is refused: the policy in force stays, and the error names the
-        file, line and rule. Admins only. Audited with the policy's digest.
+        file, line and rule. A server in development mode (no policy file)
+        re-reads the approver keys installed in its data directory instead and
+        answers with an empty `policy_digest` and `policy_source`, which say so.
+        Admins only. Audited with the policy's digest.
         Errors:
-        - FAILED_PRECONDITION: the file does not load (the message lists every
-        problem), or the server runs without a policy file.
+        - FAILED_PRECONDITION: the file does not load, or in development mode an
+        approver key does not (the message lists every problem).
         - PERMISSION_DENIED: the caller lacks the admin role.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
