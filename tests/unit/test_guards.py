@@ -212,7 +212,17 @@ def test_guardless_digests_are_what_they_were() -> None:
     assert tool().digest == FACTORY_DIGEST
     assert "guard" not in tool().as_manifest()
     for name, digest in EXAMPLE_DIGESTS.items():
-        assert load_manifest(EXAMPLES / name).digest == digest, name
+        loaded = load_manifest(EXAMPLES / name)
+        if loaded.sandbox.prestart:
+            # run_python has since become a warm interpreter (issue 30, with -B): a
+            # change of its definition, so of its digest. As it was, it is what it was.
+            assert loaded.digest != digest, name
+            raw = loaded.as_manifest()
+            sandbox = {k: v for k, v in raw["sandbox"].items() if k not in ("prestart", "preload")}
+            sandbox["command"] = [arg for arg in sandbox["command"] if arg != "-B"]
+            raw["sandbox"] = sandbox
+            loaded = parse_definition(raw)
+        assert loaded.digest == digest, name
 
 
 def test_an_empty_guard_list_is_no_guard() -> None:
