@@ -95,6 +95,9 @@ def _runsc_calls(runner: DockerBackend) -> dict[str, tuple[Callable[[], str], Ca
     held: dict[str, Any] = {}
 
     def prepare(kind: str) -> Any:
+        # The last call's container goes first, untimed: the server's rows wait for
+        # their pool's refill and removal alike (settle_after_call).
+        runner.flush()
         return runner.prepare(specs[kind], execution_id=uuid.uuid4().hex)
 
     def warm(kind: str) -> tuple[Callable[[], str], Callable[[], None]]:
@@ -107,7 +110,7 @@ def _runsc_calls(runner: DockerBackend) -> dict[str, tuple[Callable[[], str], Ca
         return call, before
 
     def cold(kind: str) -> tuple[Callable[[], str], Callable[[], None]]:
-        return (lambda: str(prepare(kind).finish(inputs[kind]).stdout.decode())), (lambda: None)
+        return (lambda: str(prepare(kind).finish(inputs[kind]).stdout.decode())), runner.flush
 
     return {
         GV_CAT_WARM: warm("cat"), GV_PY_WARM: warm("py"),
@@ -121,8 +124,10 @@ def run(runs: int, engine: docker.DockerClient) -> dict[str, Any]:
     with server(engine) as srv:
         calls = _server_calls(srv)
         steady = srv.steady_count()
+        # Removal in the background, after the answer, as in the server (in process and
+        # outside a call, finish() would remove the container inside the timed call).
         runner = DockerBackend(instance_id=f"bench-interp-{uuid.uuid4().hex[:8]}",
-                               init_path=INIT_BINARY)  # fmt: skip
+                               init_path=INIT_BINARY, remove_in_background=True)  # fmt: skip
         if GVISOR in runner.runtimes():
             calls.update(_runsc_calls(runner))
         else:
@@ -165,3 +170,24 @@ def run(runs: int, engine: docker.DockerClient) -> dict[str, Any]:
         "target": "run_python warm / cat warm <= 1.5 (issue 30)",
         "unavailable": unavailable,
     }
+
+
+def report_md(sec: dict[str, Any]) -> list[str]:
+    lines = [
+        "",
+        f"## Warm interpreters: run_python (the example, prestart) beside cat on {sec['image']}"
+        f" ({sec['runs']} interleaved calls per row)",
+        "",
+        "| row | p50 ms | p95 ms | min ms | max ms |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in sec["rows"]:
+        lines.append(
+            f"| {r['method']} | {r['p50_ms']:.1f} | {r['p95_ms']:.1f} | {r['min_ms']:.1f}"
+            f" | {r['max_ms']:.1f} |"
+        )
+    lines += ["", "| ratio of p50s | value |", "|---|---:|"]
+    for name, value in sec["ratios_p50"].items():
+        lines.append(f"| {name} | {'—' if value is None else f'{value:.2f}'} |")
+    lines += [f"- {k}: {v}" for k, v in sec.get("unavailable", {}).items()]
+    return lines
