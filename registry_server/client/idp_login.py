@@ -27,10 +27,8 @@ import socketserver
 import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, HTTPServer
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlencode, urlsplit
-
-import httpx
 
 from registry_server.client.idp_tokens import (
     MAX_ANSWER_BYTES,
@@ -39,6 +37,11 @@ from registry_server.client.idp_tokens import (
     s256,
     token_request,
 )
+
+if TYPE_CHECKING:
+    import httpx
+
+# httpx is imported where a provider is spoken to (idp_tokens.py says why).
 
 CALLBACK_PATH = "/callback"
 LOOPBACK_HOST = "127.0.0.1"
@@ -63,6 +66,8 @@ class Discovery:
 
 def discover(http: httpx.Client, issuer: str) -> Discovery:
     """The provider's endpoints, from ``<issuer>/.well-known/openid-configuration``."""
+    import httpx
+
     try:
         check_endpoint(issuer, "--issuer")
     except ValueError as exc:
@@ -267,6 +272,8 @@ def revoke(
     http: httpx.Client, endpoint: str, token: str, client_id: str, hint: str = "refresh_token"
 ) -> str | None:
     """Revokes a token at the provider (RFC 7009); None, or why it failed."""
+    import httpx
+
     form = {"token": token, "token_type_hint": hint, "client_id": client_id}
     try:
         answer = http.post(endpoint, data=form)

@@ -20,11 +20,16 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-
-import httpx
+from typing import TYPE_CHECKING
 
 from registry_server.client.token_store import StoredLogin, StoreError, TokenStore
 from registry_server.policy.identity import check_provider_url
+
+if TYPE_CHECKING:
+    import httpx
+
+# httpx (about 50 ms to import) is imported where a provider is spoken to:
+# every `toolreg` command loads this module, few sign in.
 
 REFRESH_MARGIN_S = 30.0  # seconds before expiry when a token is fetched again
 DEFAULT_LIFETIME_S = 60.0  # seconds assumed when the answer names no expires_in
@@ -166,6 +171,8 @@ class TokenAnswer:
 def https_client(ca_file: str | None = None) -> httpx.Client:
     """An HTTP client for an identity provider: TLS verified against
     ``ca_file`` (else the system's CAs), no redirects, no proxy variables."""
+    import httpx
+
     return httpx.Client(
         verify=ssl.create_default_context(cafile=ca_file),
         timeout=FETCH_TIMEOUT_S,
@@ -196,6 +203,8 @@ def token_request(
 ) -> TokenAnswer:
     """POST one grant to a token endpoint; its answer, or TokenError naming
     only the HTTP status and the provider's OAuth ``error`` code."""
+    import httpx
+
     raw = b""
     try:
         # Read as it comes, up to the cap: the answer's size is the provider's to choose.

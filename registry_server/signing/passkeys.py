@@ -34,18 +34,9 @@ import secrets
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import rfc8785
-from webauthn import verify_authentication_response
-from webauthn.helpers import decode_credential_public_key, parse_authenticator_data
-from webauthn.helpers.cose import COSEAlgorithmIdentifier
-from webauthn.helpers.exceptions import InvalidAuthenticationResponse
-from webauthn.helpers.structs import (
-    AuthenticationCredential,
-    AuthenticatorAssertionResponse,
-    PublicKeyCredentialType,
-)
 
 from registry_server.domain import strict_json
 from registry_server.domain.errors import InvalidArgument
@@ -60,6 +51,13 @@ from registry_server.signing.tokens import (
     check_claims,
 )
 
+if TYPE_CHECKING:
+    from webauthn.helpers.exceptions import InvalidAuthenticationResponse
+
+# py_webauthn (about 80 ms to import, with its certificate-chain checks) is
+# imported where a passkey is read or verified, not with this module: the
+# policy model imports it, so every `toolreg` command would pay for it.
+
 PREFIX = "toolreg-passkey.v1."  # what makes a token string a passkey approval
 CLAIMS_TYPE = "toolreg-passkey-approval"  # the claims' typ: what the challenge commits to
 MAX_ENVELOPE_CHARS = MAX_TOKEN_CHARS  # checked before anything is decoded
@@ -72,12 +70,10 @@ MAX_AUTHENTICATOR_DATA_BYTES = 1024
 MAX_SIGNATURE_BYTES = 1024
 MAX_ORIGINS = 16
 MAX_RP_ID_CHARS = 253
-# The algorithms the console asks authenticators for (ES256, EdDSA, RS256).
-ALGORITHMS = (
-    COSEAlgorithmIdentifier.ECDSA_SHA_256,
-    COSEAlgorithmIdentifier.EDDSA,
-    COSEAlgorithmIdentifier.RSASSA_PKCS1_v1_5_SHA_256,
-)
+# The algorithms the console asks authenticators for, as COSE algorithm ids
+# (IANA; py_webauthn's COSEAlgorithmIdentifier): ES256, EdDSA, RS256.
+ALGORITHMS = (-7, -8, -257)
+_ALGORITHM_NAMES = {-7: "ECDSA_SHA_256", -8: "EDDSA", -257: "RSASSA_PKCS1_v1_5_SHA_256"}
 CLAIM_NAMES = (
     "typ", "aud", "sub", "tool_digest", "args_digest", "requester", "req", "iat", "exp", "jti",
 )  # fmt: skip
@@ -170,13 +166,15 @@ def canonical_credential_id(text: str) -> str:
 def public_key_from_text(text: str) -> bytes:
     """A COSE public key (base64url) of an algorithm passkey approvals accept;
     ValueError with the reason."""
+    from webauthn.helpers import decode_credential_public_key
+
     data = from_b64url(text, "passkey public key", max_bytes=MAX_PUBLIC_KEY_BYTES)
     try:
         decoded = decode_credential_public_key(data)
     except Exception:  # the library raises several kinds for bad CBOR or COSE
         raise ValueError("passkey public key is not a COSE key (base64url)") from None
     if decoded.alg not in ALGORITHMS:
-        names = ", ".join(a.name for a in ALGORITHMS)
+        names = ", ".join(_ALGORITHM_NAMES[a] for a in ALGORITHMS)
         raise ValueError(f"passkey public key algorithm {decoded.alg} is not one of {names}")
     return data
 
@@ -333,6 +331,15 @@ def verify(
     """Every rule on a passkey approval that needs no store (the counter and
     the jti are the caller's), or TokenRejected. ``credentials``: by
     canonical credential id."""
+    from webauthn import verify_authentication_response
+    from webauthn.helpers import parse_authenticator_data
+    from webauthn.helpers.exceptions import InvalidAuthenticationResponse
+    from webauthn.helpers.structs import (
+        AuthenticationCredential,
+        AuthenticatorAssertionResponse,
+        PublicKeyCredentialType,
+    )
+
     current = time.time() if now is None else now
     envelope = parse(token)
     credential = credentials.get(envelope.credential_id)

@@ -34,6 +34,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from webauthn import verify_registration_response
+from webauthn.helpers.cose import COSEAlgorithmIdentifier
 from webauthn.helpers.exceptions import InvalidRegistrationResponse
 from webauthn.helpers.structs import (
     AuthenticatorAttestationResponse,
@@ -171,7 +172,7 @@ class PasskeyRoutes:
                 expected_rp_id=webauthn.rp_id,
                 expected_origin=list(webauthn.origins),
                 require_user_verification=True,
-                supported_pub_key_algs=list(passkeys.ALGORITHMS),
+                supported_pub_key_algs=[COSEAlgorithmIdentifier(a) for a in passkeys.ALGORITHMS],
             )
             credential_id = passkeys.canonical_credential_id(passkeys.b64url(raw_id))
             public_key = passkeys.b64url(verified.credential_public_key)
