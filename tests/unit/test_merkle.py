@@ -6,6 +6,7 @@ every one-bit change to it refused."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import pytest
@@ -64,6 +65,11 @@ def hashed(leaves: list[bytes]) -> list[bytes]:
 
 
 def ref_mth(d: list[bytes]) -> bytes:
+    return _ref_mth(tuple(d))
+
+
+@functools.cache  # the same subtrees recur in every tree and proof below
+def _ref_mth(d: tuple[bytes, ...]) -> bytes:
     n = len(d)
     if n == 0:
         return hashlib.sha256(b"").digest()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,20 +25,44 @@ POLICY = ROOT / "examples" / "policy.yaml"
 TESTS = ROOT / "examples" / "policy.tests.yaml"
 
 
-def toolreg(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(TOOLREG), *args], capture_output=True, text=True, timeout=60, cwd=ROOT
-    )
+REAL = {
+    "test": ["policy", "test", str(POLICY), str(TESTS)],
+    "explain prod": ["policy", "explain", str(POLICY), "--client", "agent-1",
+                     "--tool", "deploy", "--args", '{"env": "prod"}'],
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def real() -> Iterator[dict[str, subprocess.Popen[str]]]:
+    """The real processes, all started at once: each is mostly the
+    interpreter's start-up, which two cores run side by side."""
+    started = {name: _start(args) for name, args in REAL.items()}
+    yield started
+    for proc in started.values():
+        if proc.poll() is None:  # a test failed before reading it
+            proc.kill()
+            proc.communicate()
+
+
+def _start(args: list[str]) -> subprocess.Popen[str]:
+    out = subprocess.PIPE
+    return subprocess.Popen([str(TOOLREG), *args], stdout=out, stderr=out, text=True, cwd=ROOT)
+
+
+def toolreg(real: dict[str, subprocess.Popen[str]], name: str) -> tuple[int, str, str]:
+    """The exit code, stdout and stderr of the real process ``name``."""
+    out, err = real[name].communicate(timeout=60)
+    return real[name].returncode, out, err
 
 
 def in_process(*args: str) -> Any:
     return CliRunner().invoke(app, list(args), env={"TOOLREG_POLICY_FILE": None})
 
 
-def test_the_example_policy_passes_its_tests() -> None:
-    ran = toolreg("policy", "test", str(POLICY), str(TESTS))
-    assert ran.returncode == 0, ran.stdout + ran.stderr
-    lines = ran.stdout.splitlines()
+def test_the_example_policy_passes_its_tests(real: dict[str, subprocess.Popen[str]]) -> None:
+    code, out, err = toolreg(real, "test")
+    assert code == 0, out + err
+    lines = out.splitlines()
     assert lines[-1].startswith(f"{len(lines) - 1} passed, 0 failed")
     assert all(line.startswith("PASS  ") for line in lines[:-1])
     assert "PASS  a deploy to prod needs two approvers from sre" in lines
@@ -129,20 +154,17 @@ def test_a_policy_that_does_not_load_is_exit_2(tmp_path: Path) -> None:
     assert "unsatisfiable rule" in ran.stderr
 
 
-def explain(*args: str) -> str:
-    ran = toolreg("policy", "explain", str(POLICY), "--client", "agent-1", *args)
-    assert ran.returncode == 0, ran.stderr
-    return ran.stdout
-
-
 def explain_in_process(*args: str) -> str:
     ran = in_process("policy", "explain", str(POLICY), "--client", "agent-1", *args)
     assert ran.exit_code == 0, ran.output
     return str(ran.stdout)
 
 
-def test_explain_prod_needs_two_from_sre_staging_one_from_anyone() -> None:
-    prod = explain("--tool", "deploy", "--args", '{"env": "prod"}')
+def test_explain_prod_needs_two_from_sre_staging_one_from_anyone(
+    real: dict[str, subprocess.Popen[str]],
+) -> None:
+    code, prod, err = toolreg(real, "explain prod")
+    assert code == 0, err
     assert "decision: APPROVAL (APPROVAL_REQUIRED)" in prod
     assert "2 approval(s) from sre and 1 approval(s) from any approver" in prod
     assert "sre-prod: 2 from sre: bob, carol" in prod
