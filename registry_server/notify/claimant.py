@@ -10,8 +10,8 @@ so no column changes:
 
     host/nonce;pid=812;start=93117;boot=<boot id>;host_id=<machine id>;pidns=pid:[4026531836]
 
-Only a claimant on this host, in this boot and pid namespace, whose process
-is not running, is gone. Anything else (a live process, another host's
+Only a claimant on this host (machine id and hostname), in this boot and pid
+namespace, whose process is not running, is gone. Anything else (a live process, another host's
 server on PostgreSQL, another pid namespace, a claim written before this
 format) keeps its claim until the lease lapses.
 """
@@ -64,9 +64,15 @@ def claimant_gone(
     *,
     me: OwnerIdentity,
     owner_alive: Callable[[int, int], bool] = process_alive,
+    hostname: str | None = None,
 ) -> str | None:
     """Why the process behind ``claimed_by`` is provably gone, or None (alive,
     this very process, elsewhere, or a claim that does not say)."""
+    # The hostname must match too: hosts cloned from one image can share a
+    # machine id, and there another boot id would read as a reboot.
+    host = (hostname if hostname is not None else socket.gethostname())[:64]
+    if claimed_by.split(";")[0].rpartition("/")[0] != host.replace(";", "_"):
+        return None
     labels: dict[str, str] = {}
     for part in claimed_by.split(";")[1:]:
         name, sep, value = part.partition("=")

@@ -36,7 +36,7 @@ def dead() -> OwnerIdentity:
 def test_the_claim_round_trips_the_identity_after_a_readable_head() -> None:
     text = claimant(ME, hostname="box-1", nonce="abc123")
     assert text.startswith("box-1/abc123;pid=")
-    assert claimant_gone(text, me=ME) is None  # this very process
+    assert claimant_gone(claimant(ME), me=ME) is None  # this very process
     assert claimant(ME) != claimant(ME)  # unique per dispatcher
 
 
@@ -68,6 +68,13 @@ def test_a_process_it_cannot_see_keeps_its_claim(
     dead: OwnerIdentity, elsewhere: dict[str, str]
 ) -> None:
     assert claimant_gone(claimant(replace(dead, **elsewhere)), me=ME) is None
+
+
+def test_a_host_cloned_with_this_machine_id_keeps_its_claim(dead: OwnerIdentity) -> None:
+    """Another boot id on another hostname is another machine, not a reboot."""
+    clone = claimant(replace(dead, boot_id="its-own-boot"), hostname="clone-2")
+    assert claimant_gone(clone, me=ME, hostname="clone-1") is None
+    assert claimant_gone(clone, me=ME, hostname="clone-2") is not None
 
 
 def test_a_process_from_before_a_reboot_is_gone(dead: OwnerIdentity) -> None:
