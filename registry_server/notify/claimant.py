@@ -8,7 +8,9 @@ start time, since a pid alone is reused. It is kept in the outbox's
 ``claimed_by`` text, after the ``host/nonce`` that made it unique before,
 so no column changes:
 
-    host/nonce;pid=812;start=93117;boot=<boot id>;host_id=<machine id>;pidns=pid:[4026531836]
+    host/nonce;pid=812;start=93117;boot=<hash>;host_id=<hash>;pidns=pid:[4026531836]
+
+(boot and host_id: the boot id and machine id, hashed as _hashed_ids says.)
 
 Only a claimant on this host (machine id and hostname), in this boot and pid
 namespace, whose process is not running, is gone. Anything else (a live process, another host's
@@ -18,9 +20,11 @@ format) keeps its claim until the lease lapses.
 
 from __future__ import annotations
 
+import hashlib
 import socket
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 
 from sandbox_runner.ownership import (
     LABEL_OWNER_BOOT,
@@ -42,6 +46,17 @@ _FIELDS = {
     "pidns": LABEL_OWNER_PIDNS,
 }
 _BY_LABEL = {label: name for name, label in _FIELDS.items()}
+# The machine id is not to be shown as it is (machine-id(5)): the claim, which
+# other servers on a shared database read, holds it and the boot id hashed with
+# this application key; equal ids still give equal hashes.
+_ID_KEY = b"toolreg webhook claimant v1\0"
+
+
+def _hashed_ids(me: OwnerIdentity) -> OwnerIdentity:
+    def h(value: str) -> str:
+        return hashlib.sha256(_ID_KEY + value.encode()).hexdigest()[:32] if value else ""
+
+    return replace(me, host_id=h(me.host_id), boot_id=h(me.boot_id))
 
 
 def claimant(me: OwnerIdentity, hostname: str | None = None, nonce: str | None = None) -> str:
@@ -53,7 +68,7 @@ def claimant(me: OwnerIdentity, hostname: str | None = None, nonce: str | None =
     # the others: it is dropped, and the claim then proves nothing.
     fields = [
         f"{_BY_LABEL[label]}={value}"
-        for label, value in me.labels().items()
+        for label, value in _hashed_ids(me).labels().items()
         if ";" not in value and "=" not in value
     ]
     return ";".join([head.replace(";", "_"), *fields])
@@ -78,4 +93,4 @@ def claimant_gone(
         name, sep, value = part.partition("=")
         if sep and name in _FIELDS:
             labels[_FIELDS[name]] = value
-    return owner_gone(labels, me=me, owner_alive=owner_alive)
+    return owner_gone(labels, me=_hashed_ids(me), owner_alive=owner_alive)

@@ -38,6 +38,7 @@ def test_the_claim_round_trips_the_identity_after_a_readable_head() -> None:
     assert text.startswith("box-1/abc123;pid=")
     assert claimant_gone(claimant(ME), me=ME) is None  # this very process
     assert claimant(ME) != claimant(ME)  # unique per dispatcher
+    assert ME.host_id not in text and ME.boot_id not in text  # only their hashes
 
 
 def test_a_dead_process_of_this_host_is_gone(dead: OwnerIdentity) -> None:
