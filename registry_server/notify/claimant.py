@@ -1,6 +1,7 @@
-"""Who holds a webhook delivery's claim, written so that a later server can
-prove that process gone and take its deliveries back at once, instead of
-waiting out the claim's lease (dispatcher.CLAIM_LEASE_S, over a minute).
+"""Who holds a lease (a webhook delivery's claim, a SIEM destination's
+cursor), written so that a later server can prove that process gone and take
+the work back at once, instead of waiting out the lease
+(dispatcher.CLAIM_LEASE_S, over a minute; siem/exporter.DEFAULT_LEASE_S).
 
 A claim names its process the way a sandbox container names its server
 (sandbox_runner/ownership.py): host, boot, pid namespace, pid and the pid's

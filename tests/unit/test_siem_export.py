@@ -10,6 +10,7 @@ losing its place, one exporter per destination, and the lag metrics."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -26,6 +27,7 @@ from registry_server.api.app import _export_sinks
 from registry_server.api.config import ServerConfig
 from registry_server.domain import merkle
 from registry_server.domain.errors import ConfigError
+from registry_server.notify.claimant import claimant
 from registry_server.notify.siem import exporter as exporter_module
 from registry_server.notify.siem import ocsf
 from registry_server.notify.siem.exporter import Exporter
@@ -41,6 +43,7 @@ from registry_server.notify.siem.sinks import (
 from registry_server.store import audit_chain
 from registry_server.store.base import AuditEntry, Store
 from registry_server.store.memory import MemoryStore
+from sandbox_runner.ownership import OwnerIdentity
 from tests import ocsf_schema
 from tests.certs import CertificateAuthority
 
@@ -437,6 +440,41 @@ def test_one_exporter_per_destination_and_both_report_the_lag(tmp_path: Path) ->
     with store.reading() as reads:
         cursor = reads.export_cursor(JsonlSink(path).id)
     assert cursor is not None and cursor.seq == 21 and cursor.lease_until == 0
+
+
+def test_a_holder_proven_gone_loses_the_destination_at_once(tmp_path: Path) -> None:
+    """A server restarted after a crash takes its destination back from its
+    own previous process without waiting out the lease (claimant.py); a live
+    holder, or one on another host, keeps it."""
+    store = log_of()
+    path = tmp_path / "audit.jsonl"
+    clock = [1000.0]
+    before_crash = exporter(store, JsonlSink(path), lease_s=60, clock=lambda: clock[0])
+    # The exporter of this host's previous server process (another pid).
+    me = OwnerIdentity.current()
+    before_crash.owner = claimant(dataclasses.replace(me, pid=me.pid + 1, start_ticks=1))
+    assert before_crash.pump() == 5 and before_crash.holds
+    alive = exporter(store, JsonlSink(path), lease_s=60, clock=lambda: clock[0],
+                     owner_alive=lambda pid, start: True)  # fmt: skip
+    assert alive.pump() == 0 and not alive.holds  # the holder's process runs: it waits
+    restarted = exporter(
+        store, JsonlSink(path), lease_s=60, clock=lambda: clock[0],
+        owner_alive=lambda pid, start: False,  # the holder's pid is no longer running
+    )  # fmt: skip
+    assert restarted.pump() == 5 and restarted.holds and restarted.cursor == 10
+    elsewhere = exporter(
+        store, JsonlSink(path), lease_s=60, clock=lambda: clock[0],
+        owner_alive=lambda pid, start: False,
+    )  # fmt: skip
+    elsewhere_owner = "other-host/abc;" + restarted.owner.split(";", 1)[1]
+    with store.unit_of_work() as uow:
+        uow.release_export(JsonlSink(path).id, restarted.owner)
+        assert uow.claim_export(JsonlSink(path).id, elsewhere_owner, clock[0], clock[0] + 60)
+    assert elsewhere.pump() == 0 and not elsewhere.holds  # another host's: its lease stands
+    before_crash.close(drain_s=0)
+    alive.close(drain_s=0)
+    restarted.close(drain_s=0)
+    elsewhere.close(drain_s=0)
 
 
 def test_a_stop_does_not_wait_on_a_failing_destination(tmp_path: Path) -> None:

@@ -12,7 +12,8 @@ the store, one thread per destination (docs/audit.md, "SIEM export").
 * With several servers on one PostgreSQL database, one exports to a
   destination at a time: the cursor row carries a lease, renewed with each
   batch and released at close; a dead server's lapses and another takes
-  the destination over.
+  the destination over, at once when it can prove that server's process
+  gone (claimant.py, as webhook deliveries: its own before a crash).
 * A failed write is tried again after a growing pause (capped); the log
   line names the destination and the reason, never an event's content.
 """
@@ -21,16 +22,16 @@ from __future__ import annotations
 
 import logging
 import random
-import socket
 import threading
 import time
-import uuid
 from collections.abc import Callable, Sequence
 
 from registry_server.domain.errors import StoreError
+from registry_server.notify.claimant import claimant, claimant_gone
 from registry_server.notify.siem import ocsf
 from registry_server.notify.siem.sinks import Line, Sink, SinkError
 from registry_server.store.base import AuditEntry, Store, StoreReads
+from sandbox_runner.ownership import OwnerIdentity, process_alive
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ DEFAULT_BATCH = 500  # events written, and confirmed, at a time
 DEFAULT_LEASE_S = 15.0  # seconds a destination stays this server's without news from it
 POLL_S = 0.5  # seconds between looks at the log when it has nothing new
 RETRY_S = (0.5, 30.0)  # seconds before trying a failed destination again: first, at most
+GONE_CHECK_S = 5.0  # seconds between looks at whether another holder's process is gone
 CLOSE_DRAIN_S = 5.0  # seconds close() spends sending what is left before it stops
 
 
@@ -54,6 +56,7 @@ class Exporter:
         lease_s: float = DEFAULT_LEASE_S,
         poll_s: float = POLL_S,
         clock: Callable[[], float] = time.time,
+        owner_alive: Callable[[int, int], bool] = process_alive,
     ) -> None:
         self._store = store
         self.sink = sink
@@ -62,7 +65,10 @@ class Exporter:
         self._lease_s = lease_s
         self._poll_s = poll_s
         self._clock = clock
-        self.owner = f"{socket.gethostname()[:64]}/{uuid.uuid4().hex[:12]}"
+        self._me = OwnerIdentity.current()
+        self._owner_alive = owner_alive
+        self.owner = claimant(self._me)
+        self._gone_checked_at = 0.0  # when a holder was last checked for being gone
         self._lock = threading.Lock()  # one pump at a time (the thread, close, tests)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -192,9 +198,12 @@ class Exporter:
         held_before = self._held_until > now
         with self._store.unit_of_work() as uow:
             cursor = uow.claim_export(self.sink.id, self.owner, now, now + self._lease_s)
+            theirs = None if cursor is not None else uow.export_cursor(self.sink.id)
+            if theirs is not None and self._holder_gone(theirs.owner, now):
+                uow.release_export(self.sink.id, theirs.owner)
+                cursor = uow.claim_export(self.sink.id, self.owner, now, now + self._lease_s)
             if cursor is None:
                 self._held_until = 0.0
-                theirs = uow.export_cursor(self.sink.id)
         if cursor is None:
             self._follow(theirs.seq if theirs is not None else 0)
             return False
@@ -204,6 +213,18 @@ class Exporter:
             self._resume_from_sink(now)
             log.info("SIEM export to %s: from record %d", self.sink.id, self.cursor + 1)
         return True
+
+    def _holder_gone(self, holder: str, now: float) -> bool:
+        """Whether the lease's holder is a process provably gone (at most one
+        look every GONE_CHECK_S: a live holder is the usual answer)."""
+        if holder == self.owner or now - self._gone_checked_at < GONE_CHECK_S:
+            return False
+        self._gone_checked_at = now
+        reason = claimant_gone(holder, me=self._me, owner_alive=self._owner_alive)
+        if reason is not None:
+            log.info("SIEM export to %s: taken from %s before its lease lapsed: %s",
+                     self.sink.id, holder.split(";")[0], reason)  # fmt: skip
+        return reason is not None
 
     def _follow(self, seq: int) -> None:
         with self._store.reading() as reads:
