@@ -298,6 +298,8 @@ class ToolRegistryServicer:
         - INVALID_ARGUMENT: an unknown state, a negative `page_size` or `limit`,
         or a `page_token` this server did not issue to this caller for this
         `state`.
+        - PERMISSION_DENIED: the caller lacks the `approve` role (an agent reads
+        its own requests with GetApprovalRequest or WatchApprovalRequests).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

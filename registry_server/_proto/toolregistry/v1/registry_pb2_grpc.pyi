@@ -180,6 +180,8 @@ class ToolRegistryStub:
     - INVALID_ARGUMENT: an unknown state, a negative `page_size` or `limit`,
       or a `page_token` this server did not issue to this caller for this
       `state`.
+    - PERMISSION_DENIED: the caller lacks the `approve` role (an agent reads
+      its own requests with GetApprovalRequest or WatchApprovalRequests).
     """
     GetApprovalRequest: _grpc.UnaryUnaryMultiCallable[_registry_pb2.GetApprovalRequestRequest, _registry_pb2.ApprovalRequest]
     """GetApprovalRequest returns one approval request with its full arguments.
@@ -367,6 +369,8 @@ class ToolRegistryAsyncStub(ToolRegistryStub):
     - INVALID_ARGUMENT: an unknown state, a negative `page_size` or `limit`,
       or a `page_token` this server did not issue to this caller for this
       `state`.
+    - PERMISSION_DENIED: the caller lacks the `approve` role (an agent reads
+      its own requests with GetApprovalRequest or WatchApprovalRequests).
     """
     GetApprovalRequest: _aio.UnaryUnaryMultiCallable[_registry_pb2.GetApprovalRequestRequest, _registry_pb2.ApprovalRequest]  # type: ignore[assignment]
     """GetApprovalRequest returns one approval request with its full arguments.
@@ -623,6 +627,8 @@ class ToolRegistryServicer(metaclass=_abc_1.ABCMeta):
         - INVALID_ARGUMENT: an unknown state, a negative `page_size` or `limit`,
           or a `page_token` this server did not issue to this caller for this
           `state`.
+        - PERMISSION_DENIED: the caller lacks the `approve` role (an agent reads
+          its own requests with GetApprovalRequest or WatchApprovalRequests).
         """
 
     @_abc_1.abstractmethod

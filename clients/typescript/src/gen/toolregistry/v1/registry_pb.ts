@@ -1713,6 +1713,8 @@ export const ToolRegistry: GenService<{
    * - INVALID_ARGUMENT: an unknown state, a negative `page_size` or `limit`,
    *   or a `page_token` this server did not issue to this caller for this
    *   `state`.
+   * - PERMISSION_DENIED: the caller lacks the `approve` role (an agent reads
+   *   its own requests with GetApprovalRequest or WatchApprovalRequests).
    *
    * @generated from rpc toolregistry.v1.ToolRegistry.ListApprovalRequests
    */
