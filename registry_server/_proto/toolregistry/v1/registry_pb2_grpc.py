@@ -262,7 +262,10 @@ class ToolRegistryServicer:
         """StreamExecuteTool is ExecuteTool that streams the tool's stdout and
         stderr chunks as they are produced, then ends with exactly one `result`.
         Once the call is admitted (before its sandbox runs) the first event is
-        `started`, with the execution id that AttachExecution takes.
+        `started`, with the execution id that AttachExecution takes. A stream
+        that ends before the result cancels the call, unless the request carried
+        the metadata `toolreg-reattach: 1`: then a started call runs on to its
+        own end (its timeout at most) for the client to re-attach.
         Errors: as ExecuteTool.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -152,7 +152,10 @@ class ToolRegistryStub:
     """StreamExecuteTool is ExecuteTool that streams the tool's stdout and
     stderr chunks as they are produced, then ends with exactly one `result`.
     Once the call is admitted (before its sandbox runs) the first event is
-    `started`, with the execution id that AttachExecution takes.
+    `started`, with the execution id that AttachExecution takes. A stream
+    that ends before the result cancels the call, unless the request carried
+    the metadata `toolreg-reattach: 1`: then a started call runs on to its
+    own end (its timeout at most) for the client to re-attach.
     Errors: as ExecuteTool.
     """
     AttachExecution: _grpc.UnaryStreamMultiCallable[_registry_pb2.AttachExecutionRequest, _registry_pb2.ExecutionEvent]
@@ -341,7 +344,10 @@ class ToolRegistryAsyncStub(ToolRegistryStub):
     """StreamExecuteTool is ExecuteTool that streams the tool's stdout and
     stderr chunks as they are produced, then ends with exactly one `result`.
     Once the call is admitted (before its sandbox runs) the first event is
-    `started`, with the execution id that AttachExecution takes.
+    `started`, with the execution id that AttachExecution takes. A stream
+    that ends before the result cancels the call, unless the request carried
+    the metadata `toolreg-reattach: 1`: then a started call runs on to its
+    own end (its timeout at most) for the client to re-attach.
     Errors: as ExecuteTool.
     """
     AttachExecution: _aio.UnaryStreamMultiCallable[_registry_pb2.AttachExecutionRequest, _registry_pb2.ExecutionEvent]  # type: ignore[assignment]
@@ -587,7 +593,10 @@ class ToolRegistryServicer(metaclass=_abc_1.ABCMeta):
         """StreamExecuteTool is ExecuteTool that streams the tool's stdout and
         stderr chunks as they are produced, then ends with exactly one `result`.
         Once the call is admitted (before its sandbox runs) the first event is
-        `started`, with the execution id that AttachExecution takes.
+        `started`, with the execution id that AttachExecution takes. A stream
+        that ends before the result cancels the call, unless the request carried
+        the metadata `toolreg-reattach: 1`: then a started call runs on to its
+        own end (its timeout at most) for the client to re-attach.
         Errors: as ExecuteTool.
         """
 
