@@ -326,9 +326,14 @@ class Executor:
             )
             raise EngineUnavailable(f"no container engine answers: {exc}") from exc
         except SandboxError as exc:
-            log.warning("sandbox error for %s (%s): %s", tool.name, execution_id, exc)
+            # Its text may be the tool's own (a prestarted interpreter's preload
+            # failure, told in the init's 'F' frame, runs with the call's file
+            # secrets mounted): redacted as the output is, before the log line,
+            # the result, the audit record and the kept call.
+            reason = redactor.text(str(exc)) if redactor else str(exc)
+            log.warning("sandbox error for %s (%s): %s", tool.name, execution_id, reason)
             return Outcome(
-                Status.SANDBOX_ERROR, error=f"sandbox error: {exc}", execution_id=execution_id
+                Status.SANDBOX_ERROR, error=f"sandbox error: {reason}", execution_id=execution_id
             )
         if redactor:
             result = dataclasses.replace(

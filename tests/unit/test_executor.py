@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import jwt
@@ -44,6 +45,7 @@ from registry_server.execution.admission import Admission
 from registry_server.execution.call_request import CallRequest
 from registry_server.execution.executor import NOT_A_NAME, Executor
 from registry_server.execution.sandbox_plan import SandboxPolicy
+from registry_server.execution.secrets import SecretStore
 from registry_server.execution.warm_pool import WarmPools
 from registry_server.policy.clients import RegisterGrant
 from registry_server.policy.model import Policy
@@ -847,6 +849,35 @@ def test_a_sandbox_error_keeps_the_approval_for_a_retry(env: Env) -> None:
     assert retry.status is Status.OK
     assert all(map(env.jti_used, jtis(tokens)))
     assert env.backend.finished_inputs == [CANONICAL]
+
+
+def test_a_sandbox_errors_text_is_redacted_of_the_calls_secrets(
+    env: Env, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A prestarted interpreter's preload runs with the call's file secrets
+    mounted and its failure's message (the init's 'F' frame) becomes the
+    SandboxError: the secret must not reach the error, the audit log or a log line."""
+    value = "s3cr3t-file-value-91c2"
+    tool = make_tool(
+        name="warm_secret", safety_level="cautious",
+        secrets=[{"name": "TOKEN", "deliver": "file"}],
+        sandbox={"image": "toolreg/python", "command": ["python3", "-c", "print(1)"],
+                 "prestart": "python", "preload": ["evil"]},
+    )  # fmt: skip
+    env.registry.register(tool)
+    planner = env.executor._planner
+    planner.policy = dataclasses.replace(
+        planner.policy,
+        secrets=SecretStore(Path("/nonexistent"), environ={"TOOLREG_SECRET_TOKEN": value}),
+    )
+    env.backend.fail_prepare(SandboxError(f"prestart: preload 'evil' failed: {value}"))
+    with caplog.at_level("DEBUG"):
+        outcome = env.call("warm_secret")
+    assert outcome.status is Status.SANDBOX_ERROR
+    assert outcome.error == "sandbox error: prestart: preload 'evil' failed: [secret TOKEN]"
+    assert value not in json.dumps(env.executions())
+    assert value not in caplog.text
+    assert env.idle()
 
 
 @pytest.mark.parametrize("tool", ["echo", "wipe"])
