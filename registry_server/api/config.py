@@ -14,6 +14,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from registry_server.approvals.watch import DEFAULT_MAX_WATCHES
 from registry_server.execution.call_log import DEFAULT_GRACE_S, DEFAULT_MAX_ENDED, MAX_GRACE_S
+from registry_server.execution.call_relay import MAX_ATTACHED
 from registry_server.execution.warm_pool import (
     DEFAULT_MAX_AGE_S,
     DEFAULT_MAX_WARM,
@@ -163,8 +164,12 @@ class ServerConfig(BaseSettings):
     def grpc_threads(self) -> int:
         # Every admitted or queued execution holds a thread while it waits,
         # and registry RPCs must still be served when all of those are busy.
-        # Each open approval watch holds one too, for as long as it is open.
-        return self.max_sandboxes + self.max_queued + EXTRA_GRPC_THREADS + self.max_watches
+        # Each open approval watch holds one too, for as long as it is open,
+        # and so does each open AttachExecution (capped: call_relay.Attachments).
+        return (
+            self.max_sandboxes + self.max_queued + EXTRA_GRPC_THREADS + self.max_watches
+            + MAX_ATTACHED
+        )  # fmt: skip
 
     @property
     def store(self) -> str:

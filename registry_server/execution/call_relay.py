@@ -19,9 +19,10 @@ import json
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 
-from registry_server.domain.errors import NotFound, StoreError, ToolregError
+from registry_server.domain.errors import AtCapacity, NotFound, StoreError, ToolregError
 from registry_server.domain.outcome import Outcome, Status
 from registry_server.execution.call_log import NOT_KEPT, CallEvent, CallLog, KeptCall
 from registry_server.store.base import KeptCallRecord, Store
@@ -40,6 +41,12 @@ SERVER_GONE = (
     " that point and its result are lost"
 )
 FAILED_ON_SERVER = "the call failed on the server"
+# Open AttachExecution streams: each holds a gRPC thread for as long as its call
+# runs, so they are capped per server (config.grpc_threads counts them) and per
+# client, as approval watches are: else one client's attachments to one call
+# would take every thread and starve every other client's RPCs.
+MAX_ATTACHED = 64
+MAX_ATTACHED_PER_CLIENT = 8
 
 
 def failed_call(exc: BaseException, execution_id: str) -> Outcome:
@@ -192,9 +199,20 @@ class Attachments:
     """AttachExecution's domain: this server's own calls from memory, others'
     through the relay (when the store is shared)."""
 
-    def __init__(self, calls: CallLog, relay: CallRelay | None) -> None:
+    def __init__(
+        self,
+        calls: CallLog,
+        relay: CallRelay | None,
+        *,
+        max_open: int = MAX_ATTACHED,
+        max_per_client: int = MAX_ATTACHED_PER_CLIENT,
+    ) -> None:
         self._calls = calls
         self._relay = relay
+        self._max_open = max_open
+        self._max_per_client = max_per_client
+        self._lock = threading.Lock()
+        self._open: Counter[str] = Counter()
 
     def follow(
         self,
@@ -204,6 +222,34 @@ class Attachments:
         stderr_offset: int,
         stopped: threading.Event,
     ) -> Iterator[CallEvent]:
-        if self._calls.find(execution_id, caller) is not None or self._relay is None:
-            return self._calls.follow(execution_id, caller, stdout_offset, stderr_offset, stopped)
-        return self._relay.follow(execution_id, caller, stdout_offset, stderr_offset, stopped)
+        """The call's events; AtCapacity (before any look-up) when the server
+        or the caller has every attachment it may have open."""
+        self._open_one(caller)
+        try:
+            if self._calls.find(execution_id, caller) is not None or self._relay is None:
+                events = self._calls.follow(
+                    execution_id, caller, stdout_offset, stderr_offset, stopped
+                )
+            else:
+                events = self._relay.follow(
+                    execution_id, caller, stdout_offset, stderr_offset, stopped
+                )
+            yield from events
+        finally:
+            with self._lock:
+                self._open[caller] -= 1
+                if self._open[caller] <= 0:
+                    del self._open[caller]
+
+    def _open_one(self, caller: str) -> None:
+        with self._lock:
+            if sum(self._open.values()) >= self._max_open:
+                raise AtCapacity(
+                    f"this server has {self._max_open} attachments open (its maximum); retry later"
+                )
+            if self._open[caller] >= self._max_per_client:
+                raise AtCapacity(
+                    f"client '{caller}' already has {self._max_per_client} attachments open"
+                    " (its maximum); close one first"
+                )
+            self._open[caller] += 1

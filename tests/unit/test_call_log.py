@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from registry_server.domain.errors import InvalidArgument, NotFound
+from registry_server.domain.errors import AtCapacity, InvalidArgument, NotFound
 from registry_server.domain.outcome import Outcome, Status
 from registry_server.execution.call_log import CallEvent, CallLog, check_attach
 from registry_server.execution.call_relay import (
@@ -226,3 +226,26 @@ def test_attachments_prefer_this_servers_own_calls() -> None:
     assert _all(attach.follow(ID, "agent", 0, 0, threading.Event()))[-1] == ("result", OK)
     with pytest.raises(NotFound):
         list(Attachments(CallLog(), None).follow(ID, "agent", 0, 0, threading.Event()))
+
+
+def test_attachments_are_capped_per_client_and_per_server() -> None:
+    """Each open attachment holds a gRPC thread while its call runs: one client
+    opening many to its own running call must not take every thread."""
+    log = CallLog()
+    call = log.start(ID, "agent")
+    log.append(call, "stdout", b"x")
+    attach = Attachments(log, None, max_open=3, max_per_client=2)
+    stopped = threading.Event()
+    held = [attach.follow(ID, "agent", 0, 0, stopped) for _ in range(2)]
+    for events in held:
+        assert next(events) == CallEvent("stdout", b"x")  # open, waiting for more
+    with pytest.raises(AtCapacity, match="client 'agent' already has 2"):
+        next(attach.follow(ID, "agent", 0, 0, stopped))
+    other = log.start("b" * 32, "other")
+    log.append(other, "stdout", b"y")
+    third = attach.follow("b" * 32, "other", 0, 0, stopped)
+    assert next(third) == CallEvent("stdout", b"y")  # another client is not starved
+    with pytest.raises(AtCapacity, match="this server has 3"):
+        next(attach.follow("b" * 32, "other", 0, 0, stopped))
+    held.pop().close()  # a closed attachment gives its place back
+    assert next(attach.follow(ID, "agent", 0, 0, stopped)) == CallEvent("stdout", b"x")
