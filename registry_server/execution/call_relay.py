@@ -130,10 +130,18 @@ class CallRelay:
         for call in ended:  # published with its result: nothing more to send
             self._published.pop(call.execution_id, None)
             self._last_end_seq = max(self._last_end_seq, call.end_seq)
+        # A call that ended and left the log (its grace, the log's bounds) before
+        # this look is in neither list: forget it too, or this map grows forever.
+        if len(self._published) > len(running):
+            live = {c.execution_id for c in running}
+            self._published = {k: v for k, v in self._published.items() if k in live}
         if now - self._last_prune >= PRUNE_EVERY_S:
-            self._last_prune = now
             with self._store.unit_of_work() as uow:
-                uow.prune_kept_calls(now - self._calls.grace_s, PRUNE_BATCH)
+                pruned = uow.prune_kept_calls(now - self._calls.grace_s, PRUNE_BATCH)
+            # A full batch: more are due (short calls end faster than one batch
+            # per PRUNE_EVERY_S), so prune again at the next look, not in 30 s:
+            # else the table grows without bound.
+            self._last_prune = now if pruned < PRUNE_BATCH else now - PRUNE_EVERY_S
 
     def _due(self, call: KeptCall, now: float) -> bool:
         version, at = self._published.get(call.execution_id, (-1, 0.0))

@@ -11,6 +11,7 @@ import pytest
 
 from registry_server.domain.errors import AtCapacity, InvalidArgument, NotFound
 from registry_server.domain.outcome import Outcome, Status
+from registry_server.execution import call_relay
 from registry_server.execution.call_log import CallEvent, CallLog, check_attach
 from registry_server.execution.call_relay import (
     DEAD_AFTER_S,
@@ -249,3 +250,39 @@ def test_attachments_are_capped_per_client_and_per_server() -> None:
         next(attach.follow("b" * 32, "other", 0, 0, stopped))
     held.pop().close()  # a closed attachment gives its place back
     assert next(attach.follow(ID, "agent", 0, 0, stopped)) == CallEvent("stdout", b"x")
+
+
+def test_the_relay_prunes_a_backlog_at_once_and_forgets_calls_gone_from_the_log(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Short calls can end faster than one pruning batch per PRUNE_EVERY_S: a
+    full batch is followed by another at the next look, so the table does not
+    grow without bound. A call that left the log before the relay saw it end
+    is not remembered forever either."""
+    monkeypatch.setattr(call_relay, "PRUNE_BATCH", 2)
+    clock = Clock()
+    log_a, relay_a, _ = _relayed(clock)
+    ids = [f"{i:032x}" for i in range(5)]
+    for execution_id in ids:
+        log_a.finish(log_a.start(execution_id, "agent"), OK)
+    relay_a.publish_once()
+    store = relay_a._store
+
+    def kept() -> int:
+        with store.reading() as reads:
+            return sum(reads.kept_call(i) is not None for i in ids)
+
+    assert kept() == 5
+    clock.now += 61  # past the grace and the pruning interval
+    for _ in range(3):
+        relay_a.publish_once()
+        clock.now += 0.25
+    assert kept() == 0
+
+    quick = CallLog(max_ended=0, clock=clock)  # an ended call leaves it at once
+    relay = CallRelay(quick, MemoryStore(), "server-q", clock=clock)
+    call = quick.start(ID, "agent")
+    relay.publish_once()
+    quick.finish(call, OK)
+    relay.publish_once()
+    assert relay._published == {}
