@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -27,6 +27,10 @@ DEFAULT_GRACE_S = 120.0  # seconds an ended call stays attachable
 MAX_GRACE_S = 3600.0  # seconds: the most an operator may set
 DEFAULT_MAX_ENDED = 1000  # ended calls kept at once, per server
 DEFAULT_MAX_ENDED_BYTES = 256 * 1024 * 1024  # bytes of output kept for ended calls, per server
+# Ended calls kept per client: one busy client's calls push out its own oldest,
+# never another client's still in their grace (the server-wide bounds alone let
+# one client's stream of short calls evict every other client's results).
+DEFAULT_MAX_ENDED_PER_CLIENT = 100
 CLOSE_WAIT_S = 5.0  # seconds a stopping server waits for the calls it cancelled
 WAIT_SLICE_S = 0.5  # seconds a follower waits before checking whether its RPC ended
 EXECUTION_ID_PATTERN = re.compile(r"^[0-9a-f]{32}$")  # what the executor issues (uuid4 hex)
@@ -83,10 +87,13 @@ class CallLog:
         max_ended: int = DEFAULT_MAX_ENDED,
         max_ended_bytes: int = DEFAULT_MAX_ENDED_BYTES,
         clock: Callable[[], float] = time.monotonic,
+        max_ended_per_client: int = DEFAULT_MAX_ENDED_PER_CLIENT,
     ) -> None:
         self._grace_s = grace_s
         self._max_ended = max_ended
         self._max_ended_bytes = max_ended_bytes
+        self._max_per_client = max_ended_per_client
+        self._ended_by: Counter[str] = Counter()  # caller -> its ended calls kept
         self._clock = clock
         self._changed = threading.Condition()
         self._running: dict[str, KeptCall] = {}
@@ -125,6 +132,10 @@ class CallLog:
             if self._running.pop(call.execution_id, None) is not None:
                 self._ended[call.execution_id] = call
                 self._ended_bytes += call.kept_bytes
+                self._ended_by[call.caller] += 1
+                if self._ended_by[call.caller] > self._max_per_client:
+                    oldest = next(c for c in self._ended.values() if c.caller == call.caller)
+                    self._forget(oldest)
             self._trim()
             self._changed.notify_all()
 
@@ -209,5 +220,12 @@ class CallLog:
             too_many = len(self._ended) > self._max_ended
             if not (expired or too_many or self._ended_bytes > self._max_ended_bytes):
                 return
-            self._ended.popitem(last=False)
-            self._ended_bytes -= oldest.kept_bytes
+            self._forget(oldest)
+
+    def _forget(self, call: KeptCall) -> None:
+        """Drop an ended call. Called with the lock held."""
+        del self._ended[call.execution_id]
+        self._ended_bytes -= call.kept_bytes
+        self._ended_by[call.caller] -= 1
+        if self._ended_by[call.caller] <= 0:
+            del self._ended_by[call.caller]

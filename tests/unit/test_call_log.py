@@ -286,3 +286,15 @@ def test_the_relay_prunes_a_backlog_at_once_and_forgets_calls_gone_from_the_log(
     quick.finish(call, OK)
     relay.publish_once()
     assert relay._published == {}
+
+
+def test_one_clients_ended_calls_never_push_out_anothers() -> None:
+    """A busy client's short calls evict its own oldest kept call, not another
+    client's result still within its grace."""
+    log = CallLog(max_ended=10, max_ended_per_client=3)
+    log.finish(log.start(ID, "quiet"), OK)
+    busy = [f"{i:032x}" for i in range(1, 21)]
+    for execution_id in busy:
+        log.finish(log.start(execution_id, "busy"), OK)
+    assert log.find(ID, "quiet") is not None
+    assert [log.find(i, "busy") is not None for i in busy] == [False] * 17 + [True] * 3
