@@ -35,7 +35,11 @@ DEAD_AFTER_S = 10.0  # seconds without a publication after which the call's serv
 POLL_S = 0.2  # seconds between a remote follower's reads of the row
 PRUNE_EVERY_S = 30.0  # seconds between deletions of expired rows
 PRUNE_BATCH = 500  # rows deleted at most per pruning
-MAX_PUBLISHED_BYTES = 4 * 1024 * 1024  # bytes per stream a call publishes (the result has all)
+MAX_PUBLISHED_BYTES = 1024 * 1024  # bytes per stream a call publishes (the result has all)
+# Each publication rewrites the call's whole row: a call whose published output is
+# large is published less often, so that one chatty tool writes at most about this
+# many bytes a second to the shared database (a 1 MiB row: once a second).
+PUBLISH_BYTES_PER_S = 1024 * 1024
 SERVER_GONE = (
     "the server running this call stopped before the call ended; its output after"
     " that point and its result are lost"
@@ -94,7 +98,8 @@ class CallRelay:
         self._store = store
         self._server = server_id
         self._clock = clock
-        self._published: dict[str, tuple[int, float]] = {}  # execution id -> (version, at)
+        # execution id -> (version, at, bytes) of its last publication
+        self._published: dict[str, tuple[int, float, int]] = {}
         self._last_prune = 0.0
         self._last_end_seq = 0  # the calls that ended up to this one are published
         self._stop = threading.Event()
@@ -126,7 +131,8 @@ class CallRelay:
                 for call in due:
                     record, version = self._record(call, now)
                     uow.put_kept_call(record)
-                    self._published[call.execution_id] = (version, now)
+                    size = len(record.stdout) + len(record.stderr)
+                    self._published[call.execution_id] = (version, now, size)
         for call in ended:  # published with its result: nothing more to send
             self._published.pop(call.execution_id, None)
             self._last_end_seq = max(self._last_end_seq, call.end_seq)
@@ -144,10 +150,12 @@ class CallRelay:
             self._last_prune = now if pruned < PRUNE_BATCH else now - PRUNE_EVERY_S
 
     def _due(self, call: KeptCall, now: float) -> bool:
-        version, at = self._published.get(call.execution_id, (-1, 0.0))
-        if call.version != version:
+        version, at, size = self._published.get(call.execution_id, (-1, 0.0, 0))
+        if call.outcome is not None:
+            return call.version != version  # its result goes out at once
+        if call.version != version and now - at >= size / PUBLISH_BYTES_PER_S:
             return True
-        return call.outcome is None and now - at >= BEAT_INTERVAL_S
+        return now - at >= BEAT_INTERVAL_S
 
     def _record(self, call: KeptCall, now: float) -> tuple[KeptCallRecord, int]:
         stdout, stderr, outcome, version = self._calls.snapshot(call)

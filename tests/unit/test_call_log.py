@@ -217,6 +217,44 @@ def test_a_quiet_running_call_is_republished_as_a_heartbeat_only_when_due() -> N
     assert len(writes) == 3
 
 
+def test_a_call_with_much_output_is_published_less_often() -> None:
+    """Each publication rewrites the call's row: one with ~1 MiB published waits
+    about a second before the next, a small one only PUBLISH_INTERVAL_S; the
+    result goes out at once whatever the size."""
+    clock = Clock()
+    log_a, relay_a, _ = _relayed(clock)
+    puts: list[int] = []
+    store = relay_a._store
+    original = store.unit_of_work
+
+    class Counting:
+        def __enter__(self):  # type: ignore[no-untyped-def]
+            self._uow = original()
+            uow = self._uow.__enter__()
+            put = uow.put_kept_call
+            uow.put_kept_call = lambda record: (puts.append(len(record.stdout)), put(record))
+            return uow
+
+        def __exit__(self, *exc):  # type: ignore[no-untyped-def]
+            return self._uow.__exit__(*exc)
+
+    store.unit_of_work = Counting  # type: ignore[method-assign,assignment]
+    call = log_a.start(ID, "agent")
+    log_a.append(call, "stdout", b"x" * call_relay.MAX_PUBLISHED_BYTES)
+    relay_a.publish_once()
+    assert puts == [call_relay.MAX_PUBLISHED_BYTES]
+    log_a.append(call, "stdout", b"more")
+    clock.now += call_relay.PUBLISH_INTERVAL_S
+    relay_a.publish_once()  # new output, but the last row was 1 MiB: not yet
+    assert len(puts) == 1
+    clock.now += 1.0
+    relay_a.publish_once()
+    assert len(puts) == 2
+    log_a.finish(call, OK)
+    relay_a.publish_once()  # the result: at once
+    assert len(puts) == 3
+
+
 def test_attachments_prefer_this_servers_own_calls() -> None:
     clock = Clock()
     log_a, relay_a, _ = _relayed(clock)
