@@ -548,6 +548,17 @@ def _close_attached(attached: Any) -> None:
             response.close()
 
 
+MAX_FAILED_CHARS: Final = 1000  # characters of a prestart failure's message kept
+
+
+def _tool_text(raw: bytes) -> str:
+    """A message the sandbox wrote (a prestart failure: a preloaded module's own
+    words), fit for an error, the audit and a log line: capped, and its control
+    characters (newlines, terminal escapes) shown as escapes, never obeyed."""
+    text = raw.decode("utf-8", "replace")[:MAX_FAILED_CHARS]
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def _await_hello(sock: socket.socket, container_id: str, *, prestart: bool = False) -> None:
     """Read the init's hello frame, and nothing after it (nothing follows before the
     go byte): the init runs and speaks this server's protocol. A stale init, built
@@ -576,7 +587,7 @@ def _await_hello(sock: socket.socket, container_id: str, *, prestart: bool = Fal
                 for kind, value in decoder.feed(piece):
                     if kind == INIT_FAILED:
                         assert isinstance(value, bytes)
-                        raise SandboxError(value.decode("utf-8", "replace"))
+                        raise SandboxError(_tool_text(value))
                     if kind == INIT_READY and hello:
                         return
                     if kind != INIT_HELLO or hello:

@@ -180,3 +180,14 @@ def test_the_init_says_ready_or_why_not_after_its_hello() -> None:
     for i in range(len(stream)):  # byte by byte: frames cut anywhere
         events += decoder.feed(stream[i : i + 1])
     assert events == [(INIT_HELLO, 3), (INIT_READY, b""), (INIT_FAILED, why)]
+
+
+def test_a_prestart_failure_message_is_capped_and_shows_control_characters() -> None:
+    """The 'F' frame carries a preloaded module's own words: they reach the
+    call's error, the audit record and the pool's log line, so a newline or a
+    terminal escape is shown, never obeyed, and the text is capped."""
+    from sandbox_runner.docker_backend import MAX_FAILED_CHARS, _tool_text
+
+    text = _tool_text(b"prestart: preload 'x' failed: bad\nFAKE LOG LINE \x1b[2J\xe2\x80\xae")
+    assert text == "prestart: preload 'x' failed: bad\\nFAKE LOG LINE \\x1b[2J\\u202e"
+    assert len(_tool_text(b"y" * 100_000)) == MAX_FAILED_CHARS
