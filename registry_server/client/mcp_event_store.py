@@ -16,7 +16,8 @@ guessable either.
 
 Bounds, all at once (``ResumeLimits``): events and bytes per stream (its oldest
 events dropped first), streams and bytes overall (the least recently written
-stream dropped first), and a time to live after a stream's last event. A
+stream of the principal holding the most dropped first: one client's many
+calls push out its own, not another's), and a time to live after a stream's last event. A
 resume that would skip a dropped event is refused rather than replayed with a
 gap (``can_resume`` says so before the SDK answers; ``mcp_resume.py``).
 
@@ -194,16 +195,35 @@ class ResumableEvents:
         self._enforce_totals(keep=stream.key)
 
     def _enforce_totals(self, keep: str) -> None:
-        """Drop whole streams, least recently written first, until the totals
-        hold; ``keep`` (the stream just written) goes last."""
+        """Drop whole streams until the totals hold: each time the least
+        recently written stream of the principal holding the most (bytes, or
+        streams when only their number is over), so that one busy principal
+        pushes out its own streams, not another's; ``keep`` (the stream just
+        written) is never dropped (alone it is within the per-stream caps)."""
         while len(self._streams) > self.limits.streams or self.bytes > self.limits.total_bytes:
-            oldest = next(iter(self._streams))
-            if oldest == keep:
-                if len(self._streams) == 1:
-                    break  # alone it is within the per-stream caps, so within the totals
-                self._streams.move_to_end(keep)
-                continue
-            self._drop(oldest)
+            victim = self._heaviest_owners_oldest(keep, self.bytes > self.limits.total_bytes)
+            if victim is None:
+                break
+            self._drop(victim)
+
+    def _heaviest_owners_oldest(self, keep: str, by_bytes: bool) -> str | None:
+        # Owners are compared with == (an AuthorizationContext need not hash); at
+        # most `streams` + 1 streams, and only when a total is over.
+        usage: list[list[Any]] = []  # [owner, bytes, streams, its oldest key but keep]
+        for key, stream in self._streams.items():  # least recently written first
+            for entry in usage:
+                if entry[0] == stream.owner:
+                    entry[1] += stream.bytes
+                    entry[2] += 1
+                    entry[3] = entry[3] or (key if key != keep else "")
+                    break
+            else:
+                usage.append([stream.owner, stream.bytes, 1, key if key != keep else ""])
+        candidates = [entry for entry in usage if entry[3]]
+        if not candidates:
+            return None
+        heaviest = max(candidates, key=lambda e: (e[1], e[2]) if by_bytes else (e[2], e[1]))
+        return str(heaviest[3])
 
     def _expire(self, now: float) -> None:
         ttl = self.limits.ttl_s

@@ -35,7 +35,8 @@ CLIENT_SECRET_ENV = "TOOLREG_OAUTH_CLIENT_SECRET"  # the bridge's secret at the 
 class ResumeLimits:
     """How much of the SSE streams the bridge keeps so that a client whose
     stream dropped can resume it with ``Last-Event-ID`` (mcp_event_store.py).
-    Every bound holds at once; the least recently written stream goes first."""
+    Every bound holds at once; the least recently written stream goes first
+    (overall: of the principal holding the most, mcp_event_store.py)."""
 
     events_per_stream: int = 1024  # a stream's oldest events are dropped beyond this
     bytes_per_stream: int = 8 * 1024 * 1024  # likewise; a single larger event ends resumption

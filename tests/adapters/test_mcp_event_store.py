@@ -168,6 +168,27 @@ def test_totals_drop_the_least_recently_written_stream_first() -> None:
     assert events.can_resume("s1", AGENT, held["d"])
 
 
+def test_a_busy_principal_pushes_out_its_own_streams_not_anothers() -> None:
+    events, _ = store(dataclasses.replace(LIMITS, streams=4))
+    rival = events.for_session("s2", RIVAL)
+    theirs = put(rival, "r", note(0))  # the least recently written of all
+    agent = events.for_session("s1", AGENT)
+    mine = [put(agent, f"a{i}", note(0)) for i in range(6)]  # 3 over the cap
+    assert events.stream_count == 4
+    assert events.can_resume("s2", RIVAL, theirs)
+    assert not any(events.can_resume("s1", AGENT, m) for m in mine[:3])  # its 3 oldest
+    assert all(events.can_resume("s1", AGENT, m) for m in mine[3:])
+
+    events, _ = store(dataclasses.replace(LIMITS, bytes_per_stream=1000, total_bytes=2500))
+    rival = events.for_session("s2", RIVAL)
+    theirs = put(rival, "r", note(0, pad=300))
+    agent = events.for_session("s1", AGENT)
+    mine = [put(agent, f"a{i}", note(0, pad=700)) for i in range(4)]
+    assert events.bytes <= 2500
+    assert events.can_resume("s2", RIVAL, theirs)  # the agent's bytes went, not the rival's
+    assert events.can_resume("s1", AGENT, mine[-1]) and not events.can_resume("s1", AGENT, mine[0])
+
+
 def test_streams_expire_after_their_last_event() -> None:
     events, clock = store()
     view = events.for_session("s1", AGENT)
