@@ -17,6 +17,15 @@ def exec_tool(
     name: Annotated[str, typer.Argument(help="The tool to run.")],
     args: Annotated[str, typer.Option("--args", help="Arguments as a JSON object.")] = "{}",
     stream: Annotated[bool, typer.Option("--stream", help="Print output as it arrives.")] = False,
+    reattach: Annotated[
+        bool,
+        typer.Option(
+            "--reattach",
+            help="With --stream: a dropped connection re-attaches and the call runs on"
+            " meanwhile; Ctrl-C then stops reading, not the tool (it ends at its timeout)."
+            " Without it Ctrl-C stops the tool.",
+        ),
+    ] = False,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print the whole ToolResult as JSON.")
     ] = False,
@@ -36,9 +45,12 @@ def exec_tool(
         try:
             if stream:
                 result = None
+                # At a terminal Ctrl-C means "stop the tool", and the server cannot
+                # tell it from a dropped connection: re-attachment is asked for.
                 for event in client.stream(
-                    name, args, tokens=token or (), request_id=approval_request
-                ):
+                    name, args, tokens=token or (), request_id=approval_request,
+                    reattach=reattach,
+                ):  # fmt: skip
                     kind = event.WhichOneof("event")
                     if kind == "stdout":
                         sys.stdout.buffer.write(event.stdout)
