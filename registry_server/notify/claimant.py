@@ -14,7 +14,8 @@ so no column changes:
 (boot and host_id: the boot id and machine id, hashed as _hashed_ids says.)
 
 Only a claimant on this host (machine id and hostname), in this boot and pid
-namespace, whose process is not running, is gone. Anything else (a live process, another host's
+namespace, whose process is not running, is gone (another boot is not enough:
+see claimant_gone). Anything else (a live process, another host's
 server on PostgreSQL, another pid namespace, a claim written before this
 format) keeps its claim until the lease lapses.
 """
@@ -94,4 +95,11 @@ def claimant_gone(
         name, sep, value = part.partition("=")
         if sep and name in _FIELDS:
             labels[_FIELDS[name]] = value
-    return owner_gone(labels, me=_hashed_ids(me), owner_alive=owner_alive)
+    hashed = _hashed_ids(me)
+    # Another boot id is not taken for a reboot here (the reaper does so for its
+    # containers): servers in containers on two hosts can share a hostname and a
+    # machine id baked into their image, and would then take each other's live
+    # claims. A claim from before a real reboot has mostly lapsed by now anyway.
+    if labels.get(LABEL_OWNER_BOOT) != hashed.boot_id:
+        return None
+    return owner_gone(labels, me=hashed, owner_alive=owner_alive)
