@@ -6,6 +6,7 @@ import copy
 import functools
 import hashlib
 import tempfile
+from collections.abc import Iterable
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -121,3 +122,17 @@ def token_client(
     if max_level is not None:
         entry["max_safety_level"] = max_level
     return entry
+
+
+def collect_events(events: Iterable[Any]) -> tuple[bytes, bytes, Any]:
+    """A stream's (or an attachment's) stdout, stderr and result (None: none came)."""
+    stdout, stderr, result = b"", b"", None
+    for event in events:
+        kind = event.WhichOneof("event")
+        if kind == "stdout":
+            stdout += event.stdout
+        elif kind == "stderr":
+            stderr += event.stderr
+        elif kind == "result":
+            result = event.result
+    return stdout, stderr, result

@@ -33,6 +33,11 @@ PUBLISH_INTERVAL_S = 0.25  # seconds between publications of new output
 BEAT_INTERVAL_S = 2.0  # seconds: a running call is re-published at least this often
 DEAD_AFTER_S = 10.0  # seconds without a publication after which the call's server is dead
 POLL_S = 0.2  # seconds between a remote follower's reads of the row
+# Seconds a follower looks for a call's row before NOT_FOUND: a call is published
+# within PUBLISH_INTERVAL_S of its start, and a client whose stream broke at once
+# may re-attach through another server before that. Unknown and foreign ids wait
+# as long, so the answer's timing does not tell another client's call from none.
+APPEAR_WITHIN_S = 1.0
 PRUNE_EVERY_S = 30.0  # seconds between deletions of expired rows
 PRUNE_BATCH = 500  # rows deleted at most per pruning
 MAX_PUBLISHED_BYTES = 1024 * 1024  # bytes per stream a call publishes (the result has all)
@@ -93,11 +98,13 @@ class CallRelay:
         store: Store,
         server_id: str,
         clock: Callable[[], float] = time.time,
+        appear_within_s: float = APPEAR_WITHIN_S,
     ) -> None:
         self._calls = calls
         self._store = store
         self._server = server_id
         self._clock = clock
+        self._appear_within_s = appear_within_s
         # execution id -> (version, at, bytes) of its last publication
         self._published: dict[str, tuple[int, float, int]] = {}
         self._last_prune = 0.0
@@ -179,12 +186,17 @@ class CallRelay:
         (or its server is found dead)."""
         sent = {"stdout": stdout_offset, "stderr": stderr_offset}
         first = True
+        looks = max(1, round(self._appear_within_s / POLL_S) + 1)  # the first look and the polls
         while not stopped.is_set():
             with self._store.reading() as reads:
                 row = reads.kept_call(execution_id)
             now = self._clock()
             if row is None or row.caller != caller or self._expired(row, now):
                 if first:
+                    looks -= 1
+                    if looks > 0:
+                        stopped.wait(POLL_S)  # not published yet, perhaps
+                        continue
                     raise NotFound(NOT_KEPT)
                 # Pruned while followed: its server stopped publishing long ago.
                 yield self._gone(execution_id)

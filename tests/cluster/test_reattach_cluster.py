@@ -15,6 +15,7 @@ from registry_server.client.registry_client import RegistryClient
 from registry_server.domain.models import parse_definition
 from registry_server.execution.call_relay import DEAD_AFTER_S, SERVER_GONE
 from tests.cluster.conftest import CLIENTS, StartCluster
+from tests.factories import collect_events
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -35,19 +36,6 @@ def _client(address: str, who: str) -> RegistryClient:
     return RegistryClient.connect(address, token=CLIENTS[who][0])
 
 
-def _rest(events: object) -> tuple[bytes, bytes, pb.ToolResult | None]:
-    stdout, stderr, result = b"", b"", None
-    for event in events:  # type: ignore[attr-defined]
-        kind = event.WhichOneof("event")
-        if kind == "stdout":
-            stdout += event.stdout
-        elif kind == "stderr":
-            stderr += event.stderr
-        elif kind == "result":
-            result = event.result
-    return stdout, stderr, result
-
-
 def test_a_call_on_one_server_is_attached_through_another(start_cluster: StartCluster) -> None:
     cluster = start_cluster(2)
     a, b = (s.address for s in cluster.servers)
@@ -63,7 +51,7 @@ def test_a_call_on_one_server_is_attached_through_another(start_cluster: StartCl
             list(stranger.attach(execution_id, timeout=10))
         assert info.value.code() == grpc.StatusCode.NOT_FOUND
     with _client(b, "agent") as again:
-        stdout, stderr, result = _rest(again.attach(execution_id, 4, 0, timeout=30))
+        stdout, stderr, result = collect_events(again.attach(execution_id, 4, 0, timeout=30))
     assert (stdout, stderr) == (b"three\n", b"two\n")
     assert result is not None and result.success and result.content == "one\nthree\n"
     assert result.execution_id == execution_id
@@ -78,7 +66,7 @@ def test_a_call_on_one_server_is_attached_through_another(start_cluster: StartCl
     started = time.monotonic()
     try:
         with _client(b, "agent") as again:
-            _, _, result = _rest(again.attach(execution_id, timeout=DEAD_AFTER_S + 20))
+            _, _, result = collect_events(again.attach(execution_id, timeout=DEAD_AFTER_S + 20))
         assert result is not None and not result.success
         assert result.status == pb.EXECUTION_STATUS_SANDBOX_ERROR
         assert result.error == SERVER_GONE and result.execution_id == execution_id

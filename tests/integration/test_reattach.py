@@ -17,10 +17,9 @@ import grpc
 import pytest
 import yaml
 
-from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server.client.launcher import ServerProcess, spawn_server
 from registry_server.client.registry_client import RegistryClient
-from tests.factories import token_client
+from tests.factories import collect_events, token_client
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -60,19 +59,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     running.kill()
 
 
-def _collect(events: Iterator[pb.ExecutionEvent]) -> tuple[bytes, bytes, pb.ToolResult | None]:
-    stdout, stderr, result = b"", b"", None
-    for event in events:
-        kind = event.WhichOneof("event")
-        if kind == "stdout":
-            stdout += event.stdout
-        elif kind == "stderr":
-            stderr += event.stderr
-        elif kind == "result":
-            result = event.result
-    return stdout, stderr, result
-
-
 def test_a_cut_stream_is_reattached_by_hand(server: ServerProcess) -> None:
     first = RegistryClient.connect(server.address, token=AGENT)
     events = first.stream("talker", timeout=60)
@@ -83,7 +69,7 @@ def test_a_cut_stream_is_reattached_by_hand(server: ServerProcess) -> None:
     assert chunk.stdout == b"one\n"
     first.close()  # the stream is cut while the tool sleeps
     with RegistryClient.connect(server.address, token=AGENT) as again:
-        stdout, stderr, result = _collect(again.attach(execution_id, len(chunk.stdout), 0))
+        stdout, stderr, result = collect_events(again.attach(execution_id, len(chunk.stdout), 0))
     assert stdout == b"three\n" and stderr == b"two\n"
     assert result is not None and result.success and result.execution_id == execution_id
     assert result.content == "one\nthree\n"
@@ -105,7 +91,7 @@ def test_another_client_cannot_attach_and_bad_requests_are_refused(
                 list(agent.attach(bad_id, offset, timeout=10))
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "x" * 100 not in (info.value.details() or "")
-        _, _, result = _collect(events)
+        _, _, result = collect_events(events)
         assert result is not None and result.success
 
 
@@ -113,7 +99,7 @@ def test_an_ended_call_is_kept_for_the_grace_period_only(server: ServerProcess) 
     with RegistryClient.connect(server.address, token=AGENT) as agent:
         events = list(agent.stream("talker", timeout=60))
         execution_id = events[0].started.execution_id
-        stdout, stderr, result = _collect(agent.attach(execution_id, timeout=10))
+        stdout, stderr, result = collect_events(agent.attach(execution_id, timeout=10))
         assert (stdout, stderr) == (b"one\nthree\n", b"two\n") and result is not None
         assert result.success
         time.sleep(GRACE_S + 0.5)

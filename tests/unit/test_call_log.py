@@ -5,6 +5,7 @@ server's call, with a fake clock and the in-memory store."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -154,7 +155,9 @@ def _relayed(clock: Clock) -> tuple[CallLog, CallRelay, CallRelay]:
     store = MemoryStore()
     log_a = CallLog(grace_s=60, clock=clock)
     relay_a = CallRelay(log_a, store, "server-a", clock=clock)
-    relay_b = CallRelay(CallLog(grace_s=60, clock=clock), store, "server-b", clock=clock)
+    relay_b = CallRelay(
+        CallLog(grace_s=60, clock=clock), store, "server-b", clock=clock, appear_within_s=0
+    )
     return log_a, relay_a, relay_b
 
 
@@ -176,6 +179,31 @@ def test_another_server_follows_a_published_call_to_its_result() -> None:
     clock.now += 61
     with pytest.raises(NotFound):  # past the grace period
         list(relay_b.follow(ID, "agent", 0, 0, stopped))
+
+
+def test_a_call_not_yet_published_is_looked_for_before_not_found(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A client may re-attach through another server before the call's server
+    has published it (every PUBLISH_INTERVAL_S): the follower looks again for
+    up to APPEAR_WITHIN_S; an unknown or another client's id waits as long."""
+    monkeypatch.setattr(call_relay, "POLL_S", 0.02)
+    clock = Clock()
+    store = MemoryStore()
+    log_a = CallLog(grace_s=60, clock=clock)
+    relay_a = CallRelay(log_a, store, "server-a", clock=clock)
+    relay_b = CallRelay(CallLog(grace_s=60, clock=clock), store, "server-b", clock=clock,
+                        appear_within_s=0.1)  # fmt: skip
+    log_a.finish(log_a.start(ID, "agent"), OK)
+    later = threading.Timer(0.03, relay_a.publish_once)
+    later.start()
+    assert _all(relay_b.follow(ID, "agent", 0, 0, threading.Event())) == [("result", OK)]
+    later.join()
+    for execution_id, who in ((ID, "intruder"), ("b" * 32, "agent")):
+        looked = time.monotonic()
+        with pytest.raises(NotFound):
+            list(relay_b.follow(execution_id, who, 0, 0, threading.Event()))
+        assert time.monotonic() - looked >= 0.09
 
 
 def test_a_call_published_only_at_its_end_is_followed_too() -> None:
