@@ -215,6 +215,26 @@ def _netstack_hint(runtime: str) -> Iterator[None]:
         ) from e
 
 
+# What dockerd says when the container's first process died before its start ended:
+# at a small memory limit, the runtime's own `runc init` OOM-killed (moby/moby#41167).
+STOPPED_AT_START: Final = "cannot start a stopped process"
+SMALL_MEMORY_MB: Final = 64  # MiB: below this a start that fails so is likely the limit
+
+
+@contextlib.contextmanager
+def _small_memory_hint(memory_mb: int) -> Iterator[None]:
+    """A start that failed on STOPPED_AT_START at a small memory limit says so."""
+    try:
+        yield
+    except SandboxError as e:
+        if memory_mb >= SMALL_MEMORY_MB or STOPPED_AT_START not in str(e):
+            raise
+        raise SandboxError(
+            f"{e} (the sandbox's memory limit, {memory_mb} MiB, is likely too small for the"
+            f" container runtime to start it: give the tool at least {SMALL_MEMORY_MB} MiB)"
+        ) from e
+
+
 def runtimes_of(info: Mapping[str, Any]) -> dict[str, tuple[str, ...]]:
     """The runtimes in an engine's `docker info` answer, each with the arguments
     the engine starts it with (its runtimeArgs in daemon.json)."""
@@ -1101,7 +1121,11 @@ class DockerBackend:
                 )
             try:
                 sock = _raw_socket(attached)
-                with _netstack_hint(spec.runtime), _engine_call("container start"):
+                with (
+                    _netstack_hint(spec.runtime),
+                    _small_memory_hint(spec.limits.memory_mb),
+                    _engine_call("container start"),
+                ):
                     api.start(container_id)
                 if self.init_path is not None:
                     _await_hello(sock, container_id, prestart=bool(spec.prestart))
