@@ -41,6 +41,7 @@ from collections import deque
 from collections.abc import Callable
 
 from sandbox_runner import OutputSink, SandboxError, SandboxResult, SandboxSpec
+from sandbox_runner.spec import EgressSpec
 
 __all__ = ["FakeBackend", "FakePrepared", "result"]
 
@@ -95,6 +96,7 @@ class FakePrepared:
         self.finish_cancel: threading.Event | None = None
         self.discarded = False  # a discard removed it unused
         self.discard_calls = 0
+        self.bound_egress: tuple[EgressSpec | None, str] | None = None  # bind_egress's
         self._lock = threading.Lock()
 
     @property
@@ -105,6 +107,10 @@ class FakePrepared:
     def alive(self) -> bool:
         with self._lock:
             return not self.dead and not self.used
+
+    def bind_egress(self, egress: EgressSpec | None, execution_id: str) -> None:
+        """The protocol's hand-over of a call's egress grants: kept for tests to read."""
+        self.bound_egress = (egress, execution_id)
 
     def finish(
         self,
