@@ -16,8 +16,8 @@ PACKAGES=(chromium chromium-driver)
 log() { printf 'ensure_chromium: %s\n' "$*" >&2; }
 die() { printf 'ensure_chromium: ERROR: %s\n' "$*" >&2; exit 1; }
 
-# shellcheck source=debian.sh
-source "$(dirname "${BASH_SOURCE[0]}")/debian.sh"
+# shellcheck source=../sandbox_runner/images/debian.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../sandbox_runner/images/debian.sh"
 
 found() {
     command -v chromium >/dev/null 2>&1 && command -v chromedriver 2>/dev/null

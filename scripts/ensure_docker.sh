@@ -106,8 +106,8 @@ report_running() {
         "${GVISOR_NET_RUNTIME} ${runsc_net})"
 }
 
-# shellcheck source=debian.sh
-source "$(dirname "${BASH_SOURCE[0]}")/debian.sh"
+# shellcheck source=../sandbox_runner/images/debian.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../sandbox_runner/images/debian.sh"
 
 # "yes" when a fresh network namespace has /proc/sys/net/core/rmem_default (what old runsc
 # builds take for the host's namespace), "no" when not, nothing when this process cannot

@@ -17,8 +17,8 @@ MIN_VERSION=2.6
 log() { printf 'ensure_haproxy: %s\n' "$*" >&2; }
 die() { printf 'ensure_haproxy: ERROR: %s\n' "$*" >&2; exit 1; }
 
-# shellcheck source=debian.sh
-source "$(dirname "${BASH_SOURCE[0]}")/debian.sh"
+# shellcheck source=../sandbox_runner/images/debian.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../sandbox_runner/images/debian.sh"
 
 haproxy_path() {
     command -v haproxy 2>/dev/null || { [[ -x /usr/sbin/haproxy ]] && echo /usr/sbin/haproxy; }

@@ -50,8 +50,8 @@ fi
 [[ "$PG_CLUSTER" =~ ^[A-Za-z0-9_-]+$ ]] || die "TOOLREG_PG_CLUSTER '${PG_CLUSTER}' is not a valid name"
 [[ "$PG_WAIT" =~ ^[0-9]+$ ]] || die "TOOLREG_PG_WAIT must be a number of seconds, not '${PG_WAIT}'"
 
-# shellcheck source=debian.sh
-source "$(dirname "${BASH_SOURCE[0]}")/debian.sh"
+# shellcheck source=../sandbox_runner/images/debian.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../sandbox_runner/images/debian.sh"
 
 # The major version of the test cluster: the one it already has, else the newest server installed.
 pg_version() {

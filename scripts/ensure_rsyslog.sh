@@ -19,8 +19,8 @@ PACKAGES=(rsyslog rsyslog-gnutls)
 log() { printf 'ensure_rsyslog: %s\n' "$*" >&2; }
 die() { printf 'ensure_rsyslog: ERROR: %s\n' "$*" >&2; exit 1; }
 
-# shellcheck source=debian.sh
-source "$(dirname "${BASH_SOURCE[0]}")/debian.sh"
+# shellcheck source=../sandbox_runner/images/debian.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../sandbox_runner/images/debian.sh"
 
 rsyslogd_path() {
     command -v rsyslogd 2>/dev/null || { [[ -x /usr/sbin/rsyslogd ]] && echo /usr/sbin/rsyslogd; }

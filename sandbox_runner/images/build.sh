@@ -1,30 +1,37 @@
 #!/usr/bin/env bash
 # Build the local sandbox images (README: The sandbox). Nothing is ever pulled.
 #
-#   toolreg/base:latest         scratch + Debian's busybox-static + examples/tools/*.sh
+#   toolreg/base:latest         scratch + Debian's busybox-static + the example tools' *.sh
 #   toolreg/python-root:latest  python3 and what it loads, taken from a debootstrap'ed Debian
 #                               (minbase + python3 + busybox-static); no apt, dpkg or perl
-#   toolreg/python:latest       python-root + examples/tools/*.py
+#   toolreg/python:latest       python-root + the example tools' *.py
 #
 # base and python are rebuilt only when the sha256 of their build context (Dockerfile, staged
 # files, tool sources; for python also the python-root image id) differs from the image's
 # io.toolreg.build-hash label. Delete toolreg/python-root to force a new debootstrap.
+# Each image also carries io.toolreg.source-hash: the sha256 of its sources as this package
+# ships them (Dockerfile, users, tool files; not the host's busybox or Debian root), which
+# `toolreg doctor` recomputes to tell an image of this version from an older one.
+#
+# This script travels in the wheel (sandbox_runner/images/); `toolreg images build` and
+# `make images` both run it, so both give the same images with the same hashes.
 #
 # Overrides: TOOLREG_DEBIAN_MIRROR (default: the Debian mirror of the machine's apt sources;
 #            with none there, the build stops and asks for it),
-#            TOOLREG_DEBIAN_SUITE (default bookworm), TOOLREG_TOOLS_DIR (default examples/tools),
+#            TOOLREG_DEBIAN_SUITE (default bookworm), TOOLREG_TOOLS_DIR (default: the packaged example tools,
+#            registry_server/examples/tools beside this package),
 #            TMPDIR (where debootstrap runs; default /var/tmp, must allow exec and mknod).
 set -Eeuo pipefail
 
 START_SECONDS=$SECONDS
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-REPO="$(cd "$HERE/../.." && pwd)"
-TOOLS_DIR="${TOOLREG_TOOLS_DIR:-$REPO/examples/tools}"
+TOOLS_DIR="${TOOLREG_TOOLS_DIR:-$HERE/../../registry_server/examples/tools}"
 SUITE="${TOOLREG_DEBIAN_SUITE:-bookworm}"
 BASE_IMAGE=toolreg/base:latest
 ROOT_IMAGE=toolreg/python-root:latest  # python/Dockerfile names it in FROM
 PYTHON_IMAGE=toolreg/python:latest
 HASH_LABEL=io.toolreg.build-hash
+SOURCE_LABEL=io.toolreg.source-hash
 DEBOOTSTRAP_INCLUDE=python3,busybox-static
 # Parts of the standard library no sandboxed tool uses (GUI, tests, installers, 2to3).
 STDLIB_LEFT_OUT=(test idlelib tkinter turtledemo ensurepip lib2to3 pydoc_data)
@@ -47,8 +54,8 @@ cleanup() {
 trap cleanup EXIT
 trap 'die "failed at line $LINENO: $BASH_COMMAND"' ERR
 
-# shellcheck source=../../scripts/debian.sh
-source "$REPO/scripts/debian.sh"
+# shellcheck source=debian.sh
+source "$HERE/debian.sh"
 
 ensure_pkg() {
     local pkg="$1"
@@ -63,6 +70,8 @@ image_label() {  # prints the build-hash label of an image, or nothing when it i
     docker image inspect -f "{{index .Config.Labels \"$HASH_LABEL\"}}" "$1" 2>/dev/null || true
 }
 
+source_label() { docker image inspect -f "{{index .Config.Labels \"$SOURCE_LABEL\"}}" "$1" 2>/dev/null || true; }
+
 image_id() { docker image inspect -f '{{.Id}}' "$1" 2>/dev/null || true; }
 
 # sha256 of a directory's names, modes, link targets and contents (not owners or times).
@@ -71,11 +80,22 @@ tree_hash() {
         cut -d' ' -f1
 }
 
-# docker build CONTEXT IMAGE HASH: build with the hash label; drop the image it replaces.
+# source_hash DIR FILE...: sha256 of the lines "<sha256 of FILE>  <FILE>" for the named
+# files, relative to DIR, sorted by name (registry_server/install/images.py computes the same).
+source_hash() {
+    local dir="$1"
+    shift
+    (cd "$dir" && printf '%s\n' "$@" | LC_ALL=C sort | while read -r f; do sha256sum "$f"; done) |
+        sha256sum | cut -d' ' -f1
+}
+
+# docker build CONTEXT IMAGE HASH SOURCE_HASH: build with the labels; drop the image it
+# replaces.
 docker_build() {
-    local ctx="$1" image="$2" hash="$3" old
+    local ctx="$1" image="$2" hash="$3" src_hash="$4" old
     old="$(image_id "$image")"
-    docker build --network none --label "$HASH_LABEL=$hash" -t "$image" "$ctx" 2>&1 |
+    docker build --network none --label "$HASH_LABEL=$hash" --label "$SOURCE_LABEL=$src_hash" \
+        -t "$image" "$ctx" 2>&1 |
         grep -v -e 'DEPRECATED: The legacy builder' -e 'BuildKit is currently disabled' \
             -e 'Install the buildx component' -e 'https://docs.docker.com/go/buildx/' \
             -e '^ *environment-variable\.$' -e '^ *$' |
@@ -98,7 +118,7 @@ copy_tools() {  # copy_tools GLOB DEST MODE
 
 # ---------------------------------------------------------------------------- toolreg/base
 build_base() {
-    local ctx="$WORK/base" rootfs bb applet hash
+    local ctx="$WORK/base" rootfs bb applet hash src_hash
     ensure_pkg busybox-static
     bb="$(dpkg -L busybox-static | grep -E '/bin/busybox$' | head -n1)"
     [[ -x "$bb" ]] || die "busybox-static is installed but its busybox binary was not found"
@@ -117,12 +137,15 @@ build_base() {
     cp "$HERE/base/Dockerfile" "$ctx/"
 
     hash="$(tree_hash "$ctx")"
-    if [[ "$(image_label "$BASE_IMAGE")" == "$hash" ]]; then
+    src_hash="$(cd "$ctx" && source_hash . Dockerfile rootfs/etc/passwd rootfs/etc/group \
+        $(cd "$ctx" && find rootfs/opt/toolreg/tools -type f))"
+    if [[ "$(image_label "$BASE_IMAGE")" == "$hash" && "$(source_label "$BASE_IMAGE")" == "$src_hash" ]]
+    then
         log "$BASE_IMAGE up to date"
         return 0
     fi
     log "building $BASE_IMAGE ..."
-    docker_build "$ctx" "$BASE_IMAGE" "$hash"
+    docker_build "$ctx" "$BASE_IMAGE" "$hash" "$src_hash"
     log "built $BASE_IMAGE"
 }
 
@@ -236,18 +259,20 @@ build_python_root() {
 
 # ------------------------------------------------------------------------- toolreg/python
 build_python() {
-    local ctx="$WORK/python" hash
+    local ctx="$WORK/python" hash src_hash
     mkdir -p "$ctx"
     cp "$HERE/python/Dockerfile" "$ctx/"
     copy_tools '*.py' "$ctx/tools" 0644
     # Also hash the root image id, so a new debootstrap root rebuilds this image.
     hash="$({ tree_hash "$ctx"; image_id "$ROOT_IMAGE"; } | sha256sum | cut -d' ' -f1)"
-    if [[ "$(image_label "$PYTHON_IMAGE")" == "$hash" ]]; then
+    src_hash="$(source_hash "$ctx" Dockerfile $(cd "$ctx" && find tools -type f))"
+    if [[ "$(image_label "$PYTHON_IMAGE")" == "$hash" && "$(source_label "$PYTHON_IMAGE")" == "$src_hash" ]]
+    then
         log "$PYTHON_IMAGE up to date"
         return 0
     fi
     log "building $PYTHON_IMAGE ..."
-    docker_build "$ctx" "$PYTHON_IMAGE" "$hash"
+    docker_build "$ctx" "$PYTHON_IMAGE" "$hash" "$src_hash"
     log "built $PYTHON_IMAGE"
 }
 

@@ -23,6 +23,7 @@ LAYERS = [
     "_proto",
     "wire",
     "api",
+    "install",
     "client",
 ]
 COMPOSITION_ROOT = "registry_server/api/app.py"

@@ -18,6 +18,7 @@ from registry_server.client.cli.audit import audit_app
 from registry_server.client.cli.common import Connection, fail
 from registry_server.client.cli.console import console_serve
 from registry_server.client.cli.execute import exec_tool
+from registry_server.client.cli.images import images_app
 from registry_server.client.cli.keys import keys_app
 from registry_server.client.cli.login import login, logout
 from registry_server.client.cli.mcp import mcp_serve
@@ -26,6 +27,7 @@ from registry_server.client.cli.server import reap, serve
 from registry_server.client.cli.tools import tools_app
 from registry_server.client.cli.witness import witness_app
 from registry_server.domain.errors import ToolregError
+from registry_server.version import version_line
 
 app = typer.Typer(
     name="toolreg",
@@ -40,6 +42,7 @@ app.add_typer(keys_app, name="keys")
 app.add_typer(audit_app, name="audit")
 app.add_typer(policy_app, name="policy")
 app.add_typer(witness_app, name="witness")
+app.add_typer(images_app, name="images")
 # `toolreg --help` lists these in this order, before the groups above.
 app.command()(serve)
 app.command("exec")(exec_tool)
@@ -50,9 +53,24 @@ app.command()(login)
 app.command()(logout)
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(version_line())
+        raise typer.Exit()
+
+
 @app.callback()
 def root(
     ctx: typer.Context,
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            callback=_print_version,
+            is_eager=True,
+            help="Print the version and the git revision it was built from.",
+        ),
+    ] = False,
     token: Annotated[
         str | None,
         typer.Option("--token", envvar="TOOLREG_TOKEN", help="Bearer token of this client."),
