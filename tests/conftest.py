@@ -1,5 +1,5 @@
 """Every test carries the marker of its folder (unit, adapters, integration,
-docker, security, robustness, cluster, browser, identity), so `-m` and the
+docker, security, robustness, cluster, browser, identity, install), so `-m` and the
 folders always agree. Files add only finer markers (load, fault).
 
 What collection imports (the server's modules and the libraries under them)
@@ -25,6 +25,7 @@ TIERS = (
     "cluster",
     "browser",
     "identity",
+    "install",
 )
 HERE = Path(__file__).resolve().parent
 GC_YOUNG_THRESHOLD = 50_000  # allocations between young collections (Python's default: 700)

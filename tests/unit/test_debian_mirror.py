@@ -1,5 +1,5 @@
 """The image build takes debootstrap's mirror from the machine's apt sources
-(scripts/debian.sh ``debian_mirror``, as images/build.sh calls it), one-line
+(sandbox_runner/images/debian.sh ``debian_mirror``, as images/build.sh calls it), one-line
 .list files and deb822 .sources alike, and with none stops saying what to
 set. Sample sources in a temporary directory; no debootstrap runs. The
 build's own source names no mirror host."""
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-LIBRARY = ROOT / "scripts" / "debian.sh"
+LIBRARY = ROOT / "sandbox_runner" / "images" / "debian.sh"
 
 # The machine's own files as Debian 12 writes them (deb822), with a third-party
 # repository and the security archive beside the main one.

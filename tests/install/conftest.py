@@ -1,0 +1,85 @@
+"""toolreg as users get it: the wheel, built once per run from an sdist of this tree
+(so the sdist is shown to build it), installed into a virtual environment outside
+the repository, and run from there in empty folders. Nothing here imports the
+checkout's code into the installed toolreg, and no test runs it with the
+repository as its working directory."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import venv
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BUILD_TIMEOUT_S = 600  # seconds: sdist + wheel (compiles the init)
+INSTALL_TIMEOUT_S = 900  # seconds: the wheel and its dependencies into a new venv
+
+
+@dataclass(frozen=True)
+class Dist:
+    sdist: Path
+    wheel: Path
+
+
+@dataclass(frozen=True)
+class Installed:
+    """The wheel installed in its own venv; ``run`` starts its `toolreg`."""
+
+    venv: Path
+    wheel: Path
+
+    @property
+    def toolreg(self) -> Path:
+        return self.venv / "bin" / "toolreg"
+
+    @property
+    def python(self) -> Path:
+        return self.venv / "bin" / "python"
+
+    def env(self, **extra: str) -> dict[str, str]:
+        """The environment of an installed toolreg: no PYTHONPATH into the checkout."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "TOOLREG_"))}
+        env["PATH"] = f"{self.venv / 'bin'}:{env.get('PATH', '/usr/bin:/bin')}"
+        return {**env, **extra}
+
+    def run(
+        self, *args: str, cwd: Path, timeout: float = 120, **env: str
+    ) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(self.toolreg), *args], cwd=cwd, env=self.env(**env), capture_output=True,
+            text=True, timeout=timeout, check=False,
+        )  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def dist(tmp_path_factory: pytest.TempPathFactory) -> Dist:
+    """`python -m build` of this tree: the sdist, then the wheel built from that sdist."""
+    out = tmp_path_factory.mktemp("dist")
+    proc = subprocess.run(
+        [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(ROOT)],
+        capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (sdist,) = out.glob("toolreg-*.tar.gz")
+    (wheel,) = out.glob("toolreg-*.whl")
+    return Dist(sdist, wheel)
+
+
+@pytest.fixture(scope="session")
+def installed(dist: Dist, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
+    """The wheel in a fresh venv in a temporary folder (not the repository's .venv)."""
+    where = tmp_path_factory.mktemp("venv") / "toolreg"
+    venv.EnvBuilder(with_pip=True, clear=True).create(where)
+    proc = subprocess.run(
+        [str(where / "bin" / "pip"), "install", "--quiet", "--disable-pip-version-check",
+         str(dist.wheel)],
+        capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    yield Installed(where, dist.wheel)
