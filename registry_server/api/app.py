@@ -53,6 +53,7 @@ from registry_server.signing.keys import is_encrypted, load_private_key
 from registry_server.signing.notes import NoteError, Signer, check_key_name
 from registry_server.store import audit_tree
 from registry_server.store.base import Store
+from registry_server.store.inspect import POSTGRES_URL_PREFIXES, sqlite_path
 from registry_server.store.sqlite import SqliteStore
 from sandbox_runner import Limits, SandboxBackend, SandboxError
 from sandbox_runner.docker_backend import DockerBackend
@@ -574,10 +575,6 @@ def _prepare_workspace(path: Path) -> Path:
     return path
 
 
-SQLITE_URL_PREFIX = "sqlite:///"  # sqlite:///relative/path, sqlite:////absolute/path
-POSTGRES_URL_PREFIXES = ("postgresql://", "postgres://")
-
-
 def open_store(url: str, *, must_exist: bool = False) -> Store:
     """The store that ``TOOLREG_STORE_URL`` names; ``must_exist``: do not
     create an empty one (the audit commands read what a server wrote)."""
@@ -586,8 +583,7 @@ def open_store(url: str, *, must_exist: bool = False) -> Store:
         from registry_server.store.postgres import PostgresStore
 
         return PostgresStore(url, must_exist=must_exist)
-    if url.startswith(SQLITE_URL_PREFIX) and len(url) > len(SQLITE_URL_PREFIX):
-        path = Path(url[len(SQLITE_URL_PREFIX) :])
+    if (path := sqlite_path(url)) is not None:
         if must_exist and not path.is_file():
             raise StoreError(f"no toolreg store at {path}")
         return SqliteStore(path)

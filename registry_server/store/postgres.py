@@ -32,7 +32,9 @@ import psycopg
 from psycopg_pool import ConnectionPool
 
 from registry_server.domain.errors import StoreError
+from registry_server.store.release import StoreState, StoreUnreachable, newer_store_error
 from registry_server.store.sql import Dialect, SqlReads, SqlWrites, answers
+from registry_server.version import version as release_version
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +220,60 @@ _MIGRATIONS: list[str] = [
         ended_at     DOUBLE PRECISION
     );
     """,
+    # 11 (0.2.0), as the SQLite store's 14th: the release that last opened the store
+    """
+    CREATE TABLE toolreg_release (
+        id       INTEGER PRIMARY KEY CHECK (id = 1),
+        version  TEXT NOT NULL,
+        at       DOUBLE PRECISION NOT NULL
+    );
+    """,
 ]
+_RELEASE_UPSERT = (
+    "INSERT INTO toolreg_release (id, version, at) VALUES (1, %s, %s)"
+    " ON CONFLICT (id) DO UPDATE SET version = excluded.version, at = excluded.at"
+    " WHERE toolreg_release.version <> excluded.version"
+)
+_RELEASE_READ = "SELECT version FROM toolreg_release WHERE id = 1"
+_SCHEMA_READ = "SELECT version FROM toolreg_schema"
+
+
+def _schema_version(conn: psycopg.Connection[tuple[object, ...]]) -> int:
+    row = conn.execute(_SCHEMA_READ).fetchone()
+    return int(str(row[0])) if row else 0
+
+
+def _written_by(conn: psycopg.Connection[tuple[object, ...]]) -> str | None:
+    exists = conn.execute("SELECT to_regclass('toolreg_release')").fetchone()
+    if not exists or exists[0] is None:  # written before 0.2.0
+        return None
+    row = conn.execute(_RELEASE_READ).fetchone()
+    return str(row[0]) if row else None
+
+
+def inspect_postgres(url: str) -> StoreState:
+    """The store's schema and release, read in a read-only transaction: nothing is
+    created, migrated or written (`toolreg doctor`)."""
+    shown, known = redacted(url), len(_MIGRATIONS)
+    try:
+        with psycopg.connect(url, connect_timeout=CONNECT_TIMEOUT_S, autocommit=True) as conn:
+            conn.execute("SET default_transaction_read_only = on")
+            with conn.transaction():
+                exists = conn.execute("SELECT to_regclass('toolreg_schema')").fetchone()
+                if not exists or exists[0] is None:
+                    return StoreState("postgresql", shown, 0, known, None)
+                found = _schema_version(conn)
+                return StoreState("postgresql", shown, found, known, _written_by(conn))
+    except psycopg.Error as exc:
+        raise StoreUnreachable(f"cannot read the store {shown}: {_cause(url, exc)}") from None
+
+
+def _cause(url: str, exc: BaseException) -> str:
+    """One line: the driver's first line, never the password."""
+    lines = str(exc).strip().splitlines()
+    text = lines[0] if lines else type(exc).__name__
+    password = _password(url)
+    return text.replace(password, "***") if password else text
 
 
 def redacted(url: str) -> str:
@@ -290,20 +345,17 @@ class PostgresStore:
             # Servers starting together migrate one at a time.
             conn.execute(f"SELECT pg_advisory_xact_lock({_MIGRATION_LOCK})")
             conn.execute("CREATE TABLE IF NOT EXISTS toolreg_schema (version INTEGER NOT NULL)")
-            row = conn.execute("SELECT version FROM toolreg_schema").fetchone()
-            version = int(str(row[0])) if row else 0
+            version = _schema_version(conn)
             if must_exist and version == 0:
                 raise StoreError(f"no toolreg store at {self._shown}")
-            if version > len(_MIGRATIONS):
-                raise StoreError(
-                    f"{self._shown} was written by a newer toolreg (schema {version},"
-                    f" this server knows {len(_MIGRATIONS)}); upgrade toolreg"
-                )
+            if version > len(_MIGRATIONS):  # refused; the transaction rolls back
+                raise newer_store_error(self._shown, version, len(_MIGRATIONS), _written_by(conn))
             for number, sql in enumerate(_MIGRATIONS[version:], start=version + 1):
                 conn.execute(sql.encode())
                 conn.execute("DELETE FROM toolreg_schema")
                 conn.execute("INSERT INTO toolreg_schema (version) VALUES (%s)", (number,))
                 log.info("store %s: schema migrated to version %d", self._shown, number)
+            conn.execute(_RELEASE_UPSERT, (release_version(), time.time()))
 
     @contextmanager
     def _connection(self) -> Iterator[psycopg.Connection[tuple[object, ...]]]:
@@ -378,11 +430,7 @@ class PostgresStore:
                 time.sleep(LISTEN_RETRY_S)
 
     def _cause(self, exc: BaseException) -> str:
-        """One line: the driver's first line, never the password."""
-        lines = str(exc).strip().splitlines()
-        text = lines[0] if lines else type(exc).__name__
-        password = _password(self.url)
-        return text.replace(password, "***") if password else text
+        return _cause(self.url, exc)
 
     def close(self) -> None:
         self._closed.set()

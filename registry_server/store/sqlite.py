@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from registry_server.domain.errors import StoreError
+from registry_server.store.release import StoreState, StoreUnreachable, newer_store_error
 from registry_server.store.sql import Dialect, SqlReads, SqlWrites, answers
+from registry_server.version import version as release_version
 
 BUSY_TIMEOUT_MS = 5_000  # milliseconds to wait for another process's write lock
 
@@ -213,7 +216,48 @@ _MIGRATIONS: list[str] = [
         ended_at     REAL                -- NULL while the call runs
     );
     """,
+    # 14 (0.2.0): the release that last opened the store, named when a newer store is
+    # refused (store/release.py)
+    """
+    CREATE TABLE toolreg_release (
+        id       INTEGER PRIMARY KEY CHECK (id = 1),
+        version  TEXT NOT NULL,
+        at       REAL NOT NULL
+    );
+    """,
 ]
+# The release row: written at start when another release last opened the store.
+_RELEASE_UPSERT = (
+    "INSERT INTO toolreg_release (id, version, at) VALUES (1, ?, ?)"
+    " ON CONFLICT (id) DO UPDATE SET version = excluded.version, at = excluded.at"
+    " WHERE toolreg_release.version <> excluded.version"
+)
+_RELEASE_READ = "SELECT version FROM toolreg_release WHERE id = 1"
+
+
+def _written_by(db: sqlite3.Connection) -> str | None:
+    try:
+        row = db.execute(_RELEASE_READ).fetchone()
+    except sqlite3.OperationalError:  # no such table: written before 0.2.0
+        return None
+    return str(row[0]) if row else None
+
+
+def inspect_sqlite(path: Path) -> StoreState:
+    """The store's schema and release, read through a read-only connection: nothing
+    is created, migrated or written (`toolreg doctor`)."""
+    known = len(_MIGRATIONS)
+    if not path.exists():
+        return StoreState("sqlite", str(path), 0, known, None)
+    try:
+        db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=5)
+        try:
+            (found,) = db.execute("PRAGMA user_version").fetchone()
+            return StoreState("sqlite", str(path), int(found), known, _written_by(db))
+        finally:
+            db.close()
+    except sqlite3.Error as exc:
+        raise StoreUnreachable(f"cannot read the store {path}: {exc}") from None
 
 
 SQLITE = Dialect(
@@ -253,16 +297,14 @@ class SqliteStore:
     def _migrate(self) -> None:
         with self._transaction() as db:
             (version,) = db.execute("PRAGMA user_version").fetchone()
-            if version > len(_MIGRATIONS):
-                raise StoreError(
-                    f"{self.path} was written by a newer toolreg (schema {version});"
-                    " upgrade toolreg"
-                )
+            if version > len(_MIGRATIONS):  # refused before anything is written
+                raise newer_store_error(str(self.path), version, len(_MIGRATIONS), _written_by(db))
             for number, sql in enumerate(_MIGRATIONS[version:], start=version + 1):
                 # executescript() would COMMIT our transaction; run statements one by one.
                 for statement in filter(str.strip, sql.split(";")):
                     db.execute(statement)
                 db.execute(f"PRAGMA user_version = {number}")
+            db.execute(_RELEASE_UPSERT, (release_version(), time.time()))
 
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:

@@ -37,7 +37,8 @@ def _sources() -> tuple[Path, ...]:
             p
             for top in ("registry_server", "sandbox_runner")
             for p in (ROOT / top).rglob("*.py")
-            if "_proto" not in p.parts
+            # the example tools are programs the images run, not the server's code
+            if "_proto" not in p.parts and "examples" not in p.parts
         )
     )
 
