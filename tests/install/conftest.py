@@ -25,6 +25,7 @@ INSTALL_TIMEOUT_S = 900  # seconds: the wheel and its dependencies into a new ve
 class Dist:
     sdist: Path
     wheel: Path
+    head: str  # `git rev-parse HEAD` of the checkout as the build started
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,9 @@ class Installed:
 def dist(tmp_path_factory: pytest.TempPathFactory) -> Dist:
     """`python -m build` of this tree: the sdist, then the wheel built from that sdist."""
     out = tmp_path_factory.mktemp("dist")
+    head = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
     proc = subprocess.run(
         [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(ROOT)],
         capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False,
@@ -68,7 +72,7 @@ def dist(tmp_path_factory: pytest.TempPathFactory) -> Dist:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (sdist,) = out.glob("toolreg-*.tar.gz")
     (wheel,) = out.glob("toolreg-*.whl")
-    return Dist(sdist, wheel)
+    return Dist(sdist, wheel, head)
 
 
 @pytest.fixture(scope="session")
