@@ -1,3 +1,3 @@
 """toolreg registry server: tool definitions over gRPC, each call run in a fresh sandbox."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -10,22 +10,17 @@ from __future__ import annotations
 import functools
 import json
 import subprocess
-from importlib import metadata
 from pathlib import Path
 
-DISTRIBUTION = "toolreg"
 _BUILD_INFO = Path(__file__).resolve().parent / "_build_info.json"
 
 
-@functools.cache
 def version() -> str:
-    """The installed version (pyproject.toml's), e.g. "0.2.0"."""
-    try:
-        return metadata.version(DISTRIBUTION)
-    except metadata.PackageNotFoundError:  # imported from a tree that was never installed
-        from registry_server import __version__
+    """This code's release, e.g. "0.2.0" (pyproject.toml takes it from here, so an
+    installed wheel's metadata says the same)."""
+    from registry_server import __version__
 
-        return __version__
+    return __version__
 
 
 @functools.cache

@@ -25,13 +25,11 @@ import dataclasses
 import functools
 import logging
 import math
-import os
 import posixpath
 import queue
 import re
 import select
 import socket
-import stat
 import struct
 import threading
 import time
@@ -75,6 +73,7 @@ from .ownership import (
     OwnerIdentity,
     orphan_reason,
 )
+from .pieces import images_fix, init_fix, init_problem
 from .profiles import GVISOR_NET, GVISOR_RUNTIMES
 from .spec import (
     INIT_BINARY,
@@ -100,7 +99,9 @@ __all__ = [
     "NETSTACK_UNSUPPORTED",
     "SIZED_GO_BYTE",
     "DockerBackend",
+    "EngineFacts",
     "Prepared",
+    "probe_engine",
     "runtimes_of",
 ]
 
@@ -171,7 +172,7 @@ def _is_connection_error(exc: BaseException) -> bool:
 
 
 def _image_missing(image: str) -> str:
-    return f"image {image!r} not found locally; build the sandbox images (make images)"
+    return f"image {image!r} not found locally; build the sandbox images: {images_fix()}"
 
 
 @contextlib.contextmanager
@@ -263,21 +264,12 @@ def _raw_socket(attached: Any) -> socket.socket:
 
 
 def _checked_init_path(path: str | Path) -> Path:
-    """The init as an absolute host path, or ValueError naming what is wrong with it."""
-    try:
-        st = os.stat(path)  # follows symlinks, as the bind mount does
-    except OSError as e:
-        raise ValueError(
-            f"init_path {str(path)!r} is not usable: {e.strerror}; build it with `make init`"
-        ) from e
-    if not stat.S_ISREG(st.st_mode):
-        raise ValueError(f"init_path {str(path)!r} is not a regular file")
-    # The container runs it as uid 65534, through the host file's own mode bits.
-    if not st.st_mode & stat.S_IXOTH:
-        raise ValueError(
-            f"init_path {str(path)!r} is not executable by others (mode "
-            f"{stat.S_IMODE(st.st_mode):04o}); the sandbox user needs o+x"
-        )
+    """The init as an absolute host path, or ValueError naming what is wrong with it and
+    the command that fixes it (pieces.init_problem: the same check `toolreg doctor` runs)."""
+    problem = init_problem(path)
+    # A file that is not ELF may be a script an engine can still run (tests use them).
+    if problem is not None and not problem.not_elf:
+        raise ValueError(f"{problem}; fix: {init_fix()}")
     return Path(path).resolve()
 
 
@@ -791,6 +783,67 @@ class Prepared:
             self._used = True
         _close_attached(self._attached)
         self._backend.remove(self.container_id, self._egress)
+
+
+# -- what an engine is (toolreg doctor) ---------------------------------------------------
+
+PROBE_TIMEOUT_S: Final = 5.0  # seconds for each engine request of probe_engine
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineFacts:
+    """What `toolreg doctor` reads of an engine: its version, its cgroup version and
+    driver, its runtimes (with the arguments it starts each with), and the labels of
+    the images asked about (None: not present locally)."""
+
+    version: str
+    cgroup_version: str  # "1", "2", or "" when the engine does not say
+    cgroup_driver: str
+    runtimes: Mapping[str, tuple[str, ...]]
+    default_runtime: str
+    images: Mapping[str, Mapping[str, str] | None]
+
+
+def probe_engine(
+    base_url: str | None, images: tuple[str, ...] = (), *, timeout_s: float = PROBE_TIMEOUT_S
+) -> EngineFacts:
+    """Ask the engine at ``base_url`` (None: DOCKER_HOST or the local socket) what
+    it is, each request bounded by ``timeout_s``; EngineUnavailable naming why when
+    it does not answer. Changes nothing on the engine."""
+    timeout = max(1, math.ceil(timeout_s))  # the SDK's timeout is whole seconds
+    client: docker.DockerClient | None = None
+    try:
+        if base_url is None:
+            client = docker.DockerClient.from_env(version="auto", timeout=timeout)
+        else:
+            client = docker.DockerClient(base_url=base_url, version="auto", timeout=timeout)
+        api: Any = client.api  # the SDK's low-level client is untyped
+        with _engine_call("engine info"):
+            info: Mapping[str, Any] = client.info()
+        labels: dict[str, Mapping[str, str] | None] = {}
+        for image in images:
+            with _engine_call("image inspect"):
+                try:
+                    config = api.inspect_image(image).get("Config") or {}
+                except docker.errors.ImageNotFound:
+                    labels[image] = None
+                    continue
+            labels[image] = {str(k): str(v) for k, v in (config.get("Labels") or {}).items()}
+    except docker.errors.DockerException as e:
+        raise EngineUnavailable(f"Docker engine unavailable: {e}") from e
+    except SandboxError as e:
+        raise EngineUnavailable(str(e)) from e
+    finally:
+        if client is not None:
+            client.close()
+    return EngineFacts(
+        version=str(info.get("ServerVersion") or ""),
+        cgroup_version=str(info.get("CgroupVersion") or ""),
+        cgroup_driver=str(info.get("CgroupDriver") or ""),
+        runtimes=runtimes_of(info),
+        default_runtime=str(info.get("DefaultRuntime") or ""),
+        images=labels,
+    )
 
 
 class DockerBackend:

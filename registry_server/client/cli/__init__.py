@@ -17,6 +17,7 @@ from registry_server.client.cli.approvals import approvals_app
 from registry_server.client.cli.audit import audit_app
 from registry_server.client.cli.common import Connection, fail
 from registry_server.client.cli.console import console_serve
+from registry_server.client.cli.doctor import doctor
 from registry_server.client.cli.execute import exec_tool
 from registry_server.client.cli.images import images_app
 from registry_server.client.cli.keys import keys_app
@@ -47,6 +48,7 @@ app.add_typer(images_app, name="images")
 app.command()(serve)
 app.command("exec")(exec_tool)
 app.command()(reap)
+app.command()(doctor)
 app.command("mcp")(mcp_serve)
 app.command("console")(console_serve)
 app.command()(login)
