@@ -53,7 +53,7 @@ check-proto: $(STAMP) ## Fail when the generated code is stale
 	  else echo "registry_server/_proto is stale: run 'make proto'"; rm -rf $$tmp; exit 1; fi; rm -rf $$tmp
 
 lint: $(STAMP)
-	$(BIN)/ruff check registry_server sandbox_runner tests scripts bench
+	$(BIN)/ruff check registry_server sandbox_runner tests scripts bench setup.py
 	$(BIN)/buf lint proto
 
 typecheck: $(STAMP)

@@ -112,4 +112,7 @@ class BdistWheel(bdist_wheel):
         return "py3", "none", PLATFORM_TAGS[machine]
 
 
-setup(distclass=BinaryDistribution, cmdclass={"build_py": BuildPy, "sdist": Sdist, "bdist_wheel": BdistWheel})
+setup(
+    distclass=BinaryDistribution,
+    cmdclass={"build_py": BuildPy, "sdist": Sdist, "bdist_wheel": BdistWheel},
+)
