@@ -13,7 +13,7 @@ INIT_BIN := sandbox_runner/init/toolreg-init
 INIT_CC ?= gcc
 INIT_CFLAGS := -std=c11 -Os -static -s -Wall -Wextra -Werror
 
-.PHONY: help install init proto check check-proto lint typecheck check-k8s check-ts ts-client engine images interop-deps identity-deps postgres haproxy chromium rsyslog unit test run bench reap clean
+.PHONY: help install init proto check check-proto lint typecheck check-k8s check-ts ts-client engine images interop-deps identity-deps postgres haproxy chromium rsyslog unit test run bench reap dist clean
 
 help: ## Show the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -116,6 +116,12 @@ bench: install init images postgres haproxy rsyslog ## Benchmarks (medians, rati
 
 reap: install ## Remove containers left behind by dead toolreg servers
 	$(BIN)/toolreg reap
+
+# The sdist, then the wheel built from it (python -m build's default), as users get them.
+dist: install init ## The sdist and the platform wheel (init compiled in) into dist/, checked by twine
+	rm -f dist/toolreg-*
+	$(BIN)/python -m build --no-isolation --outdir dist .
+	$(BIN)/twine check --strict dist/toolreg-*
 
 clean: ## Remove the virtual environment and caches (keeps images and data)
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
