@@ -13,6 +13,7 @@ from pathlib import Path
 
 from grpc_health.v1 import health
 
+from registry_server.api import staging
 from registry_server.api.config import ServerConfig
 from registry_server.api.metrics import Metrics
 from registry_server.api.policy_reload import PolicyReloads
@@ -57,7 +58,7 @@ from registry_server.store.inspect import POSTGRES_URL_PREFIXES, sqlite_path
 from registry_server.store.sqlite import SqliteStore
 from sandbox_runner import Limits, SandboxBackend, SandboxError
 from sandbox_runner.docker_backend import DockerBackend
-from sandbox_runner.egress.gateway import EgressConfig
+from sandbox_runner.egress.gateway import PROXY_PACKAGE_DIR, EgressConfig
 from sandbox_runner.profiles import (
     GVISOR,
     GVISOR_NET,
@@ -87,6 +88,7 @@ class App:
     pools: WarmPools | None = None
     metrics: Metrics = field(default_factory=Metrics)
     metrics_port: int | None = None
+    health_port: int | None = None  # the cleartext health port's, when it listens
     closers: list[Callable[[], None]] = field(default_factory=list)
     watches: Watches | None = None
     policy: LivePolicy | None = None  # the policy in force (reloadable)
@@ -601,6 +603,11 @@ def open_backend(config: ServerConfig, *, reaper: bool = False) -> SandboxBacken
         return DockerBackend(
             instance_id=f"reaper-{uuid.uuid4().hex[:12]}", base_url=config.docker_url
         )
+    mounted = (
+        _staged(config)
+        if config.stage_mounts
+        else _Mounted(config.init_path, PROXY_PACKAGE_DIR, config.egress_upstream_ca)
+    )
     try:
         return DockerBackend(
             instance_id=f"toolreg-{uuid.uuid4().hex[:12]}",
@@ -608,15 +615,48 @@ def open_backend(config: ServerConfig, *, reaper: bool = False) -> SandboxBacken
             # one engine connection per running sandbox, plus reaping and pings
             max_pool_size=config.max_sandboxes + 4,
             remove_in_background=True,  # answer first; the container goes right after
-            init_path=config.init_path,
+            init_path=mounted.init,
             egress=EgressConfig(
                 state_dir=config.egress_state,
                 image=config.egress_image,
                 upstream_networks=config.egress_networks,
                 dns=config.egress_dns,
-                upstream_ca_file=config.egress_upstream_ca,
+                upstream_ca_file=mounted.upstream_ca,
                 network_pool=config.egress_network_pool,
+                proxy_dir=mounted.proxy_dir,
             ),
         )
     except ValueError as exc:  # the sandbox init is missing or unusable
         raise ConfigError(f"{exc} (or set TOOLREG_INIT_PATH)") from None
+
+
+@dataclass(frozen=True)
+class _Mounted:
+    """The host paths the engine is asked to bind-mount into containers."""
+
+    init: Path
+    proxy_dir: Path
+    upstream_ca: Path
+
+
+def _staged(config: ServerConfig) -> _Mounted:
+    """Copies under <data_dir>/stage of what lives in the server's own container (its
+    image), for an engine that sees the data directory at the same path
+    (TOOLREG_STAGE_MOUNTS; docs/deploying.md, "The server image"). A file that is not
+    there is left to the check that reports it (the init's, the proxy's at its start)."""
+    stage = config.stage_dir
+    try:
+        init = config.init_path
+        if init.is_file():
+            init = staging.stage_file(init, stage, "init", mode=0o755)
+        ca = config.egress_upstream_ca
+        if ca.is_file():
+            ca = staging.stage_file(ca, stage, "egress-ca")
+        proxy = staging.stage_tree(PROXY_PACKAGE_DIR, stage, "egress-proxy")
+    except OSError as exc:
+        raise ConfigError(
+            f"stage_mounts: cannot copy what the engine mounts into {stage}:"
+            f" {exc.strerror or exc}; the data directory must be writable by the server"
+        ) from None
+    log.info("engine mounts staged in %s (init %s)", stage, init)
+    return _Mounted(init, proxy, ca)

@@ -66,6 +66,12 @@ class ServerConfig(BaseSettings):
     # MiB: running and warm sandboxes' memory limits add up to at most this.
     sandbox_memory_mb: int = Field(DEFAULT_SANDBOX_MEMORY_MB, ge=64, le=1024 * 1024)
     init_path: Path = INIT_BINARY  # the sandbox init, as `make init` builds it
+    # A server in a container beside the engine (docs/deploying.md, "The server image"):
+    # the files the engine bind-mounts into containers (the init, the egress proxy's
+    # code, the upstream CA bundle) are copied at start into <data_dir>/stage and
+    # mounted from there, so the data directory must be at the same path on the
+    # engine's host. Off: they are mounted from where they are (a server on the host).
+    stage_mounts: bool = False
     sandbox_backend: Literal["docker"] = "docker"  # where sandboxes run (api/app.py)
     docker_url: str | None = None  # default: DOCKER_HOST or the local socket
     # Dangerous tools run under gVisor (runsc). Without it: refuse them (True)
@@ -90,6 +96,12 @@ class ServerConfig(BaseSettings):
     # Prometheus metrics on their own HTTP port (None: off; 0: any free port).
     metrics_host: str = DEFAULT_HOST
     metrics_port: int | None = Field(None, ge=0, le=65535)
+    # grpc.health.v1 alone, in cleartext, on a port of its own (None: off): for the
+    # image's HEALTHCHECK and Kubernetes' gRPC probes, which cannot speak TLS (with
+    # mTLS, a probe would need a client certificate). It tells a caller only SERVING
+    # or NOT_SERVING; loopback unless an operator opens it (a pod's kubelet probe).
+    health_host: str = DEFAULT_HOST
+    health_port: int | None = Field(None, ge=0, le=65535)
     health_interval_s: float = Field(5.0, gt=0)  # seconds between engine checks
     reap_on_start: bool = True  # remove containers left by dead toolreg servers
     # TLS: server certificate and key (PEM); with a client CA, clients must
@@ -192,6 +204,11 @@ class ServerConfig(BaseSettings):
     def egress_state(self) -> Path:
         """The egress CA, the proxy's control socket, per-call secret files."""
         return self.data_dir / "egress"
+
+    @property
+    def stage_dir(self) -> Path:
+        """Copies of what the engine mounts, when stage_mounts is on (api/staging.py)."""
+        return self.data_dir / "stage"
 
     @property
     def workspace(self) -> Path:

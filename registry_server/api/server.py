@@ -90,6 +90,12 @@ def create_server(config: ServerConfig, app: App | None = None) -> tuple[grpc.Se
         app.close()
         raise OSError(f"cannot listen on {config.address}")
     _start_health_monitor(app)
+    if config.health_port is not None:
+        try:
+            _start_health_port(app, config.health_host, config.health_port)
+        except OSError:
+            app.close()
+            raise
     if config.metrics_port is not None:
         http, app.metrics_port = app.metrics.serve(config.metrics_host, config.metrics_port)
         app.closers.insert(0, http.shutdown)
@@ -119,6 +125,35 @@ def _start_health_monitor(app: App) -> None:
     monitor = HealthMonitor(parts_answer, on_change, app.config.health_interval_s)
     monitor.start()
     app.closers.insert(0, monitor.stop)
+
+
+# The health port's own threads, so probes never wait for the main pool; as many RPCs
+# at once as threads (a Watch holds one while open): more are refused, never queued.
+HEALTH_PORT_THREADS = 4
+
+
+def _start_health_port(app: App, host: str, port: int) -> None:
+    """grpc.health.v1 alone, in cleartext, on a server of its own (TOOLREG_HEALTH_PORT):
+    the same statuses as the main port's (one HealthServicer), for probes that cannot
+    speak the main port's TLS. It serves nothing else, so no policy or credential is
+    needed there, and its threads are its own, so a busy main port does not fail it."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=HEALTH_PORT_THREADS, thread_name_prefix="health"),
+        maximum_concurrent_rpcs=HEALTH_PORT_THREADS,
+        options=[("grpc.so_reuseport", 0)],
+    )
+    health_pb2_grpc.add_HealthServicer_to_server(app.health, server)
+    address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    app.health_port = server.add_insecure_port(address)
+    if app.health_port == 0:
+        raise OSError(f"cannot listen on {address} (health port)")
+    server.start()
+    app.closers.insert(0, lambda: _stop(server))
+    log.info("gRPC health (cleartext) on %s", address)
+
+
+def _stop(server: grpc.Server) -> None:
+    server.stop(0).wait()
 
 
 def _tls_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:

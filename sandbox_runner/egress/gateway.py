@@ -99,6 +99,9 @@ class EgressConfig:
     dns: tuple[str, ...] = ()  # resolvers for the proxy (empty: the engine's default)
     upstream_ca_file: Path = Path("/etc/ssl/certs/ca-certificates.crt")
     network_pool: int = NETWORK_POOL_SIZE  # networks kept made ahead of calls
+    # The proxy's code as the engine's host sees it (a server in a container mounts a
+    # staged copy: registry_server/api/staging.py).
+    proxy_dir: Path = PROXY_PACKAGE_DIR
 
 
 @dataclass(frozen=True)
@@ -184,7 +187,7 @@ class EgressGateway:
         with contextlib.suppress(Exception):
             api.remove_container(self._name, force=True)
         mounts = [
-            {"Type": "bind", "Source": str(PROXY_PACKAGE_DIR), "Target": "/opt/toolreg/egress",
+            {"Type": "bind", "Source": str(cfg.proxy_dir), "Target": "/opt/toolreg/egress",
              "ReadOnly": True},
             {"Type": "bind", "Source": str(control_dir), "Target": _CONTROL_TARGET,
              "ReadOnly": False},

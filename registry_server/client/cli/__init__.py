@@ -24,7 +24,7 @@ from registry_server.client.cli.keys import keys_app
 from registry_server.client.cli.login import login, logout
 from registry_server.client.cli.mcp import mcp_serve
 from registry_server.client.cli.policy import policy_app
-from registry_server.client.cli.server import reap, serve
+from registry_server.client.cli.server import health, reap, serve
 from registry_server.client.cli.tools import tools_app
 from registry_server.client.cli.witness import witness_app
 from registry_server.domain.errors import ToolregError
@@ -48,6 +48,7 @@ app.add_typer(images_app, name="images")
 app.command()(serve)
 app.command("exec")(exec_tool)
 app.command()(reap)
+app.command()(health)
 app.command()(doctor)
 app.command("mcp")(mcp_serve)
 app.command("console")(console_serve)

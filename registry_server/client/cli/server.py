@@ -181,3 +181,24 @@ def reap(
     finally:
         backend.close()
     typer.echo(f"removed {removed} leftover container{'s' if removed != 1 else ''}")
+
+
+def health(
+    address: Annotated[
+        str | None,
+        typer.Option(
+            "--address",
+            help="The health port, HOST:PORT (default: 127.0.0.1 and TOOLREG_HEALTH_PORT).",
+        ),
+    ] = None,
+    service: Annotated[
+        str, typer.Option("--service", help="The service to ask about ('': the server).")
+    ] = "",
+) -> None:
+    """Ask a server's cleartext health port (TOOLREG_HEALTH_PORT) whether it serves:
+    exit 0 on SERVING, 1 otherwise. The server image's health check."""
+    from registry_server.client.health_probe import probe
+
+    code = probe(address, service)
+    if code != 0:
+        raise typer.Exit(code)
