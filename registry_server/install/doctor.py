@@ -508,7 +508,9 @@ def _check_pair(cert_path: Path, key_path: Path) -> CheckResult:
         )
     if ends - now < dt.timedelta(days=CERT_EXPIRY_WARN_DAYS):
         return _warn(
-            "tls", f"{subject}: expires {ends:%Y-%m-%d %H:%M} UTC", "renew the certificate"
+            "tls",
+            f"{subject}: certificate and key match; expires {ends:%Y-%m-%d %H:%M} UTC",
+            "renew the certificate",
         )
     return _ok("tls", f"{subject}: certificate and key match, valid until {ends:%Y-%m-%d}")
 

@@ -1,0 +1,459 @@
+"""`toolreg doctor` against the real things, one failure it names at a time: a second
+Docker engine of this test's own (no toolreg images, no gVisor runtime, then stopped),
+a PostgreSQL that is not there and the tests' one that is, a read-only data directory,
+an invalid policy, an identity provider that does not answer, a TLS key of another
+certificate, a port in use, an init for another architecture (doctor, and `toolreg
+serve` refusing it). The main engine, its images and its configuration are never
+touched: other tests use them.
+
+Doctor runs as the `toolreg` command of this checkout's venv, in a subprocess, with
+the environment cleared of TOOLREG_* and DOCKER_HOST so only what a test gives counts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from sandbox_runner import pieces
+from sandbox_runner.pieces import EM_AARCH64, EM_X86_64
+from sandbox_runner.spec import INIT_BINARY
+from tests.certs import CertificateAuthority
+
+ROOT = Path(__file__).resolve().parents[2]
+TOOLREG = ROOT / ".venv" / "bin" / "toolreg"
+DOCTOR_TIMEOUT_S = 60  # seconds for one doctor run (each probe is bounded by 5 s)
+ENGINE_START_S = 30  # seconds for the second dockerd to answer
+E_MACHINE_OFFSET = 18  # the ELF header's e_machine (little-endian on x86_64 and aarch64)
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith("TOOLREG_") and k != "DOCKER_HOST"
+    }
+    return {**env, **extra}
+
+
+@dataclass(frozen=True)
+class Doctor:
+    code: int
+    document: dict[str, Any]
+    text: str
+
+    def check(self, name: str) -> dict[str, str]:
+        found = [c for c in self.document["checks"] if c["name"] == name]
+        assert len(found) == 1, (name, self.document)
+        return found[0]
+
+    def status(self, name: str) -> str:
+        return self.check(name)["status"]
+
+
+def doctor(data_dir: Path, *args: str, text: bool = False, **env: str) -> Doctor:
+    """`toolreg doctor --json`; with ``text``, the same in text too (one line per
+    check, fixes under them), whose exit status must agree."""
+    base = [str(TOOLREG), "doctor", "--data-dir", str(data_dir), *args]
+    as_json = subprocess.run(
+        [*base, "--json"], env=clean_env(**env), capture_output=True, text=True,
+        timeout=DOCTOR_TIMEOUT_S, check=False,
+    )  # fmt: skip
+    assert as_json.returncode in (0, 1), as_json.stderr
+    document = json.loads(as_json.stdout)
+    assert document["ok"] is (as_json.returncode == 0)
+    if not text:
+        return Doctor(as_json.returncode, document, "")
+    shown = subprocess.run(
+        base, env=clean_env(**env), capture_output=True, text=True, timeout=DOCTOR_TIMEOUT_S,
+        check=False,
+    )  # fmt: skip
+    assert shown.returncode == as_json.returncode, shown.stdout + shown.stderr
+    assert len([line for line in shown.stdout.splitlines() if not line.startswith(" ")]) == (
+        len(document["checks"]) + 1  # and the summary
+    )
+    return Doctor(as_json.returncode, document, shown.stdout)
+
+
+# -- a second engine of this module's own -----------------------------------------------------
+
+
+@dataclass
+class SecondEngine:
+    url: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def second_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecondEngine]:
+    """A dockerd of its own: own data root, exec root, pid file, socket and an empty
+    daemon.json (so none of the main engine's runtimes), no bridge, no iptables."""
+    dockerd = shutil.which("dockerd")
+    if dockerd is None or os.geteuid() != 0:
+        pytest.fail("a second Docker engine needs dockerd and root (make engine installs it)")
+    home = Path(f"/tmp/toolreg-doctor-{uuid.uuid4().hex[:8]}")  # a short unix socket path
+    home.mkdir(mode=0o700)
+    (home / "daemon.json").write_text("{}")
+    sock = home / "docker.sock"
+    log = tmp_path_factory.mktemp("second-engine") / "dockerd.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [dockerd, "--config-file", str(home / "daemon.json"),
+             "--data-root", str(home / "data"), "--exec-root", str(home / "exec"),
+             "--pidfile", str(home / "docker.pid"), "--host", f"unix://{sock}",
+             "--bridge=none", "--iptables=false", "--ip-masq=false",
+             "--storage-driver=vfs", "--log-level=warn"],
+            stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    engine = SecondEngine(f"unix://{sock}", process, log)
+    try:
+        deadline = time.monotonic() + ENGINE_START_S
+        while not _answers(sock):
+            if process.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"the second dockerd did not answer: {log.read_text()[-2000:]}")
+            time.sleep(0.1)
+        yield engine
+    finally:
+        engine.stop()
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def _answers(sock: Path) -> bool:
+    if not sock.exists():
+        return False
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(2)
+        try:
+            s.connect(str(sock))
+            s.sendall(b"GET /_ping HTTP/1.0\r\n\r\n")
+            return b" 200 " in s.recv(64)
+        except OSError:
+            return False
+
+
+def test_a_fresh_engine_has_no_images_and_no_gvisor(
+    second_engine: SecondEngine, tmp_path: Path
+) -> None:
+    found = doctor(tmp_path / "data", "--docker-url", second_engine.url, text=True)
+    assert found.code == 1
+    assert found.status("engine") == "ok"
+    assert "cgroup v" in found.check("engine")["detail"]
+    assert found.status("runtime.runc") == "ok"
+    # development mode: dangerous tools would run under runc, a warning
+    assert found.status("runtime.runsc") == "warn"
+    assert found.check("runtime.runsc")["fix"] == pieces.gvisor_fix(True)
+    for image in ("toolreg/base:latest", "toolreg/python-root:latest", "toolreg/python:latest"):
+        check = found.check(f"image.{image}")
+        assert check["status"] == "fail", check
+        assert "toolreg images build" in check["fix"]
+    assert "fix: toolreg images build" in found.text
+
+
+def test_missing_gvisor_fails_where_gvisor_is_required(
+    second_engine: SecondEngine, tmp_path: Path
+) -> None:
+    found = doctor(
+        tmp_path / "data", "--docker-url", second_engine.url, TOOLREG_REQUIRE_GVISOR="true"
+    )
+    assert found.status("runtime.runsc") == "fail"
+    assert found.status("runtime.runsc-net") == "fail"
+    assert "make engine" in found.check("runtime.runsc")["fix"]
+
+
+def test_a_stopped_engine_fails_naming_how_to_start_one(
+    second_engine: SecondEngine, tmp_path: Path
+) -> None:
+    second_engine.stop()  # the last test of this module that uses it
+    started = time.monotonic()
+    # TOOLREG_DOCKER_URL: as serve reads it
+    found = doctor(tmp_path / "data", text=True, TOOLREG_DOCKER_URL=second_engine.url)
+    assert time.monotonic() - started < DOCTOR_TIMEOUT_S
+    assert found.code == 1
+    engine = found.check("engine")
+    assert engine["status"] == "fail"
+    assert "no Docker engine answers" in engine["detail"]
+    assert engine["fix"] == pieces.engine_fix(True) and "make engine" in engine["fix"]
+    assert found.status("image.toolreg/base:latest") == "warn"  # not checked without one
+    assert "fix: make engine" in found.text
+
+
+def test_the_main_engine_passes_the_engine_checks(tmp_path: Path) -> None:
+    found = doctor(tmp_path / "data")
+    assert found.status("engine") == "ok"
+    assert found.status("runtime.runc") == "ok"
+    assert found.status("image.toolreg/python-root:latest") == "ok"
+    assert found.status("init") == "ok"
+
+
+# -- the store ------------------------------------------------------------------------------
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_an_unreachable_postgresql_fails_without_showing_its_password(tmp_path: Path) -> None:
+    url = f"postgresql://toolreg:doctor-s3cret@127.0.0.1:{_closed_port()}/toolreg"
+    found = doctor(tmp_path / "data", "--store-url", url, text=True)
+    store = found.check("store")
+    assert store["status"] == "fail"
+    assert "start PostgreSQL" in store["fix"]
+    assert "doctor-s3cret" not in json.dumps(found.document) + found.text
+
+
+@pytest.fixture
+def fresh_database() -> Iterator[str]:
+    """A database of its own on the tests' PostgreSQL, dropped after the test."""
+    import psycopg
+
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "ensure_postgres.sh"), "url"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        pytest.fail(f"the tests' PostgreSQL is not running (make postgres): {proc.stderr}")
+    admin = proc.stdout.strip()
+    name = f"doctor_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    base, _, _ = admin.rpartition("/")
+    try:
+        yield f"{base}/{name}"
+    finally:
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+def test_the_tests_postgresql_is_reachable_and_at_this_version(
+    fresh_database: str, tmp_path: Path
+) -> None:
+    from registry_server.store.postgres import PostgresStore
+
+    empty = doctor(tmp_path / "data", "--store-url", fresh_database).check("store")
+    assert empty["status"] == "ok" and "no store yet" in empty["detail"]
+    PostgresStore(fresh_database).close()  # the schema of this version, as serve makes it
+    found = doctor(tmp_path / "data", "--store-url", fresh_database, text=True)
+    store = found.check("store")
+    assert store["status"] == "ok" and "(this version's)" in store["detail"], store
+    password = fresh_database.split("@")[0].rsplit(":", 1)[1]
+    assert password not in json.dumps(found.document) + found.text
+
+
+# -- the data directory -----------------------------------------------------------------------
+
+
+def test_a_data_dir_that_is_a_file_fails(tmp_path: Path) -> None:
+    path = tmp_path / "data"
+    path.write_text("not a directory")
+    check = doctor(path).check("data_dir")
+    assert check["status"] == "fail" and "is not a directory" in check["detail"]
+    assert "--data-dir" in check["fix"]
+
+
+@pytest.fixture
+def read_only_dir(tmp_path: Path) -> Iterator[Path]:
+    """A read-only tmpfs: not writable even by root, whose permission bits would pass."""
+    where = tmp_path / "ro"
+    where.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(where)],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if mounted.returncode != 0:
+        pytest.fail(f"cannot mount a read-only tmpfs here (needs root): {mounted.stderr}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=False)
+
+
+def test_a_read_only_data_dir_fails_even_for_root(read_only_dir: Path) -> None:
+    found = doctor(read_only_dir)
+    check = found.check("data_dir")
+    assert check["status"] == "fail", check
+    assert "Read-only file system" in check["detail"]
+    # and one to be created under it
+    assert doctor(read_only_dir / "new").status("data_dir") == "fail"
+
+
+# -- the policy and its identity providers ---------------------------------------------------
+
+
+def _policy(tmp_path: Path, issuer: str) -> Path:
+    path = tmp_path / "policy.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "audience": "toolreg-doctor",
+                "clients": [{"id": "admin", "token_sha256": "0" * 64, "roles": ["admin"]}],
+                "identity_providers": [
+                    {"id": "corp", "issuer": issuer, "audiences": ["toolreg-doctor"],
+                     "allow_http_loopback": True},
+                ],
+            },
+            sort_keys=False,
+        )
+    )  # fmt: skip
+    return path
+
+
+def test_an_invalid_policy_fails_naming_the_rule(tmp_path: Path) -> None:
+    path = tmp_path / "policy.yaml"
+    path.write_text("audience: toolreg-doctor\nsurprise: 1\n")
+    check = doctor(tmp_path / "data", "--policy", str(path)).check("policy")
+    assert check["status"] == "fail"
+    assert "surprise" in check["detail"]
+    assert f"toolreg policy check {path}" in check["fix"]
+
+
+class _Discovery(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        issuer = f"http://127.0.0.1:{self.server.server_address[1]}"
+        if self.path != "/.well-known/openid-configuration":
+            self.send_error(404)
+            return
+        body = json.dumps({"issuer": issuer, "jwks_uri": f"{issuer}/jwks"}).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def discovery_server() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Discovery)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_an_identity_provider_whose_discovery_answers_passes(
+    tmp_path: Path, discovery_server: str
+) -> None:
+    found = doctor(tmp_path / "data", "--policy", str(_policy(tmp_path, discovery_server)))
+    assert found.status("policy") == "ok"
+    assert found.status("idp.corp") == "ok"
+
+
+def test_an_identity_provider_that_does_not_answer_fails(tmp_path: Path) -> None:
+    issuer = f"http://127.0.0.1:{_closed_port()}"
+    found = doctor(tmp_path / "data", "--policy", str(_policy(tmp_path, issuer)))
+    assert found.status("policy") == "ok"
+    idp = found.check("idp.corp")
+    assert idp["status"] == "fail" and "discovery" in idp["detail"]
+    assert "identity_providers entry corp" in idp["fix"]
+
+
+# -- TLS ---------------------------------------------------------------------------------------
+
+
+def test_a_tls_key_of_another_certificate_fails(tmp_path: Path) -> None:
+    ca = CertificateAuthority("doctor-ca")
+    server, other = ca.issue("server", server=True), ca.issue("other", server=True)
+    cert, key, ca_file = tmp_path / "cert.pem", tmp_path / "key.pem", tmp_path / "ca.pem"
+    cert.write_bytes(server.cert_pem)
+    key.write_bytes(other.key_pem)
+    ca_file.write_bytes(ca.pem)
+    args = ("--tls-cert", str(cert), "--tls-key", str(key), "--tls-client-ca", str(ca_file))
+    found = doctor(tmp_path / "data", *args)
+    tls = found.check("tls")
+    assert tls["status"] == "fail" and "does not match" in tls["detail"]
+    assert "--tls-key" in tls["fix"]
+    assert found.status("tls.client_ca") == "ok"
+    key.write_bytes(server.key_pem)
+    # a pair now (the test CA's certificates live a day: "expires" warns, never fails)
+    matched = doctor(tmp_path / "data", *args).check("tls")
+    assert matched["status"] in ("ok", "warn") and "certificate and key match" in matched["detail"]
+    (tmp_path / "gone.pem").unlink(missing_ok=True)
+    unreadable = doctor(tmp_path / "data", *args[:4], "--tls-client-ca", str(tmp_path / "gone.pem"))
+    assert unreadable.status("tls.client_ca") == "fail"
+
+
+# -- ports -------------------------------------------------------------------------------------
+
+
+def test_ports_in_use_fail(tmp_path: Path) -> None:
+    with socket.socket() as grpc_port, socket.socket() as metrics_port:
+        for s in (grpc_port, metrics_port):
+            s.bind(("127.0.0.1", 0))
+            s.listen()
+        port, metrics = grpc_port.getsockname()[1], metrics_port.getsockname()[1]
+        found = doctor(tmp_path / "data", "--port", str(port), "--metrics-port", str(metrics))
+    for name, number in (("port.grpc", port), ("port.metrics", metrics)):
+        check = found.check(name)
+        assert check["status"] == "fail", check
+        assert f":{number}" in check["detail"] and f"sport = :{number}" in check["fix"]
+    free = doctor(tmp_path / "data", "--port", str(port), "--metrics-port", str(metrics))
+    assert (free.status("port.grpc"), free.status("port.metrics")) == ("ok", "ok")
+
+
+# -- the init ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def foreign_init(tmp_path: Path) -> Path:
+    """The real init with its ELF header saying another machine."""
+    if not INIT_BINARY.is_file():
+        pytest.fail(f"the sandbox init {INIT_BINARY} is not built: run `make init`")
+    data = bytearray(INIT_BINARY.read_bytes())
+    here = int.from_bytes(data[E_MACHINE_OFFSET : E_MACHINE_OFFSET + 2], "little")
+    other = EM_AARCH64 if here == EM_X86_64 else EM_X86_64
+    data[E_MACHINE_OFFSET : E_MACHINE_OFFSET + 2] = other.to_bytes(2, "little")
+    path = tmp_path / "toolreg-init"
+    path.write_bytes(bytes(data))
+    path.chmod(0o755)
+    return path
+
+
+def test_an_init_for_another_architecture_fails_in_doctor(
+    foreign_init: Path, tmp_path: Path
+) -> None:
+    found = doctor(tmp_path / "data", TOOLREG_INIT_PATH=str(foreign_init))
+    init = found.check("init")
+    assert init["status"] == "fail"
+    assert "is an init for" in init["detail"] and str(foreign_init) in init["detail"]
+    assert init["fix"].startswith(pieces.init_fix(True))  # "make init" in a checkout
+
+
+def test_serve_refuses_an_init_for_another_architecture(foreign_init: Path, tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [str(TOOLREG), "serve", "--data-dir", str(tmp_path / "data"), "--port", "0"],
+        env=clean_env(TOOLREG_INIT_PATH=str(foreign_init)), capture_output=True, text=True,
+        timeout=60, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    assert "is an init for" in proc.stderr
+    assert "make init" in proc.stderr
