@@ -13,7 +13,7 @@ INIT_BIN := sandbox_runner/init/toolreg-init
 INIT_CC ?= gcc
 INIT_CFLAGS := -std=c11 -Os -static -s -Wall -Wextra -Werror
 
-.PHONY: help install init proto check check-proto lint typecheck check-k8s check-ts ts-client engine images interop-deps identity-deps postgres haproxy chromium rsyslog unit test run bench reap dist clean
+.PHONY: help install init proto check check-proto lint typecheck check-k8s check-ts ts-client engine images interop-deps identity-deps postgres haproxy chromium rsyslog unit test run bench reap dist server-image clean
 
 help: ## Show the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -122,6 +122,11 @@ dist: install init ## The sdist and the platform wheel (init compiled in) into d
 	rm -f dist/toolreg-*
 	$(BIN)/python -m build --no-isolation --outdir dist .
 	$(BIN)/twine check --strict dist/toolreg-*
+
+# The server image from dist/'s wheel on the sandbox images' root (built first when missing);
+# its SBOMs and the wheel's go beside the wheel. Nothing is pulled.
+server-image: dist engine ## The server image toolreg/server:<version> (and :latest), SBOMs into dist/
+	$(BIN)/toolreg images build --server --wheel "$$(ls dist/toolreg-*.whl)" --sbom-dir dist
 
 clean: ## Remove the virtual environment and caches (keeps images and data)
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -196,6 +196,8 @@ def served(
         yield running
     finally:
         print(running.logs())
+        # SIGTERM first: the server removes its own sandboxes as it stops.
+        docker("stop", "--time", "30", name, timeout=90, check=False)
         docker("rm", "--force", "--volumes", name, check=False)
 
 
