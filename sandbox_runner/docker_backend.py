@@ -73,7 +73,7 @@ from .ownership import (
     OwnerIdentity,
     orphan_reason,
 )
-from .pieces import images_fix, init_fix, init_problem
+from .pieces import engine_fix, images_fix, init_fix, init_problem
 from .profiles import GVISOR_NET, GVISOR_RUNTIMES
 from .spec import (
     INIT_BINARY,
@@ -175,6 +175,10 @@ def _image_missing(image: str) -> str:
     return f"image {image!r} not found locally; build the sandbox images: {images_fix()}"
 
 
+def _unavailable(what: str, e: BaseException) -> str:
+    return f"Docker engine unavailable during {what}: {e}; fix: {engine_fix()}"
+
+
 @contextlib.contextmanager
 def _engine_call(what: str, *, image: str | None = None) -> Iterator[None]:
     """Map engine/transport exceptions of one call to SandboxError / EngineUnavailable."""
@@ -190,13 +194,13 @@ def _engine_call(what: str, *, image: str | None = None) -> Iterator[None]:
         raise SandboxError(f"{what} failed: {e.explanation or e}") from e
     except requests.exceptions.RequestException as e:
         if _is_connection_error(e):
-            raise EngineUnavailable(f"Docker engine unavailable during {what}: {e}") from e
+            raise EngineUnavailable(_unavailable(what, e)) from e
         raise SandboxError(f"{what} failed: {e}") from e
     except docker.errors.DockerException as e:
         raise SandboxError(f"{what} failed: {e}") from e
     except OSError as e:
         if _is_connection_error(e):
-            raise EngineUnavailable(f"Docker engine unavailable during {what}: {e}") from e
+            raise EngineUnavailable(_unavailable(what, e)) from e
         raise SandboxError(f"{what} failed: {e}") from e
 
 
@@ -941,7 +945,9 @@ class DockerBackend:
                             max_pool_size=self._max_pool_size,
                         )
                 except docker.errors.DockerException as e:
-                    raise EngineUnavailable(f"Docker engine unavailable: {e}") from e
+                    raise EngineUnavailable(
+                        f"Docker engine unavailable: {e}; fix: {engine_fix()}"
+                    ) from e
             return self._docker
 
     def close(self) -> None:

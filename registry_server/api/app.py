@@ -59,6 +59,7 @@ from registry_server.store.sqlite import SqliteStore
 from sandbox_runner import Limits, SandboxBackend, SandboxError
 from sandbox_runner.docker_backend import DockerBackend
 from sandbox_runner.egress.gateway import PROXY_PACKAGE_DIR, EgressConfig
+from sandbox_runner.pieces import engine_fix, gvisor_fix
 from sandbox_runner.profiles import (
     GVISOR,
     GVISOR_NET,
@@ -533,17 +534,24 @@ def _start_sandboxes(config: ServerConfig, backend: SandboxBackend, require_gvis
         runtimes = backend.runtimes()
     except SandboxError as exc:
         # Serve the registry anyway; executions answer UNAVAILABLE until it returns.
-        log.error("container engine unavailable at start-up: %s", exc)
+        log.error(
+            "container engine unavailable at start-up: %s; fix: %s (`toolreg doctor` checks it)",
+            exc, engine_fix(),
+        )  # fmt: skip
         return
     if GVISOR in runtimes:
         log.info("dangerous tools run under gVisor (%s)", GVISOR)
     elif require_gvisor:
-        log.warning("gVisor (%s) is not installed: dangerous tools will be refused", GVISOR)
+        log.warning(
+            "gVisor (%s) is not installed: dangerous tools will be refused; fix: %s",
+            GVISOR, gvisor_fix(),
+        )  # fmt: skip
     else:
         log.warning(
             "gVisor (%s) is not installed: dangerous tools without egress run under runc;"
-            " set TOOLREG_REQUIRE_GVISOR=true to refuse them instead",
+            " set TOOLREG_REQUIRE_GVISOR=true to refuse them instead; gVisor: %s",
             GVISOR,
+            gvisor_fix(),
         )
     net_args = runtimes.get(GVISOR_NET)
     problem = runsc_net_problem(net_args, config.gvisor_hostinet == "allow")

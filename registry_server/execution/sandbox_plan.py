@@ -27,6 +27,7 @@ from sandbox_runner import (
     SandboxSpec,
     SecretFile,
 )
+from sandbox_runner.pieces import gvisor_fix
 from sandbox_runner.profiles import (
     FALLBACK_RUNTIME,
     GVISOR,
@@ -63,17 +64,14 @@ def runsc_net_problem(runtime_args: tuple[str, ...] | None, allow_hostinet: bool
     cannot run a dangerous call with egress on this server, as the end of a
     sentence about it; None when it can. The one place that decides."""
     if runtime_args is None:
-        return (
-            "which this engine lacks: run scripts/ensure_docker.sh as root, or register"
-            f" {GVISOR_NET} in /etc/docker/daemon.json ({ENGINE_DOCS})"
-        )
+        return f"which this engine lacks: {gvisor_fix()}"
     mode = gvisor_network(runtime_args)
     if mode == HOSTINET and not allow_hostinet:
         return (
             f"which this engine runs with {HOSTINET} (--network=host: the tool's socket calls"
             f" reach the host kernel's network stack), refused by {HOSTINET_SETTING}=refuse:"
-            " install runsc from gVisor release-20240801 or later and run"
-            f" scripts/ensure_docker.sh again for gVisor's {NETSTACK} ({ENGINE_DOCS})"
+            " install runsc from gVisor release-20240801 or later, then"
+            f" {gvisor_fix()}, for gVisor's {NETSTACK} ({ENGINE_DOCS})"
         )
     if mode not in (NETSTACK, HOSTINET):
         return (
@@ -152,7 +150,10 @@ class SandboxPlanner:
         # never runc's isolation plus a way out: with egress, gVisor with a network
         # (above) or nothing.
         if self.policy.require_gvisor or offered is None:
-            raise NoRuntime(f"Tool '{tool.name}' needs gVisor ({GVISOR}), which this engine lacks")
+            raise NoRuntime(
+                f"Tool '{tool.name}' needs gVisor ({GVISOR}), which this engine lacks:"
+                f" {gvisor_fix()}"
+            )
         return Runtime(FALLBACK_RUNTIME)
 
     def _engine_runtimes(self, wanted: str, *, fresh: bool) -> Mapping[str, tuple[str, ...]] | None:

@@ -12,6 +12,7 @@ the environment cleared of TOOLREG_* and DOCKER_HOST so only what a test gives c
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -39,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TOOLREG = ROOT / ".venv" / "bin" / "toolreg"
 DOCTOR_TIMEOUT_S = 60  # seconds for one doctor run (each probe is bounded by 5 s)
 ENGINE_START_S = 30  # seconds for the second dockerd to answer
+SERVE_START_S = 60  # seconds for `toolreg serve` to say it serves
 E_MACHINE_OFFSET = 18  # the ELF header's e_machine (little-endian on x86_64 and aarch64)
 
 
@@ -181,6 +183,63 @@ def test_missing_gvisor_fails_where_gvisor_is_required(
     assert found.status("runtime.runsc") == "fail"
     assert found.status("runtime.runsc-net") == "fail"
     assert "make engine" in found.check("runtime.runsc")["fix"]
+
+
+@contextlib.contextmanager
+def served(tmp_path: Path, **env: str) -> Iterator[tuple[str, Path]]:
+    """`toolreg serve --tools <the examples>` on a free loopback port, until it says
+    it serves; its address and its log (stdout and stderr)."""
+    port = _closed_port()
+    log = tmp_path / "serve.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [str(TOOLREG), "serve", "--port", str(port), "--data-dir", str(tmp_path / "state"),
+             "--tools", str(ROOT / "examples" / "tools")],
+            env=clean_env(**env), stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + SERVE_START_S
+        while "toolreg serving on" not in log.read_text():
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        yield f"127.0.0.1:{port}", log
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def exec_echo(address: str) -> dict[str, Any]:
+    proc = subprocess.run(
+        [str(TOOLREG), "exec", "echo", "--args", '{"message": "hi"}', "--address", address,
+         "--json"],
+        env=clean_env(), capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert proc.returncode != 0, proc.stdout
+    result: dict[str, Any] = json.loads(proc.stdout) if proc.stdout.strip() else {}
+    return {**result, "stderr": proc.stderr}
+
+
+def test_a_call_whose_image_is_missing_names_it_and_the_build_command(
+    second_engine: SecondEngine, tmp_path: Path
+) -> None:
+    with served(tmp_path, TOOLREG_DOCKER_URL=second_engine.url) as (address, log):
+        result = exec_echo(address)
+        said = log.read_text()
+    assert result["status"] == "EXECUTION_STATUS_SANDBOX_ERROR"
+    assert "image 'toolreg/base' not found locally" in result["error"]
+    assert "toolreg images build" in result["error"]
+    # and at start, that dangerous tools have no gVisor here, with the command that adds it
+    assert f"gVisor: {pieces.gvisor_fix(True)}" in said
+
+
+def test_serve_without_an_engine_names_how_to_start_one(tmp_path: Path) -> None:
+    nowhere = f"unix://{tmp_path}/no-engine.sock"
+    with served(tmp_path, TOOLREG_DOCKER_URL=nowhere) as (address, log):
+        result = exec_echo(address)
+        said = log.read_text()
+    assert "container engine unavailable at start-up" in said
+    assert f"fix: {pieces.engine_fix(True)}" in said
+    assert "make engine" in result["stderr"] + json.dumps(result), result
 
 
 def test_a_stopped_engine_fails_naming_how_to_start_one(

@@ -61,6 +61,7 @@ from sandbox_runner import (
     SandboxResult,
     SandboxSpec,
 )
+from sandbox_runner.pieces import gvisor_fix
 from sandbox_runner.profiles import CAUTIOUS_LIMITS, SAFE_LIMITS, profile_for
 from tests.factories import policy_of
 from tests.factories import tool as make_tool
@@ -634,7 +635,9 @@ def test_a_dangerous_tool_that_requires_gvisor_is_refused_without_runsc() -> Non
     tokens = env.tokens(WIPE)
     outcome = env.call("wipe", approval_tokens=tokens)
     assert outcome.status is Status.SANDBOX_ERROR
-    assert outcome.error == "Tool 'wipe' needs gVisor (runsc), which this engine lacks"
+    assert outcome.error == (
+        f"Tool 'wipe' needs gVisor (runsc), which this engine lacks: {gvisor_fix()}"
+    )
     assert env.backend.prepared == []
     assert not any(map(env.jti_used, jtis(tokens)))
     entry = env.executions()[-1]
@@ -663,8 +666,7 @@ FETCH = make_tool(
 )
 NO_NET_FIX = (
     "Tool 'fetch' needs gVisor with networking (runtime 'runsc-net'), which this engine"
-    " lacks: run scripts/ensure_docker.sh as root, or register runsc-net in"
-    " /etc/docker/daemon.json (docs/deploying.md, 1. The engine)"
+    f" lacks: {gvisor_fix()}"
 )
 
 
@@ -756,7 +758,7 @@ HOSTINET_REFUSED = (
     "Tool 'fetch' needs gVisor with networking (runtime 'runsc-net'), which this engine runs"
     " with hostinet (--network=host: the tool's socket calls reach the host kernel's network"
     " stack), refused by TOOLREG_GVISOR_HOSTINET=refuse: install runsc from gVisor"
-    " release-20240801 or later and run scripts/ensure_docker.sh again for gVisor's netstack"
+    f" release-20240801 or later, then {gvisor_fix()}, for gVisor's netstack"
     " (docs/deploying.md, 1. The engine)"
 )
 
