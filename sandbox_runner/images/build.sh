@@ -43,6 +43,17 @@ export DOCKER_BUILDKIT="${DOCKER_BUILDKIT:-0}"
 log() { printf 'build.sh: %s\n' "$*"; }
 die() { printf 'build.sh: ERROR: %s\n' "$*" >&2; exit 1; }
 
+# What reruns this build and what starts an engine, as the host has this script: from a
+# checkout (the Makefile's targets) or an installed wheel (sandbox_runner/pieces.py says
+# the same to `toolreg doctor` and `toolreg serve`).
+if [[ -f "$HERE/../../Makefile" ]]; then
+    RERUN="make images (or toolreg images build)"
+    START_ENGINE="make engine"
+else
+    RERUN="toolreg images build"
+    START_ENGINE="sudo apt-get install docker.io runsc && sudo dockerd (or start your engine)"
+fi
+
 WORK="$(mktemp -d "${TMPDIR:-/var/tmp}/toolreg-images.XXXXXX")"
 cleanup() {
     # debootstrap may leave /proc or /sys mounted inside the root after a failure.
@@ -61,7 +72,7 @@ ensure_pkg() {
     local pkg="$1"
     pkg_installed "$pkg" && return 0
     if [[ "$(id -u)" != 0 ]] || ! command -v apt-get >/dev/null 2>&1; then
-        die "package '$pkg' is missing; install it (Debian: apt-get install $pkg) and rerun"
+        die "package '$pkg' is missing; install it (Debian: sudo apt-get install $pkg), then rerun: $RERUN"
     fi
     apt_install "$pkg"
 }
@@ -217,7 +228,7 @@ build_python_root() {
         log "$ROOT_IMAGE up to date (delete it to redo debootstrap)"
         return 0
     fi
-    [[ "$(id -u)" == 0 ]] || die "building $ROOT_IMAGE needs root (debootstrap)"
+    [[ "$(id -u)" == 0 ]] || die "building $ROOT_IMAGE needs root (debootstrap): run sudo $RERUN, once"
     # The mirror is not part of the recipe (any mirror gives the same packages), and is
     # looked up only when debootstrap runs: an up-to-date root needs no apt sources.
     mirror="${TOOLREG_DEBIAN_MIRROR:-}"
@@ -278,7 +289,7 @@ build_python() {
 
 main() {
     if ! { command -v docker >/dev/null 2>&1 && timeout 20 docker info >/dev/null 2>&1; }; then
-        die "no Docker engine answers; run scripts/ensure_docker.sh first"
+        die "no Docker engine answers; start one: $START_ENGINE, then $RERUN"
     fi
     [[ -d "$TOOLS_DIR" ]] || die "tool sources directory $TOOLS_DIR not found"
     # Two builds at once (e.g. parallel test sessions) would race on the tags.

@@ -259,6 +259,16 @@ def test_a_stopped_engine_fails_naming_how_to_start_one(
     assert "fix: make engine" in found.text
 
 
+def test_an_image_build_without_an_engine_names_how_to_start_one(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [str(TOOLREG), "images", "build"], cwd=tmp_path, capture_output=True, text=True,
+        env=clean_env(DOCKER_HOST=f"unix://{tmp_path}/no-engine.sock"), timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "no Docker engine answers; start one: make engine" in proc.stderr
+    assert "toolreg images build" in proc.stderr
+
+
 def test_the_main_engine_passes_the_engine_checks(tmp_path: Path) -> None:
     found = doctor(tmp_path / "data")
     assert found.status("engine") == "ok"
