@@ -32,6 +32,10 @@ from registry_server.store.page_key import page_tokens
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ToolRegistry"].full_name
+# A health "service" that is SERVING for as long as the process serves at all, whatever
+# its engine and store say: for liveness probes, so a database outage takes servers
+# out of rotation (readiness asks "") without restarting every one of them.
+LIVENESS_SERVICE = "toolreg.liveness"
 
 
 def create_server(config: ServerConfig, app: App | None = None) -> tuple[grpc.Server, int, App]:
@@ -73,6 +77,7 @@ def create_server(config: ServerConfig, app: App | None = None) -> tuple[grpc.Se
     health_pb2_grpc.add_HealthServicer_to_server(app.health, server)
     app.health.set("", health_pb2.HealthCheckResponse.SERVING)
     app.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    app.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection(
         (
             SERVICE_NAME,

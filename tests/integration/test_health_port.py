@@ -9,6 +9,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from registry_server.api.server import LIVENESS_SERVICE
 from registry_server.client.health_probe import check, probe
 from tests.certs import CertificateAuthority
 from tests.integration.conftest import StartServer
@@ -42,6 +43,9 @@ def test_the_health_port_answers_in_cleartext_beside_an_mtls_port(
         with pytest.raises(grpc.RpcError) as caught:
             reflect(b"", timeout=5)
         assert caught.value.code() is grpc.StatusCode.UNIMPLEMENTED
+    # Liveness stays SERVING while the engine or the store is down (readiness does not).
+    running.app.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    assert check(address) == "NOT_SERVING" and check(address, LIVENESS_SERVICE) == "SERVING"
     # A shutting-down server says so on the health port too (one HealthServicer).
     running.app.health.enter_graceful_shutdown()
     assert check(address) == "NOT_SERVING"
