@@ -13,6 +13,7 @@ import datetime as dt
 import enum
 import json
 import os
+import re
 import socket
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
@@ -157,6 +158,22 @@ def redact_url(url: str) -> str:
     return f"{parts.scheme}://{netloc}{parts.path}"
 
 
+_URL_IN_TEXT: Final = re.compile(r"\b[a-z][a-z0-9+.-]*://[^\s\"']+")
+_TRAILING: Final = ".,;:)"  # punctuation of the sentence a URL ends
+
+
+def _scrub_urls(text: str) -> str:
+    """``text`` with every URL in it as redact_url shows it (a store's or a library's
+    message may quote the URL it was given, user and query included)."""
+
+    def scrubbed(found: re.Match[str]) -> str:
+        url = found.group(0)
+        core = url.rstrip(_TRAILING)
+        return redact_url(core) + url[len(core) :]
+
+    return _URL_IN_TEXT.sub(scrubbed, text)
+
+
 # -- the checks ---------------------------------------------------------------------------
 
 
@@ -202,7 +219,9 @@ def _engine_checks(
     try:
         facts = probe_engine(config.docker_url, SANDBOX_IMAGES, timeout_s=timeout_s)
     except EngineUnavailable as exc:
-        yield _fail("engine", f"no Docker engine answers at {where}: {exc}", engine_fix())
+        yield _fail(
+            "engine", f"no Docker engine answers at {where}: {_scrub_urls(str(exc))}", engine_fix()
+        )
         for name in (f"runtime.{RUNC}", f"runtime.{GVISOR}", f"runtime.{GVISOR_NET}"):
             yield _warn(name, "not checked: no engine answers", "")
         for image in SANDBOX_IMAGES:
@@ -356,15 +375,17 @@ def check_store(url: str) -> CheckResult:
     try:
         state = inspect_store(url)
     except StoreUnreachable as exc:
+        message = _scrub_urls(str(exc))
         fix = (
             "start PostgreSQL, or correct --store-url/TOOLREG_STORE_URL"
             if url.startswith("postgres")
             else "correct --store-url/TOOLREG_STORE_URL or the file's permissions"
         )
-        return _fail("store", f"{shown}: {exc}", fix)
+        detail = message if redact_url(url) in message else f"{shown}: {message}"
+        return _fail("store", detail, fix)
     except ValueError as exc:
         return _fail("store", str(exc), "--store-url sqlite:///PATH or postgresql://...")
-    where = f"{state.kind} {state.location}"
+    where = f"{state.kind} {_scrub_urls(state.location)}"
     if state.schema_version == 0:
         return _ok("store", f"{where}: no store yet; created at the first start")
     if state.ahead:

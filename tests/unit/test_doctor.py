@@ -217,3 +217,10 @@ def test_the_json_has_stable_keys_and_the_same_content() -> None:
 )
 def test_a_url_is_printed_without_credentials(url: str, shown: str) -> None:
     assert redact_url(url) == shown
+
+
+def test_urls_quoted_in_a_message_lose_their_user_and_query() -> None:
+    from registry_server.install.doctor import _scrub_urls
+
+    said = "cannot read the store postgresql://u:***@db:5432/x?sslmode=require: refused"
+    assert _scrub_urls(said) == "cannot read the store postgresql://db:5432/x: refused"
