@@ -6,10 +6,12 @@ repository as its working directory."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import venv
+import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +28,10 @@ class Dist:
     sdist: Path
     wheel: Path
     head: str  # `git rev-parse HEAD` of the checkout as the build started
+    # The wheel built straight from the tree right after (setuptools' build folders in a
+    # temporary folder, not the checkout's build/), recording the same revision as
+    # ``wheel``: test_wheel.py compares the two.
+    tree_wheel: Path
 
 
 @dataclass(frozen=True)
@@ -72,7 +78,27 @@ def dist(tmp_path_factory: pytest.TempPathFactory) -> Dist:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (sdist,) = out.glob("toolreg-*.tar.gz")
     (wheel,) = out.glob("toolreg-*.whl")
-    return Dist(sdist, wheel, head)
+    with zipfile.ZipFile(wheel) as z:
+        revision = json.loads(z.read("registry_server/_build_info.json"))["revision"]
+    return Dist(sdist, wheel, head, _wheel_from_tree(out.parent / "tree", revision))
+
+
+def _wheel_from_tree(where: Path, revision: str) -> Path:
+    where.mkdir()
+    extra = where / "setup-extra.cfg"
+    extra.write_text(
+        f"[build]\nbuild_base = {where / 'build'}\n[egg_info]\negg_base = {where}\n"
+        f"[bdist_wheel]\nbdist_dir = {where / 'bdist'}\n"
+    )
+    env = {**os.environ, "DIST_EXTRA_CONFIG": str(extra), "TOOLREG_REVISION": revision}
+    proc = subprocess.run(
+        [sys.executable, "-m", "build", "--no-isolation", "--wheel", "--outdir",
+         str(where / "out"), str(ROOT)],
+        capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (wheel,) = (where / "out").glob("toolreg-*.whl")
+    return wheel
 
 
 @pytest.fixture(scope="session")

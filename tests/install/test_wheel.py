@@ -138,45 +138,16 @@ def _contents(wheel: Path) -> dict[str, tuple[str, int]]:
         }
 
 
-def test_the_sdist_builds_the_same_wheel_as_the_tree(tmp_path: Path) -> None:
-    """A fresh pair, built back to back (the session's dist may be minutes older than
-    the tree). Both builds get the same revision to record (the one of HEAD now), so a
-    commit landing between them cannot make them differ."""
-    revision = subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
-        check=True,
-    ).stdout.strip()  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "DIST_EXTRA_CONFIG"}
-    env["TOOLREG_REVISION"] = revision
-    # The tree's wheel is built from the checkout itself; its build and egg-info folders
-    # go to tmp_path (setuptools' DIST_EXTRA_CONFIG), not into the checkout's build/.
-    extra = tmp_path / "setup-extra.cfg"
-    extra.write_text(
-        f"[build]\nbuild_base = {tmp_path / 'build'}\n"
-        f"[egg_info]\negg_base = {tmp_path}\n"
-        f"[bdist_wheel]\nbdist_dir = {tmp_path / 'bdist'}\n"
-    )
-
-    def build(*args: str, out: Path, **more: str) -> None:
-        proc = subprocess.run(
-            [sys.executable, "-m", "build", "--no-isolation", *args, "--outdir", str(out),
-             str(ROOT)],
-            capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False,
-            env={**env, **more},
-        )  # fmt: skip
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-
-    build(out=tmp_path / "via-sdist")  # sdist, then the wheel from the sdist
-    build("--wheel", out=tmp_path / "tree", DIST_EXTRA_CONFIG=str(extra))
-    (from_sdist,) = (tmp_path / "via-sdist").glob("*.whl")
-    (from_tree,) = (tmp_path / "tree").glob("*.whl")
-    assert from_sdist.name == from_tree.name
-
-    a, b = _contents(from_sdist), _contents(from_tree)
+def test_the_sdist_builds_the_same_wheel_as_the_tree(dist: Dist) -> None:
+    """The session's wheel (from the sdist) against one built straight from the tree just
+    after it. The tree's build is told the revision the sdist recorded, so a commit landing
+    between the two builds cannot make them differ; that revision is checked against git
+    in the --version test."""
+    assert dist.wheel.name == dist.tree_wheel.name
+    a, b = _contents(dist.wheel), _contents(dist.tree_wheel)
     assert sorted(a) == sorted(b)
     assert {n: (a[n], b[n]) for n in a if a[n] != b[n]} == {}
-    with zipfile.ZipFile(from_sdist) as z:
-        assert json.loads(z.read(BUILD_INFO))["revision"] == revision
+    assert INIT in a and f"toolreg-{_version()}.dist-info/RECORD" in a
 
 
 def test_the_installed_package_is_the_wheels_not_the_checkouts(
