@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import email.parser
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -459,6 +460,20 @@ def labels(wheel: WheelInfo, root: RootFacts) -> dict[str, str]:
     }
 
 
+def _check_tools() -> None:
+    """pip and cyclonedx-py beside this toolreg, asked before anything is built."""
+    missing = [
+        f"{module} (pip install {package})"
+        for module, package in (("pip", "pip"), ("cyclonedx_py", "cyclonedx-bom"))
+        if importlib.util.find_spec(module) is None
+    ]
+    if missing:
+        raise ServerImageError(
+            f"{sys.executable} lacks {', '.join(missing)}: the build installs the wheel with"
+            " pip and writes the SBOMs with cyclonedx-py"
+        )
+
+
 def build_server_image(
     wheel_path: Path,
     *,
@@ -471,6 +486,7 @@ def build_server_image(
     """Build ``<repository>:<the wheel's version>`` (and ``:latest``) from the wheel;
     write both SBOMs into ``sbom_dir`` (default: beside the wheel)."""
     started = time.monotonic()
+    _check_tools()
     wheel = WheelInfo.read(wheel_path.resolve())
     sbom_dir = (sbom_dir or wheel.path.parent).resolve()
     tags = (f"{repository}:{wheel.version}",) + ((f"{repository}:latest",) if latest else ())

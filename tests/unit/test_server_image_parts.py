@@ -209,3 +209,18 @@ def test_the_image_sbom_lists_the_python_set_the_root_and_host_libraries(
     assert len(refs) == len(set(refs))  # CycloneDX: every bom-ref once
     (image_deps,) = [d for d in bom["dependencies"] if d["ref"] == subject["bom-ref"]]
     assert set(image_deps["dependsOn"]) <= set(refs)
+
+
+def test_a_build_without_cyclonedx_says_what_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.util
+
+    from registry_server.install import server_image
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name: None if name == "cyclonedx_py" else real(name)
+    )
+    with pytest.raises(ServerImageError, match=r"pip install cyclonedx-bom"):
+        server_image.build_server_image(_wheel(tmp_path), engine_cli="/nonexistent/docker")
