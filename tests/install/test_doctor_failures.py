@@ -18,6 +18,7 @@ import os
 import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import threading
 import time
@@ -336,6 +337,48 @@ def test_the_tests_postgresql_is_reachable_and_at_this_version(
     assert store["status"] == "ok" and "(this version's)" in store["detail"], store
     password = fresh_database.split("@")[0].rsplit(":", 1)[1]
     assert password not in json.dumps(found.document) + found.text
+
+
+def _sqlite_store(data: Path, *, schema_delta: int, written_by: str) -> bytes:
+    """A store of this release moved ``schema_delta`` schemas away, as that release
+    would leave it; its bytes (doctor must leave them so)."""
+    from registry_server.store.inspect import inspect_store
+    from registry_server.store.sqlite import SqliteStore
+
+    path = data / "toolreg.db"
+    SqliteStore(path).close()
+    known = inspect_store(f"sqlite:///{path}").known_version
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("UPDATE toolreg_release SET version = ?", (written_by,))
+    db.execute(f"PRAGMA user_version = {known + schema_delta}")
+    db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    db.close()
+    return path.read_bytes()
+
+
+def test_a_store_of_a_newer_release_fails_naming_both_and_is_left_unchanged(
+    tmp_path: Path,
+) -> None:
+    from registry_server.version import version
+
+    data = tmp_path / "data"
+    before = _sqlite_store(data, schema_delta=1, written_by="0.9.0")
+    store = doctor(data).check("store")
+    assert store["status"] == "fail"
+    assert "written by toolreg 0.9.0" in store["detail"]
+    assert f"this is toolreg {version()}" in store["detail"]
+    assert "install toolreg 0.9.0 or newer" in store["fix"]
+    assert (data / "toolreg.db").read_bytes() == before
+
+
+def test_a_store_of_an_older_schema_warns_that_serve_migrates_it(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    before = _sqlite_store(data, schema_delta=-1, written_by="0.1.9")
+    store = doctor(data).check("store")
+    assert store["status"] == "warn"
+    assert "last opened by toolreg 0.1.9" in store["detail"] and "migrates it" in store["detail"]
+    assert "back the store up first" in store["fix"]
+    assert (data / "toolreg.db").read_bytes() == before
 
 
 # -- the data directory -----------------------------------------------------------------------
