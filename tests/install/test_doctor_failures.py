@@ -209,10 +209,9 @@ def served(tmp_path: Path, **env: str) -> Iterator[tuple[str, Path]]:
         process.wait(timeout=30)
 
 
-def exec_echo(address: str) -> dict[str, Any]:
+def exec_tool(address: str, name: str = "echo", args: str = '{"message": "hi"}') -> dict[str, Any]:
     proc = subprocess.run(
-        [str(TOOLREG), "exec", "echo", "--args", '{"message": "hi"}', "--address", address,
-         "--json"],
+        [str(TOOLREG), "exec", name, "--args", args, "--address", address, "--json"],
         env=clean_env(), capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert proc.returncode != 0, proc.stdout
@@ -220,23 +219,31 @@ def exec_echo(address: str) -> dict[str, Any]:
     return {**result, "stderr": proc.stderr}
 
 
-def test_a_call_whose_image_is_missing_names_it_and_the_build_command(
+def test_calls_missing_an_image_or_gvisor_name_the_piece_and_its_fix(
     second_engine: SecondEngine, tmp_path: Path
 ) -> None:
-    with served(tmp_path, TOOLREG_DOCKER_URL=second_engine.url) as (address, log):
-        result = exec_echo(address)
+    with served(tmp_path, TOOLREG_DOCKER_URL=second_engine.url, TOOLREG_REQUIRE_GVISOR="true") as (
+        address,
+        log,
+    ):
+        result = exec_tool(address)
+        # a dangerous tool, where gVisor is required: refused before any approval is asked
+        dangerous = exec_tool(address, "write_file", '{"path": "a.txt", "content": "x"}')
         said = log.read_text()
     assert result["status"] == "EXECUTION_STATUS_SANDBOX_ERROR"
     assert "image 'toolreg/base' not found locally" in result["error"]
     assert "toolreg images build" in result["error"]
-    # and at start, that dangerous tools have no gVisor here, with the command that adds it
-    assert f"gVisor: {pieces.gvisor_fix(True)}" in said
+    assert dangerous["status"] == "EXECUTION_STATUS_SANDBOX_ERROR"
+    assert "needs gVisor (runsc), which this engine lacks" in dangerous["error"]
+    assert pieces.gvisor_fix(True) in dangerous["error"]
+    # and at start, that dangerous tools will be refused, with the command that fixes it
+    assert f"dangerous tools will be refused; fix: {pieces.gvisor_fix(True)}" in said
 
 
 def test_serve_without_an_engine_names_how_to_start_one(tmp_path: Path) -> None:
     nowhere = f"unix://{tmp_path}/no-engine.sock"
     with served(tmp_path, TOOLREG_DOCKER_URL=nowhere) as (address, log):
-        result = exec_echo(address)
+        result = exec_tool(address)
         said = log.read_text()
     assert "container engine unavailable at start-up" in said
     assert f"fix: {pieces.engine_fix(True)}" in said
