@@ -219,8 +219,13 @@ def _needed_from_host(site: Path, root: RootFacts) -> list[HostLibrary]:
     for module in sorted(site.rglob("*.so*")):
         if not module.is_file() or module.is_symlink():
             continue
-        done = subprocess.run(["ldd", str(module)], capture_output=True, text=True,
-                              timeout=60, check=False)  # fmt: skip
+        try:
+            done = subprocess.run(["ldd", str(module)], capture_output=True, text=True,
+                                  timeout=60, check=False)  # fmt: skip
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise ServerImageError(
+                f"ldd {module.name}: {exc}; the build needs glibc's ldd (Debian: libc-bin)"
+            ) from None
         for line in done.stdout.splitlines():
             parts = line.split()
             if len(parts) >= 3 and parts[1] == "=>" and parts[2].startswith("/"):
