@@ -184,9 +184,15 @@ def run_checks(
     timeout_s: float = PROBE_TIMEOUT_S,
 ) -> list[CheckResult]:
     """Every check, in the order a newcomer fixes them: engine first, ports last.
-    ``tools_dir``: the tool sources the images were built from (default: the
-    packaged examples), for their source hashes."""
-    results = list(_engine_checks(config, tools_dir or EXAMPLE_TOOLS_DIR, timeout_s))
+    ``tools_dir``: serve's --tools, the manifests it would register (their images
+    must be on the engine) and the sources the images were built from (default:
+    the packaged examples, for the images' source hashes only)."""
+    results: list[CheckResult] = []
+    tools: list[ToolImage] | None = None
+    if tools_dir is not None:
+        tools, loaded = load_tool_images(tools_dir)
+        results.append(loaded)
+    results.extend(_engine_checks(config, tools_dir or EXAMPLE_TOOLS_DIR, tools, timeout_s))
     results.append(check_init(config.init_path))
     results.append(check_data_dir(config.data_dir))
     results.append(check_store(config.store))
@@ -194,6 +200,54 @@ def run_checks(
     results.extend(check_tls(config.tls_cert, config.tls_key, config.tls_client_ca))
     results.extend(check_ports(config))
     return results
+
+
+@dataclass(frozen=True)
+class ToolImage:
+    tool: str
+    image: str  # as the engine names it locally: with its tag (":latest" when none)
+
+
+def local_image_name(image: str) -> str:
+    """The reference as the engine stores it: a name without a tag or digest is
+    ":latest" (a ":" before the last "/" is a registry's port, not a tag)."""
+    last = image.rsplit("/", 1)[-1]
+    return image if ":" in last or "@" in last else f"{image}:latest"
+
+
+def load_tool_images(tools_dir: Path) -> tuple[list[ToolImage] | None, CheckResult]:
+    """The manifests under ``tools_dir`` as serve loads them, and the images they
+    name; None and a failure when serve would refuse them."""
+    from registry_server.domain.errors import ToolregError
+    from registry_server.domain.manifests import load_manifests
+
+    try:
+        tools = load_manifests(tools_dir)
+    except ToolregError as exc:
+        return None, _fail(
+            "tools",
+            f"{tools_dir}: {exc.message}",
+            "correct the manifest it names (serve refuses it too)",
+        )
+    found = [ToolImage(t.name, local_image_name(t.sandbox.image)) for t in tools]
+    return found, _ok("tools", f"{tools_dir}: {len(found)} manifest(s)")
+
+
+def check_tool_images(
+    tools: Sequence[ToolImage], labels: Mapping[str, Mapping[str, str] | None]
+) -> CheckResult:
+    """Every image the manifests name is on the engine: a call to a tool whose
+    image is missing fails."""
+    missing = sorted({t.image for t in tools if labels.get(t.image) is None})
+    if not missing:
+        return _ok("tool_images", f"the {len(tools)} tool(s)' images are present")
+    whose = ", ".join(
+        f"{image} ({', '.join(sorted(t.tool for t in tools if t.image == image))})"
+        for image in missing
+    )
+    ours = all(image in SANDBOX_IMAGES for image in missing)
+    fix = images_fix() if ours else "build or load these images on this engine (nothing is pulled)"
+    return _fail("tool_images", f"missing: {whose}", fix)
 
 
 def _require_gvisor(config: ServerConfig) -> bool:
@@ -209,7 +263,7 @@ def _engine_address(config: ServerConfig) -> str:
 
 
 def _engine_checks(
-    config: ServerConfig, tools_dir: Path, timeout_s: float
+    config: ServerConfig, tools_dir: Path, tools: list[ToolImage] | None, timeout_s: float
 ) -> Iterator[CheckResult]:
     # Imported here: the engine's client library is loaded only by the checks that use it.
     from sandbox_runner.docker_backend import probe_engine
@@ -217,7 +271,8 @@ def _engine_checks(
 
     where = _engine_address(config)
     try:
-        facts = probe_engine(config.docker_url, SANDBOX_IMAGES, timeout_s=timeout_s)
+        wanted = tuple(dict.fromkeys([*SANDBOX_IMAGES, *(t.image for t in tools or ())]))
+        facts = probe_engine(config.docker_url, wanted, timeout_s=timeout_s)
     except EngineUnavailable as exc:
         yield _fail(
             "engine", f"no Docker engine answers at {where}: {_scrub_urls(str(exc))}", engine_fix()
@@ -226,6 +281,8 @@ def _engine_checks(
             yield _warn(name, "not checked: no engine answers", "")
         for image in SANDBOX_IMAGES:
             yield _warn(f"image.{image}", "not checked: no engine answers", "")
+        if tools is not None:
+            yield _warn("tool_images", "not checked: no engine answers", "")
         return
     cgroup = f"cgroup v{facts.cgroup_version}" if facts.cgroup_version else "cgroup version unknown"
     driver = f" ({facts.cgroup_driver})" if facts.cgroup_driver else ""
@@ -236,6 +293,8 @@ def _engine_checks(
         allow_hostinet=config.gvisor_hostinet == "allow",
     )
     yield from check_images(facts.images, tools_dir)
+    if tools is not None:
+        yield check_tool_images(tools, facts.images)
 
 
 def check_runtimes(

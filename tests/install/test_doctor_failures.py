@@ -39,6 +39,7 @@ from tests.certs import CertificateAuthority
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOLREG = ROOT / ".venv" / "bin" / "toolreg"
+EXAMPLES = ROOT / "examples" / "tools"
 DOCTOR_TIMEOUT_S = 60  # seconds for one doctor run (each probe is bounded by 5 s)
 ENGINE_START_S = 30  # seconds for the second dockerd to answer
 SERVE_START_S = 60  # seconds for `toolreg serve` to say it serves
@@ -160,8 +161,15 @@ def _answers(sock: Path) -> bool:
 def test_a_fresh_engine_has_no_images_and_no_gvisor(
     second_engine: SecondEngine, tmp_path: Path
 ) -> None:
-    found = doctor(tmp_path / "data", "--docker-url", second_engine.url, text=True)
+    found = doctor(
+        tmp_path / "data", "--docker-url", second_engine.url, "--tools", str(EXAMPLES), text=True
+    )
     assert found.code == 1
+    assert found.status("tools") == "ok"
+    tool_images = found.check("tool_images")
+    assert tool_images["status"] == "fail"
+    assert "toolreg/base:latest (echo)" in tool_images["detail"]
+    assert "toolreg images build" in tool_images["fix"]
     assert found.status("engine") == "ok"
     assert "cgroup v" in found.check("engine")["detail"]
     assert found.status("runtime.runc") == "ok"
@@ -195,7 +203,7 @@ def served(tmp_path: Path, **env: str) -> Iterator[tuple[str, Path]]:
     with log.open("wb") as out:
         process = subprocess.Popen(
             [str(TOOLREG), "serve", "--port", str(port), "--data-dir", str(tmp_path / "state"),
-             "--tools", str(ROOT / "examples" / "tools")],
+             "--tools", str(EXAMPLES)],
             env=clean_env(**env), stdout=out, stderr=subprocess.STDOUT,
         )  # fmt: skip
     try:
@@ -278,7 +286,8 @@ def test_an_image_build_without_an_engine_names_how_to_start_one(tmp_path: Path)
 
 
 def test_the_main_engine_passes_the_engine_checks(tmp_path: Path) -> None:
-    found = doctor(tmp_path / "data")
+    found = doctor(tmp_path / "data", "--tools", str(EXAMPLES))
+    assert found.status("tool_images") == "ok"
     assert found.status("engine") == "ok"
     assert found.status("runtime.runc") == "ok"
     assert found.status("image.toolreg/python-root:latest") == "ok"
@@ -444,6 +453,15 @@ def _policy(tmp_path: Path, issuer: str) -> Path:
         )
     )  # fmt: skip
     return path
+
+
+def test_a_bad_manifest_fails_as_serve_would_refuse_it(tmp_path: Path) -> None:
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    (tools / "broken.yaml").write_text("name: Not-Snake\ndescription: x\n")
+    check = doctor(tmp_path / "data", "--tools", str(tools)).check("tools")
+    assert check["status"] == "fail" and "broken.yaml" in check["detail"], check
+    assert "correct the manifest" in check["fix"]
 
 
 def test_an_invalid_policy_fails_naming_the_rule(tmp_path: Path) -> None:

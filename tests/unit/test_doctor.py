@@ -224,3 +224,31 @@ def test_urls_quoted_in_a_message_lose_their_user_and_query() -> None:
 
     said = "cannot read the store postgresql://u:***@db:5432/x?sslmode=require: refused"
     assert _scrub_urls(said) == "cannot read the store postgresql://db:5432/x: refused"
+
+
+def test_an_image_without_a_tag_is_looked_up_as_latest() -> None:
+    from registry_server.install.doctor import local_image_name
+
+    assert local_image_name("toolreg/base") == "toolreg/base:latest"
+    assert local_image_name("toolreg/base:1.2") == "toolreg/base:1.2"
+    assert (
+        local_image_name("registry.local:5000/team/tool") == "registry.local:5000/team/tool:latest"
+    )
+    assert local_image_name("team/tool@sha256:" + "a" * 64) == "team/tool@sha256:" + "a" * 64
+
+
+def test_each_missing_tool_image_is_named_with_its_tools() -> None:
+    from registry_server.install.doctor import ToolImage, check_tool_images
+
+    tools = [
+        ToolImage("echo", BASE_IMAGE),
+        ToolImage("run_python", PYTHON_IMAGE),
+        ToolImage("word_count", PYTHON_IMAGE),
+    ]
+    missing_ours = check_tool_images(tools, {BASE_IMAGE: {}, PYTHON_IMAGE: None})
+    assert missing_ours.status is Status.FAIL
+    assert missing_ours.detail == f"missing: {PYTHON_IMAGE} (run_python, word_count)"
+    assert missing_ours.fix == pieces.images_fix()
+    theirs = check_tool_images([ToolImage("x", "team/x:latest")], {})
+    assert theirs.status is Status.FAIL and "nothing is pulled" in theirs.fix
+    assert check_tool_images(tools, {BASE_IMAGE: {}, PYTHON_IMAGE: {}}).status is Status.OK

@@ -45,7 +45,8 @@ def doctor(
         Path | None,
         typer.Option(
             "--tools",
-            help="Tool sources the images were built from (default: the packaged examples).",
+            help="The manifests serve would register (their images must be present), and"
+            " the tool sources the images were built from (default: the packaged examples).",
         ),
     ] = None,
     as_json: Annotated[
