@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Final
 from urllib.parse import urlsplit, urlunsplit
 
 from registry_server.api.config import ServerConfig
+from registry_server.domain.text import escape
 from registry_server.execution.sandbox_plan import runsc_net_problem
 from registry_server.install.images import (
     BUILD_HASH_LABEL,
@@ -115,9 +116,10 @@ def render_text(results: Sequence[CheckResult]) -> str:
     width = max((len(r.name) for r in results), default=0)
     lines: list[str] = []
     for r in results:
-        lines.append(f"{_MARKS[r.status]}  {r.name.ljust(width)}  {r.detail}")
+        # A detail may quote what a server or a file said: shown, never obeyed by the terminal.
+        lines.append(f"{_MARKS[r.status]}  {r.name.ljust(width)}  {escape(r.detail)}")
         if r.fix:
-            lines.append(f"{' ' * (len(_MARKS[r.status]) + 2 + width)}  fix: {r.fix}")
+            lines.append(f"{' ' * (len(_MARKS[r.status]) + 2 + width)}  fix: {escape(r.fix)}")
     failed = sum(r.status is Status.FAIL for r in results)
     warned = sum(r.status is Status.WARN for r in results)
     lines.append(
@@ -453,7 +455,7 @@ def check_store(url: str) -> CheckResult:
         )
         return _fail(
             "store",
-            error.message,
+            _scrub_urls(error.message),
             f"install toolreg {state.written_by or 'of that release'} or newer"
             " (docs/deploying.md, Upgrades)",
         )
@@ -539,7 +541,13 @@ def check_tls(cert: Path | None, key: Path | None, client_ca: Path | None) -> li
                     "give --tls-cert and --tls-key too",
                 )
             ]
-        return [_ok("tls", "off (plaintext; the server listens on loopback only without it)")]
+        return [
+            _ok(
+                "tls",
+                "off (plaintext: serve refuses a --host beyond loopback without it, unless"
+                " TOOLREG_ALLOW_INSECURE_REMOTE=true)",
+            )
+        ]
     if cert is None or key is None:
         return [
             _fail(

@@ -252,3 +252,10 @@ def test_each_missing_tool_image_is_named_with_its_tools() -> None:
     theirs = check_tool_images([ToolImage("x", "team/x:latest")], {})
     assert theirs.status is Status.FAIL and "nothing is pulled" in theirs.fix
     assert check_tool_images(tools, {BASE_IMAGE: {}, PYTHON_IMAGE: {}}).status is Status.OK
+
+
+def test_the_text_shows_control_characters_of_a_detail_as_escapes() -> None:
+    said = CheckResult("store", Status.FAIL, "refused \x1b[2J\x1b[31mall clear", "x\rok")
+    text = render_text([said])
+    assert "\x1b" not in text and "\r" not in text
+    assert json.loads(render_json([said]))["checks"][0]["detail"] == said.detail  # JSON: exact
