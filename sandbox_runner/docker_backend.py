@@ -611,7 +611,7 @@ def _await_hello(sock: socket.socket, container_id: str, *, prestart: bool = Fal
                     if value != INIT_PROTOCOL:
                         raise SandboxError(
                             f"the sandbox init speaks protocol v{value}, this server v"
-                            f"{INIT_PROTOCOL}: rebuild it (make init)"
+                            f"{INIT_PROTOCOL}: rebuild it ({init_fix()})"
                         )
                     if not prestart:
                         return
@@ -620,7 +620,7 @@ def _await_hello(sock: socket.socket, container_id: str, *, prestart: bool = Fal
         except FramingError as e:
             raise SandboxError(
                 f"the sandbox init does not speak protocol v{INIT_PROTOCOL} ({e}):"
-                " rebuild it (make init)"
+                f" rebuild it ({init_fix()})"
             ) from e
 
 
