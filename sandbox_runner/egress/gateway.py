@@ -58,7 +58,8 @@ PROXY_PIDS: Final = 256  # processes/threads of the proxy container
 PROXY_START_TIMEOUT_S: Final = 20.0  # seconds for a new proxy to answer its control socket
 CA_TARGET: Final = "/etc/toolreg/egress-ca.pem"  # where a sandbox finds the CA it trusts
 SECRETS_TARGET: Final = "/run/secrets"  # where deliver: file secrets appear
-PROXY_USER: Final = "65534:65534"
+PROXY_USER: Final = "65534:65534"  # the proxy of a root server, and every holder
+SANDBOX_UID: Final = 65534  # the user sandboxes run as (docker_backend.UNPRIVILEGED_USER)
 NETWORK_POOL_SIZE: Final = 3  # networks made ahead of calls (0: every call makes its own)
 NETWORK_MAX_AGE_S: Final = 600.0  # seconds a network waits in the pool before it is replaced
 # Seconds a pooled network's deadline label lies beyond its maximum age: room for
@@ -105,6 +106,33 @@ class EgressConfig:
 
 
 @dataclass(frozen=True)
+class EgressUsers:
+    """Who owns what the proxy and the sandboxes are handed, decided by the server's user.
+
+    A root server hands the proxy's control directory and each file secret to the
+    sandboxes' user (``chown``) and runs the proxy as that user. A server that is not
+    root (the server image's uid 10001) cannot ``chown``: its proxy runs as the server's
+    own user instead (still not root, no capability, a read-only root), so it can make
+    its socket in the server's 0700 directory; and a file secret gets the read bit for
+    others as well as for its owner. That file sits in a directory made for its one
+    call, mode 0700 and the server's, so on the host only the server's user and root
+    can reach it: the bit counts only through the bind mount, where the sandbox's user
+    (not the server's, nor in its group) reads the file and nothing else sees it."""
+
+    proxy_user: str  # "uid:gid" of the proxy container
+    hand_to: tuple[int, int] | None  # (uid, gid) the control dir and file secrets are given to
+    secret_mode: int  # a file secret's mode
+
+
+def egress_users(euid: int, egid: int) -> EgressUsers:
+    """The choice for a server running as ``euid``/``egid`` (os.geteuid(), os.getegid())."""
+    if euid == 0:
+        return EgressUsers(PROXY_USER, (SANDBOX_UID, SANDBOX_UID), 0o400)
+    # A server running as the sandboxes' own user owns what they must read already.
+    return EgressUsers(f"{euid}:{egid}", None, 0o400 if euid == SANDBOX_UID else 0o404)
+
+
+@dataclass(frozen=True)
 class CallNetwork:
     """A network made for one call, the proxy joined to it."""
 
@@ -142,6 +170,7 @@ class EgressGateway:
         self, config: EgressConfig, *, name_prefix: str, labels: Mapping[str, str]
     ) -> None:
         self.config = config
+        self.users = egress_users(os.geteuid(), os.getegid())
         self.ca = EgressCA(config.state_dir)
         self._name = f"{name_prefix}egress-proxy-{labels.get('io.toolreg.instance', 'x')}"
         self._name_prefix = name_prefix
@@ -177,8 +206,10 @@ class EgressGateway:
         control_dir = self.control_path.parent
         control_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         # The proxy runs unprivileged and creates its socket here; nobody else may.
-        with contextlib.suppress(PermissionError):
-            os.chown(control_dir, 65534, 65534)
+        # Its user (EgressUsers): the sandboxes' for a root server, else the server's own.
+        if self.users.hand_to is not None:
+            with contextlib.suppress(PermissionError):
+                os.chown(control_dir, *self.users.hand_to)
         control_dir.chmod(0o700)
         with contextlib.suppress(FileNotFoundError):
             self.control_path.unlink()
@@ -221,7 +252,7 @@ class EgressGateway:
                     "--upstream-ca",
                     _UPSTREAM_CA_TARGET,
                 ],
-                user=PROXY_USER,
+                user=self.users.proxy_user,
                 environment=["PYTHONPATH=/opt/toolreg", "PYTHONDONTWRITEBYTECODE=1"],
                 name=self._name,
                 labels=self._labels,
@@ -450,20 +481,24 @@ class EgressGateway:
     def _write_secret_files(
         self, execution_id: str, files: Mapping[str, bytes]
     ) -> tuple[Path, tuple[Mount, ...]]:
-        # A root-only directory on the host; inside the sandbox only the bind
-        # mounts of the files are visible, readable by the sandbox's user.
+        # A directory only the server's user may enter on the host (the call's own,
+        # made here, 0700); inside the sandbox only the bind mounts of the files are
+        # visible, readable by the sandbox's user (EgressUsers: by owner or mode).
         run_dir = self.config.state_dir / "run"
         run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         call_dir = run_dir / execution_id
         call_dir.mkdir(mode=0o700)
         mounts = []
+        mode = self.users.secret_mode
         for name, value in files.items():
             path = call_dir / name
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
             with os.fdopen(fd, "wb") as f:
+                os.fchmod(f.fileno(), mode)  # the umask may have taken bits the sandbox needs
                 f.write(value)
-            with contextlib.suppress(PermissionError):
-                os.chown(path, 65534, 65534)
+            if self.users.hand_to is not None:
+                with contextlib.suppress(PermissionError):
+                    os.chown(path, *self.users.hand_to)
             mounts.append(Mount(str(path), f"{SECRETS_TARGET}/{name}", read_only=True))
         return call_dir, tuple(mounts)
 
