@@ -28,14 +28,14 @@ IMAGES_BUILD_TIMEOUT_S = 900  # seconds: up to date takes seconds; a debootstrap
 AUDIENCE = "toolreg-install-test"
 
 
-def _images() -> dict[str, tuple[str, dict[str, str]]]:
+def _images() -> dict[str, tuple[str | None, dict[str, str]]]:
     """Each image's id and its content-hash labels, as the engine has them now."""
     client = docker.from_env()
     try:
         out = {}
         for name in IMAGES:
             image = client.images.get(name)
-            labels = image.labels or {}
+            labels: dict[str, str] = image.labels or {}
             out[name] = (image.id, {k: labels.get(k, "") for k in HASH_LABELS})
         return out
     finally:
@@ -157,7 +157,11 @@ def test_serve_runs_safe_cautious_and_approved_dangerous_calls(
     installed: Installed, served: tuple[str, Path, Path]
 ) -> None:
     address, work, data = served
-    call = lambda *a: _exec(installed, address, work, "agent-secret", *a)  # noqa: E731
+
+    def call(
+        tool: str, args: dict[str, Any], *extra: str
+    ) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+        return _exec(installed, address, work, "agent-secret", tool, args, *extra)
 
     out, result = call("echo", {"message": "from the wheel"})
     assert out.returncode == 0, out.stderr
