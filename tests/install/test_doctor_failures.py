@@ -67,6 +67,12 @@ class Doctor:
     def status(self, name: str) -> str:
         return self.check(name)["status"]
 
+    def expect(self, name: str, status: str) -> dict[str, str]:
+        """The check, asserted to have ``status`` (its detail shown when not)."""
+        check = self.check(name)
+        assert check["status"] == status, check
+        return check
+
 
 def doctor(data_dir: Path, *args: str, text: bool = False, **env: str) -> Doctor:
     """`toolreg doctor --json`; with ``text``, the same in text too (one line per
@@ -165,16 +171,16 @@ def test_a_fresh_engine_has_no_images_and_no_gvisor(
         tmp_path / "data", "--docker-url", second_engine.url, "--tools", str(EXAMPLES), text=True
     )
     assert found.code == 1
-    assert found.status("tools") == "ok"
+    found.expect("tools", "ok")
     tool_images = found.check("tool_images")
     assert tool_images["status"] == "fail"
     assert "toolreg/base:latest (echo)" in tool_images["detail"]
     assert "toolreg images build" in tool_images["fix"]
-    assert found.status("engine") == "ok"
+    found.expect("engine", "ok")
     assert "cgroup v" in found.check("engine")["detail"]
-    assert found.status("runtime.runc") == "ok"
+    found.expect("runtime.runc", "ok")
     # development mode: dangerous tools would run under runc, a warning
-    assert found.status("runtime.runsc") == "warn"
+    found.expect("runtime.runsc", "warn")
     assert found.check("runtime.runsc")["fix"] == pieces.gvisor_fix(True)
     for image in ("toolreg/base:latest", "toolreg/python-root:latest", "toolreg/python:latest"):
         check = found.check(f"image.{image}")
@@ -189,8 +195,8 @@ def test_missing_gvisor_fails_where_gvisor_is_required(
     found = doctor(
         tmp_path / "data", "--docker-url", second_engine.url, TOOLREG_REQUIRE_GVISOR="true"
     )
-    assert found.status("runtime.runsc") == "fail"
-    assert found.status("runtime.runsc-net") == "fail"
+    found.expect("runtime.runsc", "fail")
+    found.expect("runtime.runsc-net", "fail")
     assert "make engine" in found.check("runtime.runsc")["fix"]
 
 
@@ -271,7 +277,7 @@ def test_a_stopped_engine_fails_naming_how_to_start_one(
     assert engine["status"] == "fail"
     assert "no Docker engine answers" in engine["detail"]
     assert engine["fix"] == pieces.engine_fix(True) and "make engine" in engine["fix"]
-    assert found.status("image.toolreg/base:latest") == "warn"  # not checked without one
+    found.expect("image.toolreg/base:latest", "warn")  # not checked without one
     assert "fix: make engine" in found.text
 
 
@@ -287,11 +293,11 @@ def test_an_image_build_without_an_engine_names_how_to_start_one(tmp_path: Path)
 
 def test_the_main_engine_passes_the_engine_checks(tmp_path: Path) -> None:
     found = doctor(tmp_path / "data", "--tools", str(EXAMPLES))
-    assert found.status("tool_images") == "ok"
-    assert found.status("engine") == "ok"
-    assert found.status("runtime.runc") == "ok"
-    assert found.status("image.toolreg/python-root:latest") == "ok"
-    assert found.status("init") == "ok"
+    found.expect("tool_images", "ok")
+    found.expect("engine", "ok")
+    found.expect("runtime.runc", "ok")
+    found.expect("image.toolreg/python-root:latest", "ok")
+    found.expect("init", "ok")
 
 
 # -- the store ------------------------------------------------------------------------------
@@ -431,7 +437,7 @@ def test_a_read_only_data_dir_fails_even_for_root(read_only_dir: Path) -> None:
     assert check["status"] == "fail", check
     assert "Read-only file system" in check["detail"]
     # and one to be created under it
-    assert doctor(read_only_dir / "new").status("data_dir") == "fail"
+    doctor(read_only_dir / "new").expect("data_dir", "fail")
 
 
 # -- the policy and its identity providers ---------------------------------------------------
@@ -506,14 +512,14 @@ def test_an_identity_provider_whose_discovery_answers_passes(
     tmp_path: Path, discovery_server: str
 ) -> None:
     found = doctor(tmp_path / "data", "--policy", str(_policy(tmp_path, discovery_server)))
-    assert found.status("policy") == "ok"
-    assert found.status("idp.corp") == "ok"
+    found.expect("policy", "ok")
+    found.expect("idp.corp", "ok")
 
 
 def test_an_identity_provider_that_does_not_answer_fails(tmp_path: Path) -> None:
     issuer = f"http://127.0.0.1:{_closed_port()}"
     found = doctor(tmp_path / "data", "--policy", str(_policy(tmp_path, issuer)))
-    assert found.status("policy") == "ok"
+    found.expect("policy", "ok")
     idp = found.check("idp.corp")
     assert idp["status"] == "fail" and "discovery" in idp["detail"]
     assert "identity_providers entry corp" in idp["fix"]
@@ -534,14 +540,14 @@ def test_a_tls_key_of_another_certificate_fails(tmp_path: Path) -> None:
     tls = found.check("tls")
     assert tls["status"] == "fail" and "does not match" in tls["detail"]
     assert "--tls-key" in tls["fix"]
-    assert found.status("tls.client_ca") == "ok"
+    found.expect("tls.client_ca", "ok")
     key.write_bytes(server.key_pem)
     # a pair now (the test CA's certificates live a day: "expires" warns, never fails)
     matched = doctor(tmp_path / "data", *args).check("tls")
     assert matched["status"] in ("ok", "warn") and "certificate and key match" in matched["detail"]
     (tmp_path / "gone.pem").unlink(missing_ok=True)
     unreadable = doctor(tmp_path / "data", *args[:4], "--tls-client-ca", str(tmp_path / "gone.pem"))
-    assert unreadable.status("tls.client_ca") == "fail"
+    unreadable.expect("tls.client_ca", "fail")
 
 
 # -- ports -------------------------------------------------------------------------------------
@@ -559,7 +565,8 @@ def test_ports_in_use_fail(tmp_path: Path) -> None:
         assert check["status"] == "fail", check
         assert f":{number}" in check["detail"] and f"sport = :{number}" in check["fix"]
     free = doctor(tmp_path / "data", "--port", str(port), "--metrics-port", str(metrics))
-    assert (free.status("port.grpc"), free.status("port.metrics")) == ("ok", "ok")
+    free.expect("port.grpc", "ok")
+    free.expect("port.metrics", "ok")
 
 
 # -- the init ----------------------------------------------------------------------------------
