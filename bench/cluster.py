@@ -40,7 +40,7 @@ from bench.common import (
 from bench.throughput import cell
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
-from registry_server.client.launcher import ServerProcess, spawn_server
+from registry_server.cli.launcher import ServerProcess, spawn_server
 from registry_server.signing.keys import generate_keypair, load_private_key
 from registry_server.signing.tokens import mint_for
 from scripts import haproxy_config

@@ -21,7 +21,7 @@ import yaml
 from bench.common import OUR_PIDS, RPC_TIMEOUT_S, summary, summary_table, timed_ms
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
-from registry_server.client.launcher import spawn_server
+from registry_server.cli.launcher import spawn_server
 from registry_server.client.registry_client import open_channel
 from registry_server.domain.models import parse_definition
 from registry_server.wire import convert

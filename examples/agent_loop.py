@@ -41,7 +41,7 @@ from typing import Any
 
 import grpc
 
-from registry_server.client.registry_client import (
+from registry_server.client import (
     ApprovalWaitError,
     CallResult,
     RegistryClient,
@@ -90,7 +90,7 @@ class DemoApprover:
     """DEMO ONLY: stands in for a human approver, on its own connection."""
 
     def __init__(self, address: str, token: str | None, key_file: Path, approver_id: str) -> None:
-        from registry_server.signing.keys import load_private_key
+        from registry_server.client import load_private_key
 
         self._address = address
         self._token = token
@@ -103,7 +103,7 @@ class DemoApprover:
         return thread
 
     def _approve(self, request_id: str) -> None:
-        from registry_server.signing.tokens import mint_for
+        from registry_server.client import mint_for
 
         time.sleep(DEMO_APPROVER_DELAY_S)
         with RegistryClient.connect(self._address, token=self._token) as client:

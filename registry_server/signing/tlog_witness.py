@@ -1,6 +1,6 @@
 """The wire format of the witness protocol (c2sp.org/tlog-witness): the body
 of ``POST <prefix>/add-checkpoint`` and of its 409 answer. Both sides use it:
-the witness (client/witness/) and the server that submits its checkpoints
+the witness (witness/) and the server that submits its checkpoints
 (notify/witnesses.py).
 
 A request body is ``old <size>\\n``, then the consistency proof from that

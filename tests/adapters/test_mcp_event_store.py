@@ -1,5 +1,5 @@
 """The bounded event store behind resumable MCP streams
-(client/mcp_event_store.py), with the MCP SDK's own message types and a fake
+(mcp/event_store.py), with the MCP SDK's own message types and a fake
 clock: ids, replay, the binding of a stream to its session and principal, the
 caps and their order of eviction, the time to live. Over real HTTP:
 tests/integration/test_mcp_http.py. The limits' checks: tests/unit/test_mcp_http_settings.py."""
@@ -14,9 +14,9 @@ import pytest
 from mcp.server.streamable_http import EventMessage
 from mcp.types import JSONRPCNotification, JSONRPCResponse
 
-from registry_server.client.mcp_event_store import ResumableEvents, SessionEvents
-from registry_server.client.mcp_http_settings import ResumeLimits
-from registry_server.client.mcp_resume import ResumableSessionManager
+from registry_server.mcp.event_store import ResumableEvents, SessionEvents
+from registry_server.mcp.http_settings import ResumeLimits
+from registry_server.mcp.resume import ResumableSessionManager
 
 AGENT = {"client_id": "agent", "issuer": None, "subject": None}
 RIVAL = {"client_id": "rival", "issuer": None, "subject": None}

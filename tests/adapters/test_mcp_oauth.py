@@ -1,4 +1,4 @@
-"""The MCP bridge's OAuth parts as logic (client/mcp_oauth.py): the token
+"""The MCP bridge's OAuth parts as logic (mcp/oauth.py): the token
 exchange's cache and errors, the people's connections, the 401's scope; the
 identity provider and the real flow: tests/identity/test_mcp_oauth.py."""
 
@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from registry_server.client.idp_tokens import TokenError
-from registry_server.client.mcp_http_settings import OAuthSettings
-from registry_server.client.mcp_oauth import (
+from registry_server.mcp.http_settings import OAuthSettings
+from registry_server.mcp.oauth import (
     MAX_PEOPLE,
     People,
     TokenExchange,

@@ -9,8 +9,8 @@ from __future__ import annotations
 import anyio
 
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
-from registry_server.client.mcp_bridge import result_to_mcp
-from registry_server.client.mcp_http import PolicyTokenVerifier, transport_security
+from registry_server.mcp.bridge import result_to_mcp
+from registry_server.mcp.http import PolicyTokenVerifier, transport_security
 from tests.factories import sha
 from tests.unit.test_mcp_http_settings import POLICY, settings
 

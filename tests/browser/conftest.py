@@ -27,7 +27,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webelement import WebElement
 from selenium.webdriver.support.ui import WebDriverWait
 
-from registry_server.client.launcher import ServerProcess, spawn_server, spawn_until
+from registry_server.cli.launcher import ServerProcess, spawn_server, spawn_until
 from registry_server.client.registry_client import CallResult, RegistryClient
 from registry_server.signing.keys import generate_keypair
 from tests.factories import sha
@@ -139,7 +139,7 @@ def console_env() -> dict[str, str]:
 
 def spawn_console(address: str, *args: str, listen: str = "127.0.0.1:0") -> ConsoleProcess:
     """`toolreg console --address A --http LISTEN ARGS...` as a process."""
-    argv = [sys.executable, "-m", "registry_server.client.cli", "console", "--address", address,
+    argv = [sys.executable, "-m", "registry_server.cli", "console", "--address", address,
             "--http", listen, *args]  # fmt: skip
     proc, url, log = spawn_until(
         argv, CONSOLE_SERVING, what="toolreg console", cwd=ROOT, env=console_env()
@@ -149,7 +149,7 @@ def spawn_console(address: str, *args: str, listen: str = "127.0.0.1:0") -> Cons
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "registry_server.client.cli", *args],
+        [sys.executable, "-m", "registry_server.cli", *args],
         capture_output=True, text=True, cwd=ROOT, env=console_env(), timeout=60,
     )  # fmt: skip
 

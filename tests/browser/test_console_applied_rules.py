@@ -19,7 +19,7 @@ import pytest
 import yaml
 from selenium.webdriver.common.by import By
 
-from registry_server.client.launcher import ServerProcess, spawn_server
+from registry_server.cli.launcher import ServerProcess, spawn_server
 from registry_server.client.registry_client import RegistryClient
 from registry_server.signing.keys import generate_keypair
 from tests.browser.conftest import (

@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
-from registry_server.client.console.guard import CONTENT_SECURITY_POLICY
-from registry_server.client.console.settings import DEFAULT_MAX_BODY_BYTES
+from registry_server.console.guard import CONTENT_SECURITY_POLICY
+from registry_server.console.settings import DEFAULT_MAX_BODY_BYTES
 from tests.browser.conftest import (
     TOKENS,
     Api,

@@ -23,7 +23,7 @@ import yaml
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.virtual_authenticator import VirtualAuthenticatorOptions
 
-from registry_server.client.launcher import ServerProcess, spawn_server
+from registry_server.cli.launcher import ServerProcess, spawn_server
 from registry_server.client.registry_client import RegistryClient
 from registry_server.signing.keys import generate_keypair
 from tests import store_file

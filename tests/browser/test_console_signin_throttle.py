@@ -24,13 +24,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from registry_server.client.console.settings import SIGNIN_WINDOW_ENV
-from registry_server.client.console.throttle import (
+from registry_server.cli.launcher import spawn_until
+from registry_server.console.settings import SIGNIN_WINDOW_ENV
+from registry_server.console.throttle import (
     LOG_LINES_PER_WINDOW,
     MAX_FAILURES_OVERALL,
     MAX_FAILURES_PER_SOURCE,
 )
-from registry_server.client.launcher import spawn_until
 from registry_server.signing.keys import generate_keypair
 from tests.browser.conftest import (
     APPROVERS,
@@ -60,7 +60,7 @@ def console(policy: Path) -> Iterator[ConsoleProcess]:
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         nowhere = f"127.0.0.1:{s.getsockname()[1]}"
-    argv = ["-m", "registry_server.client.cli", "console", "--address", nowhere,
+    argv = ["-m", "registry_server.cli", "console", "--address", nowhere,
             "--http", "127.0.0.1:0", "--policy", str(policy)]  # fmt: skip
     env = console_env() | {SIGNIN_WINDOW_ENV: str(WINDOW_S)}
     proc, url, log = spawn_until(

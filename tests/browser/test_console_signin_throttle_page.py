@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from selenium.webdriver.common.by import By
 
-from registry_server.client.console.throttle import MAX_FAILURES_PER_SOURCE
+from registry_server.console.throttle import MAX_FAILURES_PER_SOURCE
 from tests.browser.conftest import TOKENS, ConsoleProcess, Page, open_browsers
 from tests.browser.test_console_signin_throttle import WINDOW_S, console, policy  # noqa: F401
 

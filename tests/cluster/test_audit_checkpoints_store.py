@@ -161,7 +161,7 @@ def test_servers_on_one_database_sign_one_log(
     assert sum(copy.exists() for copy in copies) >= 2
     for copy in (c for c in copies if c.exists()):
         verified = subprocess.run(
-            [sys.executable, "-m", "registry_server.client.cli", "audit", "verify",
+            [sys.executable, "-m", "registry_server.cli", "audit", "verify",
              "--checkpoint", str(copy), "--key", str(tmp_path / "log.pub"),
              "--store-url", cluster.store_url],
             capture_output=True, text=True, timeout=60, cwd=ROOT,

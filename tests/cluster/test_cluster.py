@@ -64,7 +64,7 @@ def request_for_write(cluster: Cluster, index: int, client: str = "agent") -> st
 
 def audit_verify(store_url: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "registry_server.client.cli", "audit", "verify",
+        [sys.executable, "-m", "registry_server.cli", "audit", "verify",
          "--store-url", store_url],
         capture_output=True, text=True, timeout=60, cwd=ROOT,
     )  # fmt: skip
@@ -377,7 +377,7 @@ def test_a_store_url_that_cannot_work_stops_the_server_with_one_line(
         ("mysql://x", "unsupported store URL"),
     ):
         done = subprocess.run(
-            [sys.executable, "-m", "registry_server.client.cli", "serve", "--port", "0",
+            [sys.executable, "-m", "registry_server.cli", "serve", "--port", "0",
              "--data-dir", str(tmp_path), "--store-url", url],
             capture_output=True, text=True, timeout=60, cwd=ROOT,
         )  # fmt: skip

@@ -17,7 +17,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from registry_server.client.launcher import ServerProcess, spawn_server
+from registry_server.cli.launcher import ServerProcess, spawn_server
 from registry_server.client.registry_client import RegistryClient, open_channel
 from registry_server.signing.keys import generate_keypair
 from scripts import haproxy_config

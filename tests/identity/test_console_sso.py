@@ -34,14 +34,14 @@ from cryptography.hazmat.primitives import serialization
 from selenium.webdriver.common.by import By
 
 from registry_server.api.auth.jwks import HttpFetcher
-from registry_server.client.console.sso import (
+from registry_server.cli.launcher import ServerProcess, spawn_server
+from registry_server.client.idp_tokens import TokenAnswer
+from registry_server.client.registry_client import RegistryClient
+from registry_server.console.sso import (
     OidcClient,
     PendingLogin,
     SsoRefused,
 )
-from registry_server.client.idp_tokens import TokenAnswer
-from registry_server.client.launcher import ServerProcess, spawn_server
-from registry_server.client.registry_client import RegistryClient
 from registry_server.policy.loader import load_policy
 from registry_server.signing.keys import generate_keypair
 from tests.browser.conftest import (

@@ -25,8 +25,8 @@ from cryptography.hazmat.primitives import serialization
 
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
+from registry_server.cli.launcher import ServerProcess, spawn_server
 from registry_server.client.idp_tokens import ClientCredentials
-from registry_server.client.launcher import ServerProcess, spawn_server
 from registry_server.client.registry_client import RegistryClient, open_channel
 from registry_server.domain.models import parse_definition
 from registry_server.wire import convert

@@ -32,7 +32,7 @@ import yaml
 
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
-from registry_server.client.launcher import ServerProcess, spawn_server
+from registry_server.cli.launcher import ServerProcess, spawn_server
 from registry_server.client.registry_client import open_channel
 from registry_server.domain.models import parse_definition
 from registry_server.wire import convert
@@ -70,14 +70,14 @@ class World:
 
     def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "registry_server.client.cli", *args],
+            [sys.executable, "-m", "registry_server.cli", *args],
             cwd=ROOT, env=self.env(), capture_output=True, text=True, timeout=CLI_TIMEOUT_S,
         )  # fmt: skip
 
     def start_login(self, *extra: str) -> tuple[subprocess.Popen[str], str]:
         """`toolreg login --no-browser` running, and the URL it printed."""
         proc = subprocess.Popen(
-            [sys.executable, "-m", "registry_server.client.cli", "login", "--no-browser",
+            [sys.executable, "-m", "registry_server.cli", "login", "--no-browser",
              "--address", self.address, "--issuer", self.idp.issuer, "--client-id", CLI_CLIENT,
              "--resource", RESOURCE, "--scope", SCOPE, "--ca-file", str(self.idp.ca_file),
              "--timeout", "60", *extra],

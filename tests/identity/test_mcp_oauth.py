@@ -40,7 +40,7 @@ from mcp.shared.auth import (
 
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
-from registry_server.client.launcher import ServerProcess, spawn_server, spawn_until
+from registry_server.cli.launcher import ServerProcess, spawn_server, spawn_until
 from registry_server.client.registry_client import open_channel
 from registry_server.domain.models import parse_definition
 from registry_server.wire import convert
@@ -101,7 +101,7 @@ def world(idp: IdP, tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]
     })  # fmt: skip
     stub = pb_grpc.ToolRegistryStub(open_channel(server.address, token=ADMIN_TOKEN))
     stub.RegisterTool(pb.RegisterToolRequest(tool=convert.tool_to_pb(tool)), timeout=30)
-    argv = [sys.executable, "-m", "registry_server.client.cli", "mcp",
+    argv = [sys.executable, "-m", "registry_server.cli", "mcp",
             "--address", server.address, "--http", f"127.0.0.1:{port}",
             "--policy", str(policy), "--oauth-provider", "testidp",
             "--resource-url", resource_url, "--oauth-scope", MCP_SCOPE,

@@ -16,7 +16,7 @@ import docker
 import pytest
 import yaml
 
-from registry_server.client.launcher import SERVING_LINE, spawn_until
+from registry_server.cli.launcher import SERVING_LINE, spawn_until
 from tests.install.conftest import BUILD_TIMEOUT_S, ROOT, Installed
 
 # The installed fixture builds and installs once per run; its first user waits for it.

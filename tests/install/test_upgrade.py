@@ -37,7 +37,7 @@ import pytest
 import yaml
 
 from registry_server.api.config import CHECKPOINT_COPY_FILENAME, DB_FILENAME
-from registry_server.client.launcher import ServerProcess, spawn_server, spawn_until
+from registry_server.cli.launcher import ServerProcess, spawn_server, spawn_until
 from registry_server.client.registry_client import RegistryClient, Status
 from registry_server.signing.keys import generate_keypair, load_private_key
 from registry_server.signing.tokens import mint_for
@@ -51,7 +51,7 @@ OLD_COMMIT = "35ecf4978419f37f5666b7ea291cd668a7f755b4"  # tag v0.1.0
 OLD_SCHEMA = {"sqlite": 13, "postgresql": 10}  # 0.1.0's last migration, per store
 GENERATOR = Path(__file__).with_name("old_release_store.py")
 ENSURE_POSTGRES = ROOT / "scripts" / "ensure_postgres.sh"
-TOOLREG = [sys.executable, "-m", "registry_server.client.cli"]
+TOOLREG = [sys.executable, "-m", "registry_server.cli"]
 AUDIENCE = "toolreg-upgrade"
 ORIGIN = "toolreg.example/upgrade"
 WITNESS = "witness.example/upgrade"

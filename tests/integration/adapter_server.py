@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from registry_server.client.launcher import ServerProcess, spawn_server
+from registry_server.cli.launcher import ServerProcess, spawn_server
 from registry_server.client.registry_client import ApprovalRequestView, RegistryClient
 from registry_server.domain.arguments import arguments_digest
 from registry_server.domain.models import SafetyLevel

@@ -34,12 +34,12 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
 from registry_server.api.config import CHECKPOINT_COPY_FILENAME, DB_FILENAME
-from registry_server.client.launcher import spawn_server
+from registry_server.cli.launcher import spawn_server
 from registry_server.store import audit_chain
 from registry_server.store.sqlite import SqliteStore
 
 ROOT = Path(__file__).resolve().parents[2]
-TOOLREG = [sys.executable, "-m", "registry_server.client.cli"]
+TOOLREG = [sys.executable, "-m", "registry_server.cli"]
 ORIGIN = "toolreg.example/audit-test"
 RECORDS = 1_000
 

@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
-from registry_server.client.launcher import ServerProcess, spawn_server
+from registry_server.cli.launcher import ServerProcess, spawn_server
 from registry_server.client.registry_client import (
     ApprovalRequestView,
     ApprovalWaitError,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from registry_server.client.launcher import spawn_server
+from registry_server.cli.launcher import spawn_server
 from registry_server.signing.keys import generate_keypair
 from tests.factories import example_tools_policy, token_client
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from registry_server.client.launcher import ServerProcess, spawn_server
+from registry_server.cli.launcher import ServerProcess, spawn_server
 from registry_server.client.registry_client import RegistryClient
 from registry_server.notify.endpoints import new_secret
 from tests.factories import sha

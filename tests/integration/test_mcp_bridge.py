@@ -1,4 +1,4 @@
-"""The MCP bridge as MCP hosts run it: `python -m registry_server.client.mcp_bridge`
+"""The MCP bridge as MCP hosts run it: `python -m registry_server.mcp.bridge`
 over stdio, driven by the official SDK's own client, in front of a real
 `toolreg serve` process that runs the calls in real containers."""
 
@@ -18,7 +18,7 @@ import pytest
 from mcp import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
 
-from registry_server.client.launcher import ServerProcess, spawn_server
+from registry_server.cli.launcher import ServerProcess, spawn_server
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOLS = ROOT / "examples" / "tools"
@@ -52,7 +52,7 @@ def with_session(
         root, rest = rest[at : at + 2], rest[:at] + rest[at + 2 :]
     params = StdioServerParameters(
         command=sys.executable,
-        args=["-m", "registry_server.client.cli", *root, "mcp", "--address", address, *rest],
+        args=["-m", "registry_server.cli", *root, "mcp", "--address", address, *rest],
         cwd=str(ROOT),
     )
 

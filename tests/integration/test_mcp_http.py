@@ -28,8 +28,8 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
 from mcp.shared.exceptions import MCPError
 
-from registry_server.client.launcher import ServerProcess, spawn_server, spawn_until
-from registry_server.client.mcp_http_settings import DEFAULT_MAX_BODY_BYTES
+from registry_server.cli.launcher import ServerProcess, spawn_server, spawn_until
+from registry_server.mcp.http_settings import DEFAULT_MAX_BODY_BYTES
 from registry_server.signing.keys import generate_keypair
 from tests.certs import CertificateAuthority
 from tests.factories import sha
@@ -106,7 +106,7 @@ def bridge_env() -> dict[str, str]:
 
 def spawn_bridge(address: str, *args: str, listen: str = "127.0.0.1:0") -> BridgeProcess:
     """`toolreg mcp --address A --http LISTEN ARGS...` as a process; its URL."""
-    argv = [sys.executable, "-m", "registry_server.client.cli", "mcp", "--address", address,
+    argv = [sys.executable, "-m", "registry_server.cli", "mcp", "--address", address,
             "--http", listen, *args]  # fmt: skip
     proc, url, log = spawn_until(
         argv, SERVING, what="toolreg mcp --http", cwd=ROOT, env=bridge_env()
@@ -117,7 +117,7 @@ def spawn_bridge(address: str, *args: str, listen: str = "127.0.0.1:0") -> Bridg
 def run_bridge_cli(*args: str) -> subprocess.CompletedProcess[str]:
     """The command line alone (for refusals before anything listens)."""
     return subprocess.run(
-        [sys.executable, "-m", "registry_server.client.cli", *args],
+        [sys.executable, "-m", "registry_server.cli", *args],
         capture_output=True, text=True, cwd=ROOT, env=bridge_env(), timeout=START_TIMEOUT_S,
     )  # fmt: skip
 

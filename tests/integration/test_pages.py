@@ -420,7 +420,7 @@ def test_the_python_client_follows_every_page(
 
 def cli(server: Running, *args: str) -> str:
     done = subprocess.run(
-        [sys.executable, "-m", "registry_server.client.cli", *args, "--address", server.address],
+        [sys.executable, "-m", "registry_server.cli", *args, "--address", server.address],
         capture_output=True, text=True, timeout=120, cwd=ROOT, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr

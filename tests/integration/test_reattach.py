@@ -17,7 +17,7 @@ import grpc
 import pytest
 import yaml
 
-from registry_server.client.launcher import ServerProcess, spawn_server
+from registry_server.cli.launcher import ServerProcess, spawn_server
 from registry_server.client.registry_client import RegistryClient
 from tests.factories import collect_events, token_client
 

@@ -16,10 +16,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from registry_server.client.launcher import ServerProcess, spawn_server
+from registry_server.cli.launcher import ServerProcess, spawn_server
 
 ROOT = Path(__file__).resolve().parents[2]
-TOOLREG = [sys.executable, "-m", "registry_server.client.cli"]
+TOOLREG = [sys.executable, "-m", "registry_server.cli"]
 
 
 @pytest.fixture

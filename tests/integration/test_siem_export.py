@@ -39,7 +39,7 @@ import yaml
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
 from registry_server.api.config import DB_FILENAME
-from registry_server.client.launcher import ServerProcess, spawn_server
+from registry_server.cli.launcher import ServerProcess, spawn_server
 from registry_server.client.registry_client import open_channel
 from registry_server.domain import merkle
 from registry_server.domain.arguments import arguments_digest

@@ -27,7 +27,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
-from registry_server.client.launcher import ServerProcess, spawn_server
+from registry_server.cli.launcher import ServerProcess, spawn_server
 from registry_server.client.registry_client import RegistryClient, Status
 from registry_server.client.trace_context import TraceContext
 from registry_server.domain.models import parse_definition
@@ -289,7 +289,7 @@ def test_the_cli_propagates_its_trace_into_the_server(
 ) -> None:
     service = f"cli-{uuid.uuid4().hex[:8]}"
     done = subprocess.run(
-        [sys.executable, "-m", "registry_server.client.cli", "exec", "word_count",
+        [sys.executable, "-m", "registry_server.cli", "exec", "word_count",
          "--args", '{"text": "from the command line"}', "--address", served.address],
         env=otel_env(receiver, OTEL_SERVICE_NAME=service),
         capture_output=True, text=True, timeout=CALL_TIMEOUT_S, cwd=ROOT,

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from registry_server.client.launcher import ServerProcess, spawn_server
+from registry_server.cli.launcher import ServerProcess, spawn_server
 from registry_server.signing.keys import generate_keypair
 from tests.certs import CertificateAuthority
 from tests.factories import example_tools_policy, token_client

@@ -37,7 +37,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from registry_server.api.config import DB_FILENAME
-from registry_server.client.launcher import spawn_server, spawn_until
+from registry_server.cli.launcher import spawn_server, spawn_until
 from registry_server.domain import merkle
 from registry_server.signing.keys import load_private_key
 from registry_server.signing.notes import Signer
@@ -47,7 +47,7 @@ from registry_server.store.base import CheckpointRecord
 from registry_server.store.sqlite import SqliteStore
 
 ROOT = Path(__file__).resolve().parents[2]
-TOOLREG = [sys.executable, "-m", "registry_server.client.cli"]
+TOOLREG = [sys.executable, "-m", "registry_server.cli"]
 ORIGIN = "toolreg.example/witnessed"
 WITNESS = "witness.example/w1"
 SERVING = re.compile(r"serving on (http://\S+)")

@@ -21,7 +21,7 @@ from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
 from registry_server.api.config import ServerConfig
 from registry_server.api.server import create_server
-from registry_server.client.launcher import spawn_server
+from registry_server.cli.launcher import spawn_server
 from registry_server.domain.models import parse_definition
 from registry_server.signing.keys import generate_keypair
 from registry_server.wire import convert
@@ -124,7 +124,7 @@ def test_sigkill_during_writes_keeps_store_audit_and_nonces(
 
     # (a) the audit chain is intact
     verify = subprocess.run(
-        [sys.executable, "-m", "registry_server.client.cli", "audit", "verify", "--data-dir", str(data)],
+        [sys.executable, "-m", "registry_server.cli", "audit", "verify", "--data-dir", str(data)],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert verify.returncode == 0, verify.stdout + verify.stderr

@@ -17,7 +17,7 @@ import pytest
 
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
-from registry_server.client.launcher import spawn_server
+from registry_server.cli.launcher import spawn_server
 from registry_server.domain.models import parse_definition
 from registry_server.wire import convert
 from tests.security.conftest import engine, labelled  # noqa: F401

@@ -357,7 +357,7 @@ def _audit_rows(d: Deployment) -> list[tuple[Any, ...]]:
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "registry_server.client.cli", *args],
+        [sys.executable, "-m", "registry_server.cli", *args],
         capture_output=True,
         text=True,
         timeout=60,
@@ -456,7 +456,7 @@ def test_cli_approves_with_a_key_that_never_leaves_it(
             [
                 sys.executable,
                 "-m",
-                "registry_server.client.cli",
+                "registry_server.cli",
                 "--token",
                 TOKENS[who],
                 "approvals",
@@ -476,7 +476,7 @@ def test_cli_approves_with_a_key_that_never_leaves_it(
         [
             sys.executable,
             "-m",
-            "registry_server.client.cli",
+            "registry_server.cli",
             "--token",
             TOKENS["alice"],
             "approvals",
@@ -509,7 +509,7 @@ def test_cli_approves_with_an_encrypted_key_and_its_passphrase(
         if given is not None:
             env["TOOLREG_KEY_PASSPHRASE"] = given
         return subprocess.run(
-            [sys.executable, "-m", "registry_server.client.cli", "--token", TOKENS[who],
+            [sys.executable, "-m", "registry_server.cli", "--token", TOKENS[who],
              "approvals", "approve", request.id, "--key", str(key)],
             capture_output=True, text=True, env=env, timeout=60, cwd=ROOT,
             stdin=subprocess.DEVNULL,  # no terminal to ask on

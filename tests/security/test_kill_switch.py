@@ -362,7 +362,7 @@ def test_who_may_delete_disable_and_enable(deployment: Deployment) -> None:
 def cli(d: Deployment, who: str, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "TOOLREG_TOKEN": TOKENS[who], "TOOLREG_ADDRESS": d.running.address}
     return subprocess.run(
-        [sys.executable, "-m", "registry_server.client.cli", *args],
+        [sys.executable, "-m", "registry_server.cli", *args],
         capture_output=True, text=True, timeout=60, cwd=ROOT, env=env,
     )  # fmt: skip
 

@@ -16,7 +16,7 @@ import pytest
 
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
-from registry_server.client.launcher import spawn_server
+from registry_server.cli.launcher import spawn_server
 from registry_server.domain.models import parse_definition
 from registry_server.wire import convert
 from tests.integration.conftest import Running, StartServer
@@ -227,7 +227,7 @@ def test_two_servers_never_remove_each_others_live_containers(
             assert _owned_by(engine, first.pid), "first server's call never started"
             second, _ = _spawn_server(tmp_path / "b")  # reaps at start
             reaper = subprocess.run(
-                [sys.executable, "-m", "registry_server.client.cli", "reap"],
+                [sys.executable, "-m", "registry_server.cli", "reap"],
                 capture_output=True,
                 text=True,
                 cwd=ROOT,

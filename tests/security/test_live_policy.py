@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
-from registry_server.client.launcher import spawn_server
+from registry_server.cli.launcher import spawn_server
 from registry_server.client.registry_client import open_channel
 from registry_server.domain.models import parse_definition
 from registry_server.signing.keys import generate_keypair
@@ -226,7 +226,7 @@ def test_policy_check_validates_a_file_offline(tmp_path: Path) -> None:
     bad.write_text(good.read_text().replace("audience:", "audiences:"))
 
     def check(path: Path) -> subprocess.CompletedProcess[str]:
-        argv = [sys.executable, "-m", "registry_server.client.cli", "policy", "check", str(path)]
+        argv = [sys.executable, "-m", "registry_server.cli", "policy", "check", str(path)]
         return subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=60)
 
     ok = check(good)

@@ -11,7 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
-from registry_server.client.launcher import spawn_server
+from registry_server.cli.launcher import spawn_server
 from tests.integration.conftest import Running, StartServer
 from tests.security.conftest import execute
 

@@ -42,7 +42,7 @@ import yaml
 
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
-from registry_server.client.launcher import ServerProcess, spawn_server
+from registry_server.cli.launcher import ServerProcess, spawn_server
 from registry_server.client.registry_client import open_channel
 from registry_server.domain.models import parse_definition
 from registry_server.signing.keys import generate_keypair, load_private_key
@@ -484,7 +484,7 @@ def test_expressions_that_could_loop_or_build_huge_strings_are_refused_at_load(
     rules = len(policy["approval_rules"]) - 1, len(policy["deny_rules"]) - 1
 
     check = subprocess.run(
-        [sys.executable, "-m", "registry_server.client.cli", "policy", "check", str(path)],
+        [sys.executable, "-m", "registry_server.cli", "policy", "check", str(path)],
         capture_output=True, text=True, cwd=ROOT, timeout=60,
     )  # fmt: skip
     assert check.returncode == 2, check.stdout
@@ -498,7 +498,7 @@ def test_expressions_that_could_loop_or_build_huge_strings_are_refused_at_load(
     # rather than through spawn_server, whose error keeps only the last 20
     # reads of stderr: empty ones, at times, between EOF and the exit.)
     serve = subprocess.run(
-        [sys.executable, "-m", "registry_server.client.cli", "serve", "--port", "0",
+        [sys.executable, "-m", "registry_server.cli", "serve", "--port", "0",
          "--data-dir", str(tmp_path / "data"), "--policy", str(path)],
         capture_output=True, text=True, cwd=ROOT, timeout=60,
     )  # fmt: skip

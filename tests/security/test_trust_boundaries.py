@@ -34,7 +34,7 @@ import yaml
 
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
-from registry_server.client.launcher import ServerProcess, spawn_server
+from registry_server.cli.launcher import ServerProcess, spawn_server
 from registry_server.client.registry_client import open_channel
 from registry_server.domain.models import parse_definition
 from registry_server.signing.keys import generate_keypair, load_private_key
@@ -580,7 +580,7 @@ def test_rule_approvers_see_the_definition_and_escaped_text(deployment: Deployme
     assert full.tool.safety_level == pb.SAFETY_LEVEL_DANGEROUS
     assert json.loads(full.arguments_json) == args
     shown = subprocess.run(
-        [sys.executable, "-m", "registry_server.client.cli", "--token", token_of("alice"),
+        [sys.executable, "-m", "registry_server.cli", "--token", token_of("alice"),
          "approvals", "show", req.id, "--address", deployment.server.address],
         capture_output=True, text=True, timeout=60, cwd=ROOT,
     )  # fmt: skip

@@ -13,7 +13,7 @@ import pytest
 
 from registry_server.api.app import build_app
 from registry_server.api.config import ServerConfig
-from registry_server.client.launcher import spawn_server
+from registry_server.cli.launcher import spawn_server
 from registry_server.domain.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,8 +13,8 @@ from typing import Any
 import yaml
 
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
-from registry_server.client.cli.approvals import request_lines, rule_lines
-from registry_server.client.console import views
+from registry_server.cli.approvals import request_lines, rule_lines
+from registry_server.console import views
 from registry_server.domain.arguments import arguments_digest
 from registry_server.domain.models import SafetyLevel
 from registry_server.policy.conditions import CallFacts

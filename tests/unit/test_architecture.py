@@ -24,7 +24,13 @@ LAYERS = [
     "wire",
     "api",
     "install",
-    "client",
+    "client",  # the Python client library and the agent-framework adapters
+    "web",  # what the web programs share (listener, Host checks)
+    # the programs that are not the server, each in its own room
+    "witness",
+    "console",
+    "mcp",
+    "cli",
 ]
 COMPOSITION_ROOT = "registry_server/api/app.py"
 

@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
-from registry_server.client.cli import app
+from registry_server.cli import app
 from registry_server.client.registry_client import RegistryClient
 
 

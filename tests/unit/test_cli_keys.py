@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner, Result
 
-from registry_server.client.cli import app
-from registry_server.client.cli import keys as cli_keys
+from registry_server.cli import app
+from registry_server.cli import keys as cli_keys
 from registry_server.signing.keys import generate_keypair, load_private_key, public_key_text
 
 ENV = "TOOLREG_KEY_PASSPHRASE"

@@ -16,10 +16,10 @@ import pytest
 
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server.client import approval_view
-from registry_server.client.console import views
-from registry_server.client.console.feed import PAGE_QUEUE_SIZE, Feed, Page
-from registry_server.client.console.sessions import Sessions, SessionsFull
-from registry_server.client.console.settings import ConsoleSettings, may_sign_in
+from registry_server.console import views
+from registry_server.console.feed import PAGE_QUEUE_SIZE, Feed, Page
+from registry_server.console.sessions import Sessions, SessionsFull
+from registry_server.console.settings import ConsoleSettings, may_sign_in
 from registry_server.domain.arguments import arguments_digest
 from registry_server.domain.errors import ConfigError
 from registry_server.domain.outcome import ApprovalEventView, ApprovalRequestView
@@ -235,7 +235,7 @@ def test_a_page_starts_from_what_is_open_and_a_slow_page_resyncs() -> None:
 
 
 def test_the_cli_and_the_console_show_the_same_fields() -> None:
-    from registry_server.client.cli.approvals import request_lines
+    from registry_server.cli.approvals import request_lines
 
     req = request(state="REJECTED", rejected_by="bob", rejection_reason="no\u202e")
     lines = request_lines(req)

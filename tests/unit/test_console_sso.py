@@ -1,4 +1,4 @@
-"""The console's SSO bookkeeping without a provider (client/console/sso.py):
+"""The console's SSO bookkeeping without a provider (console/sso.py):
 pending sign-ins (state single use and bound to its browser, expiry, caps),
 the PKCE challenge, the settings' refusals, the client claims make, and the
 access token kept fresh with the refresh token."""
@@ -13,13 +13,14 @@ from typing import Any
 
 import pytest
 
-from registry_server.client.console.settings import (
+from registry_server.client.idp_tokens import TokenAnswer, s256
+from registry_server.console.settings import (
     SSO_SECRET_ENV,
     ConsoleSettings,
     SsoSettings,
     sso_could_sign_in,
 )
-from registry_server.client.console.sso import (
+from registry_server.console.sso import (
     EXCHANGE,
     STATE,
     UNAVAILABLE,
@@ -28,7 +29,6 @@ from registry_server.client.console.sso import (
     SsoRefused,
     identity,
 )
-from registry_server.client.idp_tokens import TokenAnswer, s256
 from registry_server.domain.errors import ConfigError
 from registry_server.policy.clients import Client, Role
 from registry_server.policy.identity import GroupGrant, IdentityProvider

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from registry_server.client.console import throttle as t
-from registry_server.client.console.guard import shown
-from registry_server.client.console.settings import SIGNIN_WINDOW_ENV, ConsoleSettings
+from registry_server.console import throttle as t
+from registry_server.console.guard import shown
+from registry_server.console.settings import SIGNIN_WINDOW_ENV, ConsoleSettings
 from registry_server.domain.errors import ConfigError
 from registry_server.signing.keys import generate_keypair
 

@@ -1,5 +1,5 @@
 """What `toolreg mcp --http` accepts before anything listens
-(client/mcp_http_settings.py): the endpoint and the fail-closed refusals. The
+(mcp/http_settings.py): the endpoint and the fail-closed refusals. The
 Host/Origin allow-lists and the token check, made of the MCP SDK's objects:
 tests/adapters/test_mcp_sdk_mapping.py."""
 
@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from registry_server.client.http_listener import parse_endpoint
-from registry_server.client.mcp_http_settings import (
+from registry_server.domain.arguments import MAX_ARGUMENTS_BYTES
+from registry_server.domain.errors import ConfigError
+from registry_server.mcp.http_settings import (
     DEFAULT_MAX_BODY_BYTES,
     HttpSettings,
     OAuthSettings,
@@ -20,11 +21,10 @@ from registry_server.client.mcp_http_settings import (
     oauth_settings,
     resume_limits,
 )
-from registry_server.domain.arguments import MAX_ARGUMENTS_BYTES
-from registry_server.domain.errors import ConfigError
 from registry_server.policy.clients import Client, Role
 from registry_server.policy.identity import IdentityProvider
 from registry_server.policy.model import Policy
+from registry_server.web.listener import parse_endpoint
 from tests.factories import sha
 
 POLICY = Policy(

@@ -1,4 +1,4 @@
-"""Progress from a streamed call (client/mcp_progress.py): the preview, the
+"""Progress from a streamed call (mcp/progress.py): the preview, the
 throttle, the final count, and stopping a call while a read blocks."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import anyio
 import pytest
 
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
-from registry_server.client.mcp_progress import (
+from registry_server.mcp.progress import (
     PROGRESS_MESSAGE_CHARS,
     EventStream,
     ProgressReporter,

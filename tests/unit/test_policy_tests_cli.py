@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from registry_server.client.cli import app
+from registry_server.cli import app
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOLREG = Path(sys.executable).parent / "toolreg"

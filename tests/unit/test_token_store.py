@@ -21,8 +21,8 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from registry_server.client.cli import app
-from registry_server.client.idp_login import (
+from registry_server.cli import app
+from registry_server.cli.idp_login import (
     CallbackListener,
     Discovery,
     LoginError,

@@ -1,4 +1,4 @@
-"""The witness's decisions (client/witness/core.py) on c2sp.org/tlog-witness
+"""The witness's decisions (witness/core.py) on c2sp.org/tlog-witness
 requests, in memory: a growing log cosigned, and each refusal the spec
 names (400, 403, 404, 409 with the size, 409 for a fork, 422), evidence
 kept; two requests at once never roll a log back; the state file survives
@@ -15,9 +15,6 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from starlette.testclient import TestClient
 
-from registry_server.client.witness.core import Witness
-from registry_server.client.witness.state import FileState, LogState, MemoryState
-from registry_server.client.witness.web import build_app, check_prefix
 from registry_server.domain import merkle
 from registry_server.domain.errors import ConfigError
 from registry_server.signing.cosignatures import (
@@ -31,6 +28,9 @@ from registry_server.signing.tlog_witness import (
     SIZE_CONTENT_TYPE,
     AddCheckpoint,
 )
+from registry_server.witness.core import Witness
+from registry_server.witness.state import FileState, LogState, MemoryState
+from registry_server.witness.web import build_app, check_prefix
 
 ORIGIN = "toolreg.example/log"
 NOW = 1_800_000_000

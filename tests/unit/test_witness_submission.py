@@ -1,7 +1,7 @@
 """The server's side of witnessing, in memory: the subtree cache's proofs
 are merkle.py's (domain/merkle_cache.py), and the submitter
 (notify/witnesses.py) gets a growing log's checkpoints cosigned by a real
-witness decision (client/witness/core.py) behind an in-process transport:
+witness decision (witness/core.py) behind an in-process transport:
 from size 0, from a size the witness reports (409), through failures and
 retries, and it reports a fork and a wrong key without storing anything."""
 
@@ -15,8 +15,6 @@ import httpx
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from registry_server.client.witness.core import Witness
-from registry_server.client.witness.state import LogState, MemoryState
 from registry_server.domain import merkle
 from registry_server.domain.merkle_cache import SubtreeCache
 from registry_server.notify.witnesses import WitnessEndpoint, WitnessSubmitter, parse_witness
@@ -25,6 +23,8 @@ from registry_server.signing.notes import NoteError, Signer
 from registry_server.store import audit_chain, audit_tree
 from registry_server.store.base import CheckpointRecord
 from registry_server.store.memory import MemoryStore
+from registry_server.witness.core import Witness
+from registry_server.witness.state import LogState, MemoryState
 
 ORIGIN = "toolreg/unit"
 URL = "http://witness.test/w"

@@ -17,14 +17,15 @@ from typing import Any, Generic, TypeVar
 
 import grpc
 
-from registry_server.client.registry_client import (
+from registry_server.client import (
+    ApprovalRequestView,
     CallResult,
     RegistryClient,
+    SafetyLevel,
     Status,
+    ToolDefinition,
     describe_rpc_error,
 )
-from registry_server.domain.models import SafetyLevel, ToolDefinition
-from registry_server.domain.outcome import ApprovalRequestView
 
 MAX_ERROR_CHARS = 1000  # characters of an error handed to the model: several schema
 # violations fit, a tool's stderr flood does not fill the model's context

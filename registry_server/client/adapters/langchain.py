@@ -49,6 +49,14 @@ from typing import Any, cast
 
 import grpc
 
+from registry_server.client import (
+    ApprovalRequestView,
+    ApprovalWaitError,
+    CallResult,
+    RegistryClient,
+    SafetyLevel,
+    ToolDefinition,
+)
 from registry_server.client.adapters._common import (
     BoundedMap,
     approval_payload,
@@ -61,15 +69,7 @@ from registry_server.client.adapters._common import (
     parse_resume,
     rpc_error_text,
 )
-from registry_server.client.registry_client import (
-    DEFAULT_POLL_S,
-    ApprovalWaitError,
-    CallResult,
-    RegistryClient,
-    arguments_text,
-)
-from registry_server.domain.models import SafetyLevel, ToolDefinition
-from registry_server.domain.outcome import ApprovalRequestView
+from registry_server.client.registry_client import DEFAULT_POLL_S, arguments_text
 
 try:
     from langchain_core.tools import StructuredTool, ToolException

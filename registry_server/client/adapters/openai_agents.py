@@ -43,6 +43,13 @@ from typing import Any, Literal
 
 import grpc
 
+from registry_server.client import (
+    ApprovalRequestView,
+    ApprovalWaitError,
+    CallResult,
+    RegistryClient,
+    SafetyLevel,
+)
 from registry_server.client.adapters._common import (
     BoundedMap,
     approval_text,
@@ -51,14 +58,7 @@ from registry_server.client.adapters._common import (
     not_approved_text,
     rpc_error_text,
 )
-from registry_server.client.registry_client import (
-    DEFAULT_POLL_S,
-    ApprovalWaitError,
-    CallResult,
-    RegistryClient,
-)
-from registry_server.domain.models import SafetyLevel
-from registry_server.domain.outcome import ApprovalRequestView
+from registry_server.client.registry_client import DEFAULT_POLL_S
 
 try:
     from agents import FunctionTool, RunState, Tool, ToolApprovalItem, UserError
