@@ -66,7 +66,28 @@ check-k8s: $(STAMP)
 check-ts: ts-client
 	cd clients/typescript && npm run --silent check-gen && npm run --silent typecheck
 
-check: check-proto lint typecheck check-k8s check-ts ## Proto drift (Python, TypeScript), lint, type checks, Kubernetes manifests
+check: check-proto lint typecheck check-k8s check-ts check-docs ## Proto drift (Python, TypeScript), lint, type checks, Kubernetes manifests, docs
+
+# The docs site (mkdocs.yml, MkDocs Material): docs/reference/ is generated from
+# the code by scripts/gen_docs.py and committed; check-docs fails when it is
+# stale, and builds the site strictly (a broken link or anchor, a missing page).
+# Never with mkdocs --quiet: it hides the warnings strict mode counts.
+.PHONY: reference docs check-docs
+DOCS_ENV := NO_MKDOCS_2_WARNING=1
+
+reference: $(STAMP) ## Regenerate docs/reference/ from the proto, the CLI, the policy and manifest schemas, the settings
+	$(BIN)/python scripts/gen_docs.py >/dev/null
+
+docs: reference ## Build the docs site into site/ (open site/index.html; works offline)
+	$(DOCS_ENV) $(BIN)/mkdocs build --strict --site-dir site
+
+check-docs: $(STAMP) ## Fail when docs/reference/ is stale or the docs site has a broken link or page
+	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+	  $(BIN)/python scripts/gen_docs.py "$$tmp/reference" >/dev/null && \
+	  if diff -r -q "$$tmp/reference" docs/reference; then echo "docs/reference is up to date"; \
+	  else echo "docs/reference is stale: run 'make reference'"; exit 1; fi && \
+	  if $(DOCS_ENV) $(BIN)/mkdocs build --strict --site-dir "$$tmp/site" >"$$tmp/build.log" 2>&1; \
+	  then echo "docs site builds (strict)"; else grep -v '^INFO' "$$tmp/build.log"; exit 1; fi
 
 engine: ## Make sure a Docker engine answers (installs docker.io + runsc on Debian)
 	@bash scripts/ensure_docker.sh
