@@ -26,6 +26,7 @@ TIERS = (
     "browser",
     "identity",
     "install",
+    "docs",
 )
 HERE = Path(__file__).resolve().parent
 GC_YOUNG_THRESHOLD = 50_000  # allocations between young collections (Python's default: 700)
