@@ -8,7 +8,8 @@ Policies, all with the same approvers, clients and one unconditional rule for
 the tool, loaded from YAML by ``load_policy`` as the server does:
 
 - ``none``: no condition at all (the baseline of the same run);
-- ``deny``: plus the README's deny rule (a regex over ``args.sql``);
+- ``deny``: plus the deny rule of docs/explanation/threat-model.md (a regex over
+  ``args.sql``);
 - ``typical``: plus 50 conditional approval rules of which 3 match the tool;
 - ``worst``: plus 50 conditional approval rules that all match the tool and
   all hold, so every condition is evaluated in full and every rule becomes a
@@ -88,7 +89,7 @@ CLAIMS: dict[str, Any] = {
 }
 NONE, DENY, TYPICAL, WORST, WORST_PLAIN = (
     "no conditions (baseline)",
-    "1 deny rule (README's no-drop-table)",
+    "1 deny rule (the docs' no-drop-table)",
     "50 conditional rules, 3 match the tool",
     "50 conditional rules, all match and hold (10 with matches())",
     "the same 50 without matches()",

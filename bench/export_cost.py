@@ -1,5 +1,5 @@
 """What the audit log's signed checkpoints and its SIEM export cost a warm
-call, and how fast the export goes (issue 29, docs/audit.md).
+call, and how fast the export goes (issue 29, docs/how-to/audit.md).
 
 Warm calls, interleaved (the order rotating each round; after each call
 its server's used container is removed and its pool refilled before the

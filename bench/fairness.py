@@ -1,5 +1,5 @@
 """A quiet client's latency while another floods the server, against the
-same client's latency on the idle server, in one run (docs/tenants.md).
+same client's latency on the idle server, in one run (docs/how-to/tenants.md).
 
 One server with a policy naming two executing clients and no quotas (so the
 built-in share applies), the sizes the starvation was found at: 4 sandbox

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Approving a dangerous call (write_file) with two approvers, end to end.
-# The README walks through these same steps; tests/security/test_walkthrough.py
+# docs/tutorials/first-approved-call.md walks through these same steps; tests/security/test_walkthrough.py
 # runs this script. Needs the `toolreg` command on PATH (make install: .venv/bin)
 # and the sandbox images (make images).
 set -euo pipefail

@@ -216,7 +216,7 @@ def _netstack_hint(runtime: str) -> Iterator[None]:
             f"{e} (this runsc cannot give gVisor its own network stack on this kernel:"
             " install runsc from gVisor release-20240801 or later, or run"
             " scripts/ensure_docker.sh, which registers runsc-net with hostinet here:"
-            " docs/deploying.md, 1. The engine)"
+            " docs/how-to/deploying.md, 1. The engine)"
         ) from e
 
 

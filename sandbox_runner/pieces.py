@@ -2,7 +2,7 @@
 images, the init) and the command that provides each, where the host has this code
 from: a checkout (the Makefile's targets) or an installed wheel (packages and
 `toolreg` verbs). `toolreg doctor`, `toolreg serve` and a call that meets a missing
-piece all name the same command, from here (docs/deploying.md, "toolreg doctor").
+piece all name the same command, from here (docs/how-to/deploying.md, "toolreg doctor").
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ __all__ = [
 # The repository root when this package runs from a checkout; in a wheel it is
 # site-packages, which has no Makefile.
 _CHECKOUT_ROOT: Final = Path(__file__).resolve().parents[1]
-ENGINE_DOCS: Final = "docs/deploying.md, 1. The engine"
+ENGINE_DOCS: Final = "docs/how-to/deploying.md, 1. The engine"
 
 # ELF e_machine values (the System V ABI's registry) of the machines Linux runs on that a
 # wheel may be built for, and what platform.machine() calls each.

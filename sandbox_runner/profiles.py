@@ -1,5 +1,6 @@
-"""Default limits per safety level (README: The sandbox). Configuration/policy may tighten them;
-a tool's own request is merged with `profile.tightest(request)` and never loosens them.
+"""Default limits per safety level (docs/explanation/sandbox.md). Configuration/policy may
+tighten them; a tool's own request is merged with `profile.tightest(request)` and never
+loosens them.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ _BY_LEVEL: Final[dict[str, Limits]] = {
 }
 LEVELS: Final = tuple(_BY_LEVEL)  # ordered from least to most dangerous
 
-# The two gVisor runtimes scripts/ensure_docker.sh registers (README: The sandbox), one
+# The two gVisor runtimes scripts/ensure_docker.sh registers (docs/explanation/sandbox.md), one
 # binary each. The names are Docker runtime names: an engine offers them or not.
 GVISOR: Final = "runsc"  # --network=none: no network stack, only lo
 # For dangerous tools with network.egress only, on the call's internal network (whose one

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Make sure a Docker engine answers on this machine (README: Two commands).
+# Make sure a Docker engine answers on this machine (docs/how-to/install.md, "From a checkout").
 #
 #   * engine already answers      -> report it (and which gVisor runtimes are registered, with
 #                                    runsc-net's network mode); change nothing, except: when
@@ -12,7 +12,7 @@
 #                                    runsc and runsc-net in daemon.json (merged, never clobbered),
 #                                    start dockerd in the background and wait until it answers
 #
-# Two gVisor runtimes, one binary (README: The sandbox; docs/deploying.md, 1. The engine):
+# Two gVisor runtimes, one binary (docs/explanation/sandbox.md; docs/how-to/deploying.md, 1. The engine):
 #   runsc      --network=none     dangerous tools: no network stack at all, only lo
 #   runsc-net  --network=sandbox  dangerous tools with network.egress only: gVisor's own netstack
 #                                 on the call's internal network, whose one peer is the proxy
@@ -162,7 +162,7 @@ pick_runsc_net_network() {
     RUNSC_NET_WHY+=" sandbox's socket calls go to the host kernel, inside the call's own"
     RUNSC_NET_WHY+=" namespace and internal network. Fix: install runsc from gVisor"
     RUNSC_NET_WHY+=" release-${NETSTACK_FIXED_RELEASE} or later and run this script again"
-    RUNSC_NET_WHY+=" (docs/deploying.md, 1. The engine)"
+    RUNSC_NET_WHY+=" (docs/how-to/deploying.md, 1. The engine)"
 }
 
 # Merge both gVisor runtimes into daemon.json, keeping every other key (and every other
@@ -272,7 +272,7 @@ update_running_engine() {
     if [[ -z "$owned" ]] || ! pidfile_alive "$DOCKER_PIDFILE" dockerd; then
         if [[ -z "$registered" ]]; then
             log "WARNING: runtime ${GVISOR_NET_RUNTIME} is not registered, so dangerous tools with" \
-                "egress will be refused; register it as docs/deploying.md (1. The engine) shows"
+                "egress will be refused; register it as docs/how-to/deploying.md (1. The engine) shows"
         fi
         return 0
     fi
@@ -360,7 +360,7 @@ install one on Debian as root. Please install and start:
   * optionally gVisor (`runsc`, https://gvisor.dev/docs/user_guide/install/) registered as two
     Docker runtimes: "runsc" with runtimeArgs ["--network=none"] (dangerous tools) and
     "runsc-net" with runtimeArgs ["--network=sandbox"] (dangerous tools with egress; a runsc
-    older than release-20240801 may need ["--network=host"]: docs/deploying.md).
+    older than release-20240801 may need ["--network=host"]: docs/how-to/deploying.md).
 EOF
         exit 1
     fi

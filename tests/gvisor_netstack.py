@@ -21,7 +21,9 @@ import pytest
 from sandbox_runner.docker_backend import runtimes_of
 from sandbox_runner.profiles import GVISOR_NET, HOSTINET, NETSTACK, gvisor_network
 
-FIX = "run scripts/ensure_docker.sh as root (make test does), docs/deploying.md 1. The engine"
+FIX = (
+    "run scripts/ensure_docker.sh as root (make test does), docs/how-to/deploying.md 1. The engine"
+)
 _modes: dict[str, str] = {}  # engine base URL -> runsc-net's mode, once it started
 
 

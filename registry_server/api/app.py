@@ -1,6 +1,6 @@
 """The composition root: the one place that picks the store and the sandbox
-backend from configuration and wires the server's parts together (README,
-"Architecture"). ``api/server.py`` puts the result behind gRPC."""
+backend from configuration and wires the server's parts together
+(docs/explanation/architecture.md). ``api/server.py`` puts the result behind gRPC."""
 
 from __future__ import annotations
 
@@ -479,7 +479,7 @@ def _check_audit_log(
     config: ServerConfig, store: Store, signer: Signer | None
 ) -> audit_tree.StartCheck:
     """The chain, and the tree against the last checkpoints of this log: the
-    store's, and the copy this server keeps (docs/audit.md)."""
+    store's, and the copy this server keeps (docs/how-to/audit.md)."""
     check = audit_tree.check_log(
         store,
         origin=signer.name if signer else None,
@@ -561,7 +561,7 @@ def _start_sandboxes(config: ServerConfig, backend: SandboxBackend, require_gvis
         log.warning(
             "dangerous tools with egress run under gVisor (%s) with %s, not gVisor's netstack:"
             " their socket calls reach the host kernel's network stack, inside each call's own"
-            " network namespace and internal network (docs/deploying.md, 1. The engine);"
+            " network namespace and internal network (docs/how-to/deploying.md, 1. The engine);"
             " TOOLREG_GVISOR_HOSTINET=refuse refuses them, a runsc from gVisor"
             " release-20240801 or later gives the netstack",
             GVISOR_NET,
@@ -650,7 +650,7 @@ class _Mounted:
 def _staged(config: ServerConfig) -> _Mounted:
     """Copies under <data_dir>/stage of what lives in the server's own container (its
     image), for an engine that sees the data directory at the same path
-    (TOOLREG_STAGE_MOUNTS; docs/deploying.md, "The server image"). A file that is not
+    (TOOLREG_STAGE_MOUNTS; docs/how-to/deploying.md, "The server image"). A file that is not
     there is left to the check that reports it (the init's, the proxy's at its start)."""
     stage = config.stage_dir
     try:

@@ -66,7 +66,7 @@ class ServerConfig(BaseSettings):
     # MiB: running and warm sandboxes' memory limits add up to at most this.
     sandbox_memory_mb: int = Field(DEFAULT_SANDBOX_MEMORY_MB, ge=64, le=1024 * 1024)
     init_path: Path = INIT_BINARY  # the sandbox init, as `make init` builds it
-    # A server in a container beside the engine (docs/deploying.md, "The server image"):
+    # A server in a container beside the engine (docs/how-to/deploying.md, "The server image"):
     # the files the engine bind-mounts into containers (the init, the egress proxy's
     # code, the upstream CA bundle) are copied at start into <data_dir>/stage and
     # mounted from there, so the data directory must be at the same path on the
@@ -115,7 +115,7 @@ class ServerConfig(BaseSettings):
     # A broken audit chain, or an audit log whose tree does not extend its last
     # signed checkpoint, stops the server unless the operator says go on.
     allow_broken_audit: bool = False
-    # Signed checkpoints of the audit log's Merkle tree (docs/audit.md): the log
+    # Signed checkpoints of the audit log's Merkle tree (docs/how-to/audit.md): the log
     # key (an Ed25519 private key, PEM, unencrypted, kept outside the store; none:
     # no checkpoints are signed), the log's name in them (default:
     # toolreg/<the policy's audience>), and how often: once checkpoint_every
@@ -127,7 +127,7 @@ class ServerConfig(BaseSettings):
     # Where this server keeps a copy of the last checkpoint it signed, checked at
     # start like the store's own (default: <data_dir>/audit-checkpoint.txt).
     checkpoint_copy_file: Path | None = None
-    # Witnesses (docs/audit.md, "Witnesses"), each "<verifier key> <submission
+    # Witnesses (docs/how-to/audit.md, "Witnesses"), each "<verifier key> <submission
     # URL>": every checkpoint this server signs is submitted to each (needs
     # log_key_file), and their cosignatures kept in the store; seconds a
     # request to one may take.
@@ -139,7 +139,7 @@ class ServerConfig(BaseSettings):
     # ends (AttachExecution), and how many ended calls a server keeps at most.
     attach_grace_s: float = Field(DEFAULT_GRACE_S, ge=0, le=MAX_GRACE_S)
     attach_max_ended: int = Field(DEFAULT_MAX_ENDED, ge=0, le=100_000)
-    # Egress (docs/deploying.md): the networks the egress proxy reaches the
+    # Egress (docs/how-to/deploying.md): the networks the egress proxy reaches the
     # world through, its resolvers, and the CAs it verifies upstreams with.
     egress_networks: tuple[str, ...] = ("bridge",)
     egress_dns: tuple[str, ...] = ()
@@ -154,7 +154,7 @@ class ServerConfig(BaseSettings):
     webhook_retry_base_s: float = Field(DEFAULT_RETRY_BASE_S, gt=0, le=3_600)
     webhook_max_attempts: int = Field(DEFAULT_MAX_ATTEMPTS, ge=1, le=20)
     webhook_concurrency: int = Field(DEFAULT_CONCURRENCY, ge=1, le=64)
-    # SIEM export (docs/audit.md, "SIEM export"): every audit record as an OCSF
+    # SIEM export (docs/how-to/audit.md, "SIEM export"): every audit record as an OCSF
     # event, to a JSON Lines file (rotated past max_bytes, keep rotated files
     # kept) and/or a syslog receiver over TLS (HOST:PORT; its certificate is
     # verified against export_syslog_ca for export_syslog_server_name, default

@@ -1,7 +1,7 @@
 """Health answers name the policy in force: `grpc.health.v1.Health/Check`
 carries it as trailing metadata (`toolreg-policy-digest`), so an operator, or
 a probe, sees at a glance whether every server enforces the same policy
-(docs/deploying.md, "A live policy"). The digest is a hash of the operator's
+(docs/how-to/deploying.md, "A live policy"). The digest is a hash of the operator's
 file and reveals nothing a port scan would not."""
 
 from __future__ import annotations

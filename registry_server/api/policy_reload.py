@@ -1,4 +1,4 @@
-"""Reloading the policy while serving (docs/deploying.md, "A live policy"):
+"""Reloading the policy while serving (docs/how-to/deploying.md, "A live policy"):
 on SIGHUP, on `toolreg policy reload` (ReloadPolicy, admins), and when another
 server on the store was asked to.
 

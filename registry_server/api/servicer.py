@@ -62,7 +62,8 @@ class StreamedCall:
     When the RPC ends early the call is cancelled (the container killed), unless
     the client said it re-attaches (``REATTACH_METADATA``) and the call has
     started: then it runs on to its own end (its timeout, the client's deadline)
-    and waits for the client in the log (README "Re-attaching to a running call")."""
+    and waits for the client in the log (docs/how-to/from-your-agent.md,
+    "Re-attaching to a running call")."""
 
     _DONE = object()
 

@@ -1,5 +1,5 @@
 """Copies of the files the engine bind-mounts into containers, for a server that runs in
-a container itself (docs/deploying.md, "The server image").
+a container itself (docs/how-to/deploying.md, "The server image").
 
 The server asks the engine to mount host paths: the sandbox init into every sandbox, the
 egress proxy's code and the upstream CA bundle into the proxy. Inside the server's own

@@ -1,1 +1,2 @@
-"""Approval of dangerous calls: requests, token checks and the decision (docs/approvals.md)."""
+"""Approval of dangerous calls: requests, token checks and the decision
+(docs/how-to/approvals.md)."""

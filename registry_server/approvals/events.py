@@ -1,6 +1,6 @@
 """Approval events: every change of an approval request, stored with the
 audit entry that records it, and fanned out to the watches open on this
-server (docs/approvals.md, "Watching requests").
+server (docs/how-to/approvals.md, "Watching requests").
 
 One ordered log serves every reader. An event takes the seq of its audit
 entry, and audit appends line up (SQLite has one writer; PostgreSQL takes

@@ -2,7 +2,7 @@
 
 A dangerous call runs only when enough distinct approvers whom the policy
 trusts for this tool have each signed a token for exactly this tool
-definition, these arguments and this caller (docs/approvals.md). Every rule
+definition, these arguments and this caller (docs/how-to/approvals.md). Every rule
 that matches the tool applies at once. ``decide`` only checks; the tokens'
 `jti`s are spent by ``spend`` in the same transaction as the audit record,
 once the call holds a sandbox and right before its tool starts, so a token
@@ -20,7 +20,7 @@ A tool deleted or disabled takes its open requests with it: they are VOIDED
 in the unit of work that deletes or disables it (a registry retire hook), and
 tokens issued before that moment never count for the tool again, so an old
 approval cannot run a tool registered again under the same name, even with
-an identical definition (docs/approvals.md, "Deleted and disabled tools").
+an identical definition (docs/how-to/approvals.md, "Deleted and disabled tools").
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ class Approvals:
         self, token: str, *, tool_name: str, tool_digest: str, args_digest: str, caller: str,
         rule: EffectiveRule, not_before: float = 0.0, fresh: bool = True,
     ) -> VerifiedApproval:  # fmt: skip
-        """Every token rule (docs/approvals.md) except spending the jti; raises
+        """Every token rule (docs/how-to/approvals.md) except spending the jti; raises
         Denied. ``not_before``: the tool's ``tokens_not_before`` (a token
         issued before it was deleted or disabled does not count). A passkey
         approval (signing/passkeys.py) is checked by the same rules, and when

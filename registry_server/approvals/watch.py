@@ -1,5 +1,5 @@
 """Watching approval requests: what is open now, then every change as it is
-stored (docs/approvals.md, "Watching requests").
+stored (docs/how-to/approvals.md, "Watching requests").
 
 A watch holds a server thread for as long as it is open, so watches are
 capped per client and per server, and a watch whose reader falls behind is

@@ -1,4 +1,4 @@
-"""A tool's guards compile before it is registered (docs/writing-tools.md,
+"""A tool's guards compile before it is registered (docs/how-to/writing-tools.md,
 "Guards").
 
 The domain checks a guard's shape (``models.GuardInput``: sizes, a message

@@ -9,7 +9,7 @@ able to turn another team's safe tool into its own code, or re-declare a
 dangerous tool as safe. What a client may register at all (the highest level,
 which images) is its ``RegisterGrant`` from the policy.
 
-The kill switch (docs/deploying.md, "Incident response"): its owner or an
+The kill switch (docs/how-to/deploying.md, "Incident response"): its owner or an
 admin deletes a tool, an admin disables it (it stays listed, its calls are
 refused) or enables it again. Either is written to the store with its audit
 entry and whatever the retire hooks write (the tool's open approval requests

@@ -1,6 +1,6 @@
 """`toolreg audit`: the audit log (read from the store): verify its hash chain,
 or that it extends an old signed checkpoint; tail it; print or make its
-latest checkpoint; write and check inclusion proofs (docs/audit.md)."""
+latest checkpoint; write and check inclusion proofs (docs/how-to/audit.md)."""
 
 from __future__ import annotations
 
@@ -113,7 +113,7 @@ def audit_verify(
         typer.Option(
             "--witness",
             help="A witness you trust: its verifier key (name+id+base64, type 0x04), or a file"
-            " holding it. Repeatable. docs/audit.md, Witnesses",
+            " holding it. Repeatable. docs/how-to/audit.md, Witnesses",
         ),
     ] = None,
     min_witnesses: Annotated[

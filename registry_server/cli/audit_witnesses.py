@@ -1,4 +1,4 @@
-"""What `toolreg audit` does with witnesses' cosignatures (docs/audit.md,
+"""What `toolreg audit` does with witnesses' cosignatures (docs/how-to/audit.md,
 "Witnesses"): show them with a checkpoint, and count those an auditor
 trusts.
 

@@ -1,7 +1,7 @@
 """`toolreg doctor`: check this host before trusting it with tool calls. It reads
 its settings exactly as `toolreg serve` does (the same options, TOOLREG_* variables
 through ServerConfig), so it checks the engine, store, files and ports that serve
-would use (docs/deploying.md, "toolreg doctor")."""
+would use (docs/how-to/deploying.md, "toolreg doctor")."""
 
 from __future__ import annotations
 

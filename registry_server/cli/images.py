@@ -59,7 +59,7 @@ def build(
 
     The first build needs a Docker engine and, on Debian as root, installs
     busybox-static and debootstrap; later builds redo only what changed. With
-    --server, the server image follows (docs/deploying.md, "The server image")."""
+    --server, the server image follows (docs/how-to/deploying.md, "The server image")."""
     if not tools.is_dir():
         fail(f"--tools: {tools} is not a directory")
     if wheel is not None and not server:

@@ -48,7 +48,7 @@ def serve(
         typer.Option(
             "--log-key",
             help="Sign checkpoints of the audit log with this Ed25519 key (PEM, mode 600;"
-            " keep it outside the store). docs/audit.md",
+            " keep it outside the store). docs/how-to/audit.md",
         ),
     ] = None,
     log_origin: Annotated[
@@ -70,7 +70,7 @@ def serve(
         typer.Option(
             "--witness",
             help="Submit each checkpoint to this witness: 'VKEY URL' (its verifier key and"
-            " submission URL). Repeatable. docs/audit.md, Witnesses",
+            " submission URL). Repeatable. docs/how-to/audit.md, Witnesses",
         ),
     ] = None,
     export_jsonl: Annotated[
@@ -78,7 +78,7 @@ def serve(
         typer.Option(
             "--export-jsonl",
             help="Export every audit record as an OCSF event to this JSON Lines"
-            " file (rotated by size). docs/audit.md",
+            " file (rotated by size). docs/how-to/audit.md",
         ),
     ] = None,
     export_jsonl_max_bytes: Annotated[

@@ -1,4 +1,4 @@
-"""`toolreg witness`: a witness of audit logs (docs/audit.md, "Witnesses"):
+"""`toolreg witness`: a witness of audit logs (docs/how-to/audit.md, "Witnesses"):
 make its key, print its verifier key, and serve c2sp.org/tlog-witness."""
 
 from __future__ import annotations

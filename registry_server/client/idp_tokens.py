@@ -1,5 +1,5 @@
 """Access tokens from the organization's identity provider, for clients
-(docs/identity.md): an agent's, by the OAuth 2.0 client-credentials grant,
+(docs/how-to/identity.md): an agent's, by the OAuth 2.0 client-credentials grant,
 with the registry as the resource (RFC 8707), kept and fetched again before
 it expires; a person's, from ``toolreg login`` (authorization code with
 PKCE), kept in the token store and refreshed with its refresh token. Pass one

@@ -1,8 +1,8 @@
 """Streamed calls that survive a broken stream: when StreamExecuteTool's
 stream breaks in transit after the call started, re-attach (AttachExecution)
 from the bytes already received, a bounded number of times with backoff, so
-the caller gets every byte once and the result (README "Re-attaching to a
-running call"). A status the server answered (PERMISSION_DENIED,
+the caller gets every byte once and the result (docs/how-to/from-your-agent.md,
+"Re-attaching to a running call"). A status the server answered (PERMISSION_DENIED,
 RESOURCE_EXHAUSTED, ...) is raised as it is, never retried."""
 
 from __future__ import annotations

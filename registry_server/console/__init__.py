@@ -5,5 +5,5 @@ own browser with their own key (WebCrypto; the key never leaves the page).
 ``settings`` checks what it may serve, ``sessions`` holds who signed in,
 ``feed`` shares one registry watch per approver among its open pages,
 ``views`` shapes (and escapes) what the page shows, ``app`` serves it all,
-and ``static/`` is the page itself. docs/approvals.md describes it.
+and ``static/`` is the page itself. docs/how-to/approvals.md describes it.
 """

@@ -1,5 +1,5 @@
 """The approval console's HTTP side (``toolreg console``): the page, its
-assets, and the small JSON API the page calls (docs/approvals.md, "The
+assets, and the small JSON API the page calls (docs/how-to/approvals.md, "The
 approval console"). It follows the rules of ``toolreg mcp --http``
 (``mcp_http``), for a browser:
 

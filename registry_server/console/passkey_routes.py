@@ -1,4 +1,4 @@
-"""The console's passkey routes (docs/approvals.md, "Passkeys").
+"""The console's passkey routes (docs/how-to/approvals.md, "Passkeys").
 
 - ``GET /api/passkeys``: whether passkeys are set up (the policy's
   ``webauthn``), the relying party id, and the signed-in approver's passkeys.

@@ -1,5 +1,5 @@
 """What ``toolreg console`` accepts before anything listens, checked to fail
-closed (docs/approvals.md, "The approval console").
+closed (docs/how-to/approvals.md, "The approval console").
 
 The console holds approvers' sessions and passes their bearer tokens on to the
 registry, so it refuses whatever would expose them: no policy (nobody to check

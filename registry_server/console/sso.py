@@ -1,6 +1,6 @@
 """Console sign-in with the organization's SSO: OpenID Connect's
 authorization code flow with PKCE (S256), ``state`` and ``nonce``
-(docs/approvals.md, "Signing in with SSO").
+(docs/how-to/approvals.md, "Signing in with SSO").
 
 The console is a confidential OAuth client of one identity provider the
 policy trusts (``identity_providers``). A sign-in:

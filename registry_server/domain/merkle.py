@@ -1,7 +1,7 @@
 """The Merkle tree of RFC 9162 (Certificate Transparency 2.0; the same tree as
 RFC 6962): tree hashes, inclusion and consistency proofs, and their
 verification. Pure functions over leaf hashes; the audit log's tree
-(store/audit_tree.py, docs/audit.md) is built with them.
+(store/audit_tree.py, docs/how-to/audit.md) is built with them.
 
 Hashing is domain-separated as the RFC says: a leaf is SHA-256(0x00 || data),
 an interior node SHA-256(0x01 || left || right), so no leaf can pass for a

@@ -173,7 +173,7 @@ class ToolDefinition:
     disabled_reason: str = ""
     # Approval tokens issued (iat) before this time (time.time()) do not count
     # for it: when it was last disabled, or when its name was last deleted
-    # before it was registered (docs/approvals.md, "Deleted and disabled tools").
+    # before it was registered (docs/how-to/approvals.md, "Deleted and disabled tools").
     tokens_not_before: float = 0.0
 
     @property

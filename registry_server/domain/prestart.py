@@ -1,4 +1,4 @@
-"""The rules of a tool's warm interpreter (``prestart``/``preload``, docs/writing-tools.md).
+"""The rules of a tool's warm interpreter (``prestart``/``preload``, docs/how-to/writing-tools.md).
 
 ``prestart: python`` starts the command's interpreter in the warm container before the
 call, with the ``preload`` modules imported (no input, no network): what it may have

@@ -13,7 +13,7 @@ A call past the queue is refused at once (RESOURCE_EXHAUSTED) rather than
 piling up threads and memory; a waiting call whose client goes away leaves
 the queue without ever starting a container.
 
-The queue is fair across clients (docs/deploying.md, "Sharing a server"):
+The queue is fair across clients (docs/how-to/deploying.md, "Sharing a server"):
 each client waits in its own line, first come first served within it, and
 a freed slot goes to the head of the line whose client has the fewest
 running calls (the earliest among equals). A client may also be capped:

@@ -1,7 +1,7 @@
 """Kept calls: the output and result of each streamed call, kept while it runs
 and for a grace period after it ends, so a client whose stream broke can
 re-attach (AttachExecution) and receive what it missed, then the result
-(README "Re-attaching to a running call").
+(docs/how-to/from-your-agent.md, "Re-attaching to a running call").
 
 What is kept is what the stream carried: the redacted chunks, within the
 tool's output caps (plus a hard per-stream bound here). Ended calls are

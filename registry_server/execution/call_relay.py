@@ -10,7 +10,7 @@ log (call_log.py); the relay writes whatever changed every
 A server asked to attach to a call it does not run itself polls that row. A
 call without a result whose row has not been published for ``DEAD_AFTER_S``
 belongs to a server that died: the follower ends with a SANDBOX_ERROR result
-saying so (docs/scaling.md "Re-attaching across servers").
+saying so (docs/how-to/scaling.md "Re-attaching across servers").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Call rates per client: a token bucket each (docs/deploying.md, "Sharing a
+"""Call rates per client: a token bucket each (docs/how-to/deploying.md, "Sharing a
 server"). A client's bucket holds up to ``burst`` calls and refills at
 ``rate_per_s``; a call that finds it empty is refused at once with the time
 until the next token, before anything else is done for it.

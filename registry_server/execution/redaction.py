@@ -3,7 +3,7 @@ its output (whole, and as it streams) and the hosts it asked the proxy for.
 
 A guard against accidents, not against the tool: a tool that is handed a
 value (deliver: file) can always transform it before printing it
-(docs/writing-tools.md says so).
+(docs/how-to/writing-tools.md says so).
 """
 
 from __future__ import annotations

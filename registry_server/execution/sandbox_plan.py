@@ -46,7 +46,7 @@ WORKSPACE_TARGET = "/workspace"  # where a workspace tool sees its directory
 RUNTIMES_RECHECK_S = 5.0
 TOOL_WORKSPACE_ENV = "TOOLREG_WORKSPACE"  # tells the tool where its workspace is
 HOSTINET_SETTING = "TOOLREG_GVISOR_HOSTINET"  # allow|refuse: the server setting below
-ENGINE_DOCS = "docs/deploying.md, 1. The engine"
+ENGINE_DOCS = "docs/how-to/deploying.md, 1. The engine"
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""`toolreg doctor`: checks a host before it is trusted with tool calls (docs/deploying.md,
+"""`toolreg doctor`: checks a host before it is trusted with tool calls (docs/how-to/deploying.md,
 "toolreg doctor"). Each check reads the real thing (the engine, the store, the files,
 the ports) with a bounded wait, changes nothing (a temporary file in the data directory
 is made and removed, a port is bound and released), and returns one result per piece:
@@ -64,7 +64,7 @@ PROBE_TIMEOUT_S: Final = 5.0  # seconds each network probe (engine, IdP discover
 CERT_EXPIRY_WARN_DAYS: Final = 14  # days: a server certificate closer to expiry than this warns
 JSON_FORMAT: Final = 1  # version of --json's shape; bumped only when a key changes meaning
 RUNC: Final = "runc"
-HOSTINET_DOCS: Final = "docs/deploying.md, 1. The engine"
+HOSTINET_DOCS: Final = "docs/how-to/deploying.md, 1. The engine"
 
 
 class Status(enum.StrEnum):
@@ -75,7 +75,7 @@ class Status(enum.StrEnum):
 
 @dataclass(frozen=True)
 class CheckResult:
-    name: str  # stable: scripts select checks by it (docs/deploying.md lists them)
+    name: str  # stable: scripts select checks by it (docs/how-to/deploying.md lists them)
     status: Status
     detail: str
     fix: str = ""  # the command or setting that fixes it; "" when nothing needs fixing
@@ -457,7 +457,7 @@ def check_store(url: str) -> CheckResult:
             "store",
             _scrub_urls(error.message),
             f"install toolreg {state.written_by or 'of that release'} or newer"
-            " (docs/deploying.md, Upgrades)",
+            " (docs/how-to/deploying.md, Upgrades)",
         )
     by = f", last opened by toolreg {state.written_by}" if state.written_by else ""
     if state.behind:
@@ -465,7 +465,7 @@ def check_store(url: str) -> CheckResult:
             "store",
             f"{where}: schema {state.schema_version}{by}; toolreg {version()} migrates it to"
             f" schema {state.known_version} at start",
-            "back the store up first (docs/deploying.md, Upgrades), then toolreg serve",
+            "back the store up first (docs/how-to/deploying.md, Upgrades), then toolreg serve",
         )
     return _ok("store", f"{where}: schema {state.schema_version} (this version's){by}")
 

@@ -1,6 +1,6 @@
 """The server image, toolreg/server:<version>: a wheel installed on the Debian root the
 sandbox images use (toolreg/python-root), built with nothing pulled, plus CycloneDX
-SBOMs of the wheel's dependency set and of the image (docs/deploying.md, "The server
+SBOMs of the wheel's dependency set and of the image (docs/how-to/deploying.md, "The server
 image").
 
 The root has python3 but no pip, and the build runs nothing inside it: pip on this host

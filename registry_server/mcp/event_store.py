@@ -1,5 +1,5 @@
 """The SSE events ``toolreg mcp --http`` keeps so that a client whose stream
-dropped can resume it with ``Last-Event-ID`` (docs/mcp.md, "Resuming a call").
+dropped can resume it with ``Last-Event-ID`` (docs/how-to/mcp.md, "Resuming a call").
 
 The MCP SDK's Streamable HTTP transport stores every message it sends on a
 request's SSE stream through an ``EventStore`` and, on a GET with

@@ -1,5 +1,5 @@
 """``toolreg mcp --http`` as an OAuth 2.1 resource server, as the MCP
-authorization specification (2025-11-25) asks (docs/identity.md, "MCP hosts"):
+authorization specification (2025-11-25) asks (docs/how-to/identity.md, "MCP hosts"):
 
 * **Discovery.** RFC 9728 Protected Resource Metadata at
   ``/.well-known/oauth-protected-resource/mcp`` (and at the bare well-known

@@ -1,5 +1,5 @@
 """Telling approvers: approval events posted to the policy's webhook
-endpoints (docs/deploying.md, "Webhooks").
+endpoints (docs/how-to/deploying.md, "Webhooks").
 
 endpoints.py reads each endpoint's signing secret at start; outbox.py queues
 one delivery per (event, endpoint) inside the event's own transaction;

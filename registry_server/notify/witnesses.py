@@ -1,5 +1,5 @@
 """Each new checkpoint of the audit log, submitted to the witnesses the
-configuration names (docs/audit.md, "Witnesses"; c2sp.org/tlog-witness),
+configuration names (docs/how-to/audit.md, "Witnesses"; c2sp.org/tlog-witness),
 and their cosignatures kept in the store (``audit_cosignatures``).
 
 A thread of its own does it, off the call path: it looks once a second for

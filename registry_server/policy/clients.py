@@ -65,7 +65,7 @@ MAX_QUOTA_SERVERS = 1_024  # servers a rate may be split across
 
 @dataclass(frozen=True)
 class Quota:
-    """A client's share of each server (docs/deploying.md, "Sharing a
+    """A client's share of each server (docs/how-to/deploying.md, "Sharing a
     server"); None: not set here (the default, then the built-in share)."""
 
     max_concurrent: int | None = None  # sandboxes running its calls at once

@@ -1,5 +1,5 @@
 """Conditions: CEL expressions over one call, in the policy (approval rules'
-``when``, deny rules) and in tools' guards (docs/approvals.md, "Conditions").
+``when``, deny rules) and in tools' guards (docs/how-to/approvals.md, "Conditions").
 
 CEL through ``cel-expr-python`` (Google's own runtime, cel-cpp): it
 type-checks against declared variables (a misspelt field is an error at load,

@@ -1,6 +1,6 @@
 """Whether a tool stays within what its owner may grant: at registration,
 and again before every call, so a narrowed grant in a reloaded policy stops
-the stored tools outside it (docs/deploying.md, "A live policy")."""
+the stored tools outside it (docs/how-to/deploying.md, "A live policy")."""
 
 from __future__ import annotations
 

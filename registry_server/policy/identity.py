@@ -1,4 +1,4 @@
-"""Who a caller is when its identity provider says so (docs/identity.md).
+"""Who a caller is when its identity provider says so (docs/how-to/identity.md).
 
 The policy names the identity providers (IdPs) it trusts: for each, its
 issuer, the audiences it accepts, the algorithms it allows, and how a

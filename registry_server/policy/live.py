@@ -1,4 +1,4 @@
-"""The policy in force, replaced whole by a reload (docs/deploying.md, "A
+"""The policy in force, replaced whole by a reload (docs/how-to/deploying.md, "A
 live policy").
 
 A reload reads the file again; a file that does not load is refused and the

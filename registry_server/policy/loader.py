@@ -1,4 +1,4 @@
-"""The policy file (docs/deploying.md): who may approve what, which clients may do what,
+"""The policy file (docs/how-to/deploying.md): who may approve what, which clients may do what,
 and the sandbox ceilings of each safety level.
 
 The YAML is validated in two passes: pydantic input models (strict, frozen,

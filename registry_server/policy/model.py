@@ -1,6 +1,6 @@
 """The policy as the server reads it: approvers, approval rules, clients and
 their roles and register grants, sandbox ceilings. Frozen once loaded
-(docs/deploying.md, docs/approvals.md)."""
+(docs/how-to/deploying.md, docs/how-to/approvals.md)."""
 
 from __future__ import annotations
 
@@ -222,7 +222,7 @@ class EgressPolicy:
 class QuotaPolicy:
     default: Quota = field(default_factory=Quota)  # for clients that name none (per field)
     # Servers sharing the load: each enforces 1/servers of every rate and burst
-    # (the other limits hold per server: docs/deploying.md).
+    # (the other limits hold per server: docs/how-to/deploying.md).
     servers: int = 1
 
 

@@ -1,4 +1,4 @@
-"""Webhook endpoints in the policy (docs/deploying.md, "Webhooks"): where
+"""Webhook endpoints in the policy (docs/how-to/deploying.md, "Webhooks"): where
 approvers are told about approval requests, and the base URL of the approval
 console that the messages link to.
 

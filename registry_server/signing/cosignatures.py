@@ -1,5 +1,5 @@
 """Witness cosignatures (c2sp.org/tlog-cosignature, the Ed25519 type,
-``cosignature/v1``) on the audit log's checkpoints (docs/audit.md,
+``cosignature/v1``) on the audit log's checkpoints (docs/how-to/audit.md,
 "Witnesses"). Text in, text out; the notes and checkpoints are notes.py's.
 
 A cosignature is a signed-note signature line on a checkpoint,

@@ -1,7 +1,7 @@
 """Signed notes (c2sp.org/signed-note) with Ed25519, the checkpoints a
 transparency log signs (c2sp.org/tlog-checkpoint), and offline inclusion
 proofs (c2sp.org/tlog-proof): the formats of the audit log's checkpoints
-(docs/audit.md). Text in, text out; the tree is domain/merkle.py's.
+(docs/how-to/audit.md). Text in, text out; the tree is domain/merkle.py's.
 
 A note is text ending in a newline, a blank line, and signature lines
 ``— <key name> <base64(4-byte key ID || signature)>``. The key ID is the

@@ -1,5 +1,5 @@
 """Passkey approvals: a WebAuthn assertion over an approval's claims
-(docs/approvals.md, "Passkeys").
+(docs/how-to/approvals.md, "Passkeys").
 
 An approver may hold WebAuthn credentials (passkeys) instead of, or next to,
 an Ed25519 key: the policy lists each one's credential id and COSE public

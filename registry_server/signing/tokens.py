@@ -1,4 +1,4 @@
-"""Approval tokens: Ed25519-signed JWTs that approve one call (docs/approvals.md).
+"""Approval tokens: Ed25519-signed JWTs that approve one call (docs/how-to/approvals.md).
 
 An approver signs, with a private key that never reaches the server, a token
 naming exactly one tool definition (``sub`` + ``tool_digest``), one argument
@@ -214,7 +214,7 @@ def verify(
     now: float | None = None,
     leeway_s: int = 30,
 ) -> VerifiedApproval:
-    """Check every token rule (docs/approvals.md) that needs no store, or raise
+    """Check every token rule (docs/how-to/approvals.md) that needs no store, or raise
     TokenRejected.
 
     Eligibility, the caller-is-not-the-approver rule, m-of-n and jti reuse are

@@ -1,4 +1,4 @@
-"""The audit log's Merkle tree and its signed checkpoints (docs/audit.md).
+"""The audit log's Merkle tree and its signed checkpoints (docs/how-to/audit.md).
 
 The hash chain (audit_chain.py) shows an edit in the middle of the log, but
 not records cut off its end, nor a chain recomputed from an edit onwards by

@@ -6,7 +6,7 @@ log (with the signed checkpoints of its Merkle tree). Reads go through
 ``Store.reading()``; every change goes through ``Store.unit_of_work()``, one
 atomic transaction: all of it is stored, or none of it. That is what lets a
 call spend its approval tokens and write its audit record together
-(docs/approvals.md), so a crash can never let the same tokens run a call
+(docs/how-to/approvals.md), so a crash can never let the same tokens run a call
 twice, nor leave a call that ran without its record.
 
 Implementations: ``sqlite.SqliteStore`` (the server's store) and
@@ -167,7 +167,7 @@ class ExportCursor:
 @dataclass(frozen=True)
 class CheckpointRecord:
     """A signed checkpoint of the audit log's Merkle tree (store/audit_tree.py,
-    docs/audit.md): the tree of its first ``size`` entries had root ``root``,
+    docs/how-to/audit.md): the tree of its first ``size`` entries had root ``root``,
     as the log key signed in ``note``."""
 
     origin: str  # the log's name: the note's first line and its key name
@@ -181,7 +181,7 @@ class CheckpointRecord:
 class CosignatureRecord:
     """A witness's cosignature (c2sp.org/tlog-cosignature) of one of the
     log's checkpoints, as its witness answered it (notify/witnesses.py,
-    docs/audit.md "Witnesses")."""
+    docs/how-to/audit.md "Witnesses")."""
 
     origin: str  # the log's
     size: int  # of the checkpoint it cosigns

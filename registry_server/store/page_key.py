@@ -1,7 +1,7 @@
 """The key that signs page tokens (domain/pages.py), kept in the store.
 
 One key per store, not per server: servers behind a load balancer share a
-store (docs/scaling.md), and the next page of a listing may be asked of
+store (docs/how-to/scaling.md), and the next page of a listing may be asked of
 another server than the first, which must accept the token. The first server
 to start on a store makes the key; every later one reads it.
 """

@@ -1,5 +1,5 @@
 """The PostgreSQL store: several registry servers on one database
-(docs/scaling.md). The queries are store/sql.py's; this module holds the
+(docs/how-to/scaling.md). The queries are store/sql.py's; this module holds the
 connection pool, the schema and its migrations, and what makes N servers
 agree:
 

@@ -1,5 +1,5 @@
 """Which toolreg release a store was written by, and the one rule about it that
-both stores keep (docs/deploying.md, "Upgrades"): a store whose schema is newer
+both stores keep (docs/how-to/deploying.md, "Upgrades"): a store whose schema is newer
 than this code knows is refused before anything is written to it, with both
 releases named, so a rollback never half-reads or rewrites a newer store."""
 
@@ -38,7 +38,7 @@ def newer_store_error(location: str, found: int, known: int, written_by: str | N
         f"{location} was written by {by} (store schema {found}); this is toolreg"
         f" {version()}, which knows schema {known}. Upgrade toolreg to"
         f" {written_by or 'that release'} or newer, or restore the backup taken before"
-        " the upgrade (docs/deploying.md, Upgrades); the store was left unchanged"
+        " the upgrade (docs/how-to/deploying.md, Upgrades); the store was left unchanged"
     )
 
 

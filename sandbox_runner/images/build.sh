@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build the local sandbox images (README: The sandbox). Nothing is ever pulled.
+# Build the local sandbox images (docs/explanation/sandbox.md). Nothing is ever pulled.
 #
 #   toolreg/base:latest         scratch + Debian's busybox-static + the example tools' *.sh
 #   toolreg/python-root:latest  python3 and what it loads, taken from a debootstrap'ed Debian

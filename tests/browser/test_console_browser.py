@@ -3,7 +3,7 @@ each approver in a browser of its own, picking its own key file; a real
 `toolreg serve` behind it that runs the approved call in a gVisor sandbox.
 
 With TOOLREG_SCREENSHOTS=docs/images these tests also write the screenshots
-docs/approvals.md shows."""
+docs/how-to/approvals.md shows."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Passkeys in the approval console (docs/approvals.md, "Passkeys"), in
+"""Passkeys in the approval console (docs/how-to/approvals.md, "Passkeys"), in
 headless Chromium with its virtual WebAuthn authenticator (CTAP2, internal,
 resident keys, user verification): two approvers enrol a passkey each, the
 test adds the policy lines the page printed and reloads the policy, then

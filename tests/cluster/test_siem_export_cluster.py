@@ -3,7 +3,7 @@ export to the same real rsyslogd over TLS (tests/rsyslog_receiver.py): one
 exports at a time (the cursor's lease), so every record of the one log
 arrives once; the holder SIGKILLed, the other takes the destination over
 once the lease lapses and every record arrives, the batch in flight at the
-kill at most twice, byte for byte the same (docs/audit.md, "Delivery
+kill at most twice, byte for byte the same (docs/how-to/audit.md, "Delivery
 guarantee"; tests/cluster/test_export_cursors_store.py holds the store to
 the lease)."""
 

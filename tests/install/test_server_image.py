@@ -5,7 +5,7 @@ socket mounted, a policy, TLS and the tests' PostgreSQL, and called from the hos
 The container gets the host's network (it reaches PostgreSQL on loopback) and listens
 on loopback only; the data directory is mounted at the same path as on the host, which
 is what lets the engine mount the staged init and the workspace into sandboxes
-(docs/deploying.md, "The server image"). A tool with egress and both kinds of secret
+(docs/how-to/deploying.md, "The server image"). A tool with egress and both kinds of secret
 reaches an upstream of the tests' own (tests/egress_world) through the egress proxy the
 non-root server starts."""
 

@@ -1,4 +1,4 @@
-"""Upgrades keep the audit log (docs/deploying.md, "Upgrades"): a store written by
+"""Upgrades keep the audit log (docs/how-to/deploying.md, "Upgrades"): a store written by
 toolreg 0.1.0's own code, SQLite and PostgreSQL, opens with this release.
 
 The old store is made by running 0.1.0 itself: its source is taken from git (the

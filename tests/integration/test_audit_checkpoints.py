@@ -1,4 +1,4 @@
-"""Signed checkpoints of the audit log (issue 29, docs/audit.md), end to end
+"""Signed checkpoints of the audit log (issue 29, docs/how-to/audit.md), end to end
 with a real SQLite file, the real `toolreg` CLI and a real server process.
 
 A log of 1,000 records is checkpointed; then the last 10 records are

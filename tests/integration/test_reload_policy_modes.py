@@ -1,7 +1,7 @@
 """ReloadPolicy against a real server (gRPC on loopback, SQLite), in both
 modes, as the .proto says: with a policy file it re-reads the file; in
 development mode (no policy file) it succeeds and re-reads the approver keys
-in the data directory (README, "Development mode": install a key, then
+in the data directory (docs/explanation/threat-model.md, "Development mode": install a key, then
 reload), and a bad key file is FAILED_PRECONDITION with the keys in force
 unchanged."""
 

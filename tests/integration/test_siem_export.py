@@ -1,4 +1,4 @@
-"""SIEM export end to end (issue 29, item 3, docs/audit.md "SIEM export"):
+"""SIEM export end to end (issue 29, item 3, docs/how-to/audit.md "SIEM export"):
 a real server with a real policy, the real engine for the calls that run,
 a real rsyslogd (Debian's, started here on loopback with TLS and client
 certificates required; tests/rsyslog_receiver.py) and a JSON Lines file.
@@ -18,7 +18,7 @@ certificates required; tests/rsyslog_receiver.py) and a JSON Lines file.
   none twice; the syslog receiver holds again only what was in flight at
   the kill (one batch at most), byte for byte the same messages, so
   de-duplicating by event uid leaves each record once (the guarantee
-  docs/audit.md states: RFC 5425 has no acknowledgement to do better).
+  docs/how-to/audit.md states: RFC 5425 has no acknowledgement to do better).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Witnesses (issue 29, item 2; docs/audit.md "Witnesses") end to end: a
+"""Witnesses (issue 29, item 2; docs/how-to/audit.md "Witnesses") end to end: a
 real `toolreg witness serve` process on loopback, a real SQLite store, the
 real `toolreg` CLI and a real `toolreg serve` process.
 

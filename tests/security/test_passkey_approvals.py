@@ -1,4 +1,4 @@
-"""Passkey approvals end to end (docs/approvals.md, "Passkeys"): a real server
+"""Passkey approvals end to end (docs/how-to/approvals.md, "Passkeys"): a real server
 with a written policy whose approvers hold WebAuthn credentials, real SQLite,
 the real engine, and a software authenticator (tests/passkey_authenticator.py,
 an EC P-256 key) whose assertions py_webauthn verifies for real. The

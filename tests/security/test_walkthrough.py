@@ -1,4 +1,5 @@
-"""The README's approval walkthrough and development mode, run as a user would."""
+"""The approval walkthrough (docs/tutorials/first-approved-call.md) and development mode,
+run as a user would."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The approval decision (docs/approvals.md), one test per rule: m-of-n with
+"""The approval decision (docs/how-to/approvals.md), one test per rule: m-of-n with
 distinct approvers, group eligibility, every matching rule at once, no
 approving one's own call, every token binding (tool, definition, arguments,
 requester, audience, lifetime, approver key, replay), request ownership and

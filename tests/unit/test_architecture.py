@@ -1,4 +1,4 @@
-"""The import graph reads top to bottom (README, "Architecture"): each package
+"""The import graph reads top to bottom (docs/explanation/architecture.md): each package
 imports only itself and the packages below it, no modules import each other
 in a cycle, and the store and the sandbox backend are picked in one place."""
 

@@ -416,7 +416,7 @@ def test_a_wrong_type_at_run_time_fails_closed(value: Any, outcome: Any) -> None
 
 
 def test_comparing_values_of_different_types_is_false_not_an_error() -> None:
-    # docs/approvals.md: heterogeneous equality; ordering them is an error
+    # docs/how-to/approvals.md: heterogeneous equality; ordering them is an error
     assert not holds('args.replicas == "3"', {"replicas": 3})
     assert holds('args.replicas != "3"', {"replicas": 3})
     assert not holds("args.tags == 3", {"tags": ["a"]})

@@ -759,7 +759,7 @@ HOSTINET_REFUSED = (
     " with hostinet (--network=host: the tool's socket calls reach the host kernel's network"
     " stack), refused by TOOLREG_GVISOR_HOSTINET=refuse: install runsc from gVisor"
     f" release-20240801 or later, then {gvisor_fix()}, for gVisor's netstack"
-    " (docs/deploying.md, 1. The engine)"
+    " (docs/how-to/deploying.md, 1. The engine)"
 )
 
 

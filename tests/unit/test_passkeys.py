@@ -1,4 +1,4 @@
-"""Passkey approvals (signing/passkeys.py, docs/approvals.md "Passkeys"): the
+"""Passkey approvals (signing/passkeys.py, docs/how-to/approvals.md "Passkeys"): the
 envelope's parsing and size cap, the claims and their challenge, what
 py_webauthn's real verification refuses (made by a software authenticator,
 tests/passkey_authenticator.py), the counter rule in the decision, at

@@ -1,4 +1,4 @@
-"""Approval tokens (docs/approvals.md): every rule of verification, one case per row."""
+"""Approval tokens (docs/how-to/approvals.md): every rule of verification, one case per row."""
 
 from __future__ import annotations
 

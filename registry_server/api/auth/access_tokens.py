@@ -1,4 +1,4 @@
-"""IdP access tokens: who a bearer JWT says the caller is (docs/identity.md).
+"""IdP access tokens: who a bearer JWT says the caller is (docs/how-to/identity.md).
 
 A token is checked against the provider its ``iss`` names, and only one the
 policy trusts: the algorithm must be one the policy allows for that provider

@@ -1,4 +1,4 @@
-"""An identity provider's signing keys, fetched and cached (docs/identity.md).
+"""An identity provider's signing keys, fetched and cached (docs/how-to/identity.md).
 
 The keys come from the provider's JWKS, found through OIDC discovery at its
 issuer (or the policy's ``jwks_uri``), fetched with httpx and parsed by

@@ -15,5 +15,5 @@ itself (the frameworks are optional extras):
 Both list tools with ListTools, so ``max_level`` and ``categories`` filter
 exactly as GetToolSchemas does, and both send every call through ExecuteTool:
 the server validates the arguments, applies the policy and the approvals, and
-runs the sandbox. docs/agent-frameworks.md explains the mapping.
+runs the sandbox. docs/how-to/agent-frameworks.md explains the mapping.
 """

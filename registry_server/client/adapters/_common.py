@@ -3,7 +3,8 @@ the text a model gets for each outcome of a call, the approval payload a human
 sees, how a human's answer is read, and a small bounded map for per-call state.
 
 Every outcome of a call is something to hand back to the model, never an
-exception (README, "What a tool is"; examples/agent_loop.py does the same).
+exception (docs/explanation/sandbox.md, "What a tool is"; examples/agent_loop.py
+does the same).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The registry's tools as LangChain ``StructuredTool``s, pausing a LangGraph
 graph while toolreg approvers decide.
 
-``pip install 'toolreg[langchain]'``. docs/agent-frameworks.md has the worked
+``pip install 'toolreg[langchain]'``. docs/how-to/agent-frameworks.md has the worked
 graph; in short::
 
     tools = toolreg_structured_tools(client, max_level="dangerous")

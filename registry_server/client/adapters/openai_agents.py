@@ -1,6 +1,6 @@
 """The registry's tools as OpenAI Agents SDK ``FunctionTool``s.
 
-``pip install 'toolreg[openai-agents]'``. docs/agent-frameworks.md has the
+``pip install 'toolreg[openai-agents]'``. docs/how-to/agent-frameworks.md has the
 worked loop; in short::
 
     approvals = ToolregApprovals(client)

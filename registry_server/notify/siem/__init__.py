@@ -1,4 +1,4 @@
-"""SIEM export of the audit log (docs/audit.md, "SIEM export").
+"""SIEM export of the audit log (docs/how-to/audit.md, "SIEM export").
 
 ocsf.py makes each audit entry an OCSF event (pure); sinks.py writes events
 to a JSON Lines file with rotation, or to a syslog receiver over TLS

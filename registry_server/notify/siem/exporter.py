@@ -1,5 +1,5 @@
 """The SIEM exporter: follows the committed audit log with a cursor kept in
-the store, one thread per destination (docs/audit.md, "SIEM export").
+the store, one thread per destination (docs/how-to/audit.md, "SIEM export").
 
 * It reads only committed entries, on its own thread, and a batch at a
   time: no call ever waits for it, and a destination that is down or slow

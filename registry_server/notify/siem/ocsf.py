@@ -1,4 +1,4 @@
-"""One audit entry as one OCSF 1.4.0 event (docs/audit.md, "SIEM export").
+"""One audit entry as one OCSF 1.4.0 event (docs/how-to/audit.md, "SIEM export").
 Pure: the entry, the log's name and (for approval events) the request's
 requester and tool in, a JSON-ready dict out.
 

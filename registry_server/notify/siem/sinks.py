@@ -14,7 +14,7 @@ The file also says how far it goes (``last_written``): the exporter resumes
 after its last complete line, so a crash between a write and the cursor's
 update never writes a record twice to it. A syslog receiver cannot be
 asked; there the records since the last confirmed batch are sent again,
-with the same event uid and hash (docs/audit.md, "Delivery guarantee").
+with the same event uid and hash (docs/how-to/audit.md, "Delivery guarantee").
 
 Errors (SinkError) say what failed in words safe to log: a destination's
 name, path or address, never a key or an event's content.
