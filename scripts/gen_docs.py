@@ -309,16 +309,9 @@ def _enum(enum: Any, path: tuple[int, ...], locs: dict[tuple[int, ...], Any], le
 
 
 def _cli_app() -> tuple[Any, str]:
-    for module in ("registry_server.cli", "registry_server.client.cli"):
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name and module.startswith(exc.name):
-                continue
-            raise
-        if hasattr(mod, "app"):
-            return mod.app, module
-    raise SystemExit("gen_docs: no typer app in registry_server.cli or registry_server.client.cli")
+    """The typer app of the `toolreg` command, and the module that holds it."""
+    module = "registry_server.cli"
+    return importlib.import_module(module).app, module
 
 
 def _commands(cmd: Any, path: list[str]) -> Iterator[tuple[list[str], Any]]:
