@@ -72,8 +72,12 @@ check: check-proto lint typecheck check-k8s check-ts check-docs ## Proto drift (
 # the code by scripts/gen_docs.py and committed; check-docs fails when it is
 # stale, and builds the site strictly (a broken link or anchor, a missing page).
 # Never with mkdocs --quiet: it hides the warnings strict mode counts.
+# tests/docs/test_docs_site.py runs check-docs on a tampered copy (DOCS_CONFIG,
+# DOCS_REFERENCE) to show that it fails.
 .PHONY: reference docs check-docs
 DOCS_ENV := NO_MKDOCS_2_WARNING=1
+DOCS_CONFIG ?= mkdocs.yml
+DOCS_REFERENCE ?= docs/reference
 
 reference: $(STAMP) ## Regenerate docs/reference/ from the proto, the CLI, the policy and manifest schemas, the settings
 	$(BIN)/python scripts/gen_docs.py >/dev/null
@@ -84,9 +88,10 @@ docs: reference ## Build the docs site into site/ (open site/index.html; works o
 check-docs: $(STAMP) ## Fail when docs/reference/ is stale or the docs site has a broken link or page
 	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
 	  $(BIN)/python scripts/gen_docs.py "$$tmp/reference" >/dev/null && \
-	  if diff -r -q "$$tmp/reference" docs/reference; then echo "docs/reference is up to date"; \
+	  if diff -r -q "$$tmp/reference" "$(DOCS_REFERENCE)"; then echo "docs/reference is up to date"; \
 	  else echo "docs/reference is stale: run 'make reference'"; exit 1; fi && \
-	  if $(DOCS_ENV) $(BIN)/mkdocs build --strict --site-dir "$$tmp/site" >"$$tmp/build.log" 2>&1; \
+	  if $(DOCS_ENV) $(BIN)/mkdocs build --strict -f "$(DOCS_CONFIG)" --site-dir "$$tmp/site" \
+	    >"$$tmp/build.log" 2>&1; \
 	  then echo "docs site builds (strict)"; else grep -v '^INFO' "$$tmp/build.log"; exit 1; fi
 
 engine: ## Make sure a Docker engine answers (installs docker.io + runsc on Debian)
