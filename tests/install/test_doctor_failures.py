@@ -120,12 +120,23 @@ class SecondEngine:
 @pytest.fixture(scope="module")
 def second_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecondEngine]:
     """A dockerd of its own: own data root, exec root, pid file, socket and an empty
-    daemon.json (so none of the main engine's runtimes), no bridge, no iptables."""
+    daemon.json (so none of the main engine's runtimes), no iptables, and a bridge of its
+    own. Not --bridge=none: a dockerd started so deletes the host's docker0, the main
+    engine's default bridge, and every later container on it fails to start."""
     dockerd = shutil.which("dockerd")
     if dockerd is None or os.geteuid() != 0:
         pytest.fail("a second Docker engine needs dockerd and root (make engine installs it)")
-    home = Path(f"/tmp/toolreg-doctor-{uuid.uuid4().hex[:8]}")  # a short unix socket path
+    tag = uuid.uuid4().hex[:8]
+    home = Path(f"/tmp/toolreg-doctor-{tag}")  # a short unix socket path
     home.mkdir(mode=0o700)
+    bridge = f"trdk{tag}"  # at most 15 characters
+    main_bridge = Path("/sys/class/net/docker0").exists()
+    _ip("link", "add", bridge, "type", "bridge")
+    try:
+        _bridge_up(bridge)
+    except BaseException:
+        _ip("link", "del", bridge)
+        raise
     (home / "daemon.json").write_text("{}")
     sock = home / "docker.sock"
     log = tmp_path_factory.mktemp("second-engine") / "dockerd.log"
@@ -134,7 +145,7 @@ def second_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecondEn
             [dockerd, "--config-file", str(home / "daemon.json"),
              "--data-root", str(home / "data"), "--exec-root", str(home / "exec"),
              "--pidfile", str(home / "docker.pid"), "--host", f"unix://{sock}",
-             "--bridge=none", "--iptables=false", "--ip-masq=false",
+             f"--bridge={bridge}", "--iptables=false", "--ip-masq=false",
              "--storage-driver=vfs", "--log-level=warn"],
             stdout=out, stderr=subprocess.STDOUT,
         )  # fmt: skip
@@ -148,7 +159,26 @@ def second_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecondEn
         yield engine
     finally:
         engine.stop()
+        _ip("link", "del", bridge)
         shutil.rmtree(home, ignore_errors=True)
+    # The main engine's containers still have their bridge.
+    assert Path("/sys/class/net/docker0").exists() or not main_bridge
+
+
+# The second engine's bridge address: a documentation range (RFC 5737) that this
+# machine does not use, so it takes no route from the main engine's 172.17.0.0/16.
+SECOND_BRIDGE_ADDRESS = "198.51.100.1/30"
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
+
+
+def _bridge_up(name: str) -> None:
+    taken = subprocess.run(["ip", "-4", "addr"], capture_output=True, text=True, check=True)
+    assert SECOND_BRIDGE_ADDRESS.split("/")[0] not in taken.stdout, taken.stdout
+    _ip("addr", "add", SECOND_BRIDGE_ADDRESS, "dev", name)
+    _ip("link", "set", name, "up")
 
 
 def _answers(sock: Path) -> bool:
