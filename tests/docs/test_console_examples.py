@@ -23,20 +23,26 @@ its info string. Every one is listed in NOT_RUN below (test_not_run_is_listed
 fails on one that is not, and on a listed one that is gone), and each shows
 as a skipped test with its reason: none counts as passing.
 
-One session per page, its blocks in order, as a reader at one shell would:
-- an empty temporary working directory, a fresh HOME, `toolreg` (the
-  checkout's .venv) first on PATH; no TOOLREG_* variable but TOOLREG_ADDRESS;
+One session per page, its steps in the page's order, as a reader at one
+shell would do them:
+- an empty temporary working directory, a fresh HOME and TMPDIR (a page's
+  `mktemp -d` stays inside the tier's directory), `toolreg` (the checkout's
+  .venv) first on PATH; no TOOLREG_* variable but TOOLREG_ADDRESS;
 - each command runs with `bash -c` (timeout COMMAND_TIMEOUT_S) in the
-  directory and with the shell variables the previous command left behind;
-- the page's server: before its first command the tier starts `toolreg serve
-  --tools examples/tools` (what `make run` runs, data in .toolreg/data of the
-  working directory) on a free port; TOOLREG_ADDRESS names it, and so does
-  127.0.0.1:50051 / localhost:50051 written in a command. A command of the
-  page that starts a server (`toolreg serve ...`, with or without `&`, or
-  `make run`) replaces it: the tier stops its server and starts `toolreg
-  serve` with the page's own arguments (its redirections and `&` dropped,
-  `--port` made 0, `examples/...` read from the checkout), waits until it
-  serves, and prints nothing (the output shown for it is not compared).
+  directory and with the shell variables the previous command left behind
+  (`cd` and `request=$(...)` carry over);
+- a ```yaml block whose first line is `# NAME.yaml` ("save this as NAME.yaml")
+  is written to NAME.yaml in the current directory at its place in the page;
+- the page's server is started where the page starts it: a `toolreg serve
+  ...` (with or without `&`) or `make run` line, in a ```console block or a
+  ```sh block ("in a second terminal"). The tier starts `toolreg serve` with
+  the page's arguments (redirections and `&` dropped, `--port` made 0,
+  `examples/...` and `/path/to/toolreg/...` read from the checkout, `make
+  run` as `--tools examples/tools --data-dir .toolreg/data`) in the current
+  directory, waits until it serves, and stops the one it ran before; the
+  output a page shows for it is not compared. A page that starts no server
+  gets `make run`'s before its first step. TOOLREG_ADDRESS names the running
+  server, and so does 127.0.0.1:50051 / localhost:50051 written in a command.
 
 Normalisations (normalise(), applied to the page's and the real output alike;
 a page may write the placeholder itself where values vary):
@@ -162,6 +168,7 @@ class Session:
     server: ServerProcess | None = None
     outcomes: dict[int, list[Outcome]] = field(default_factory=dict)  # by block line
     broken: str = ""  # why the rest of the page could not run
+    broken_at: int = 0  # from this block on
 
     @property
     def work(self) -> Path:
@@ -183,6 +190,7 @@ class Session:
             COLUMNS="100",
             TERM="dumb",
             NO_COLOR="1",
+            TMPDIR=str(self.top / "tmp"),
         )
         if self.server is not None:
             env["TOOLREG_ADDRESS"] = self.server.address
@@ -202,9 +210,6 @@ class Session:
             self.server = None
 
     def run(self, command: Command) -> str:
-        if argv := server_argv(command.text):
-            self.start(argv)
-            return ""
         text = command.text
         if self.server is not None:
             text = DOC_ADDRESS.sub(self.server.address, text)
@@ -242,8 +247,10 @@ trap __tier_save EXIT
 {command}
 """
 
-_SERVE = re.compile(r"^\s*(?:toolreg\s+serve\b|make\s+run\s*(?:&\s*)?$)")
+_SERVE = re.compile(r"^\s*(?:toolreg\s+serve\b|make\s+run\b)")
 _REDIRECT = re.compile(r"\s\d?>>?(?:&\d|\s*[^\s&]+)")
+_CHECKOUT = "/path/to/toolreg/"  # how a page names the reader's checkout
+_SAVED_AS = re.compile(r"^#\s*(?P<name>[\w.-]+\.ya?ml)\s*$")  # a yaml block's first line
 
 
 def server_argv(text: str) -> list[str] | None:
@@ -252,22 +259,57 @@ def server_argv(text: str) -> list[str] | None:
         return None
     text = _REDIRECT.sub(" ", text.replace("\\\n", " ")).rstrip().removesuffix("&")
     words = shlex.split(text, comments=True)
-    if words[:2] == ["make", "run"]:
+    if words == ["make", "run"]:
         words = ["toolreg", "serve", "--tools", "examples/tools", "--data-dir", ".toolreg/data"]
+    elif words[:2] != ["toolreg", "serve"]:
+        return None
     argv = [str(BIN / "toolreg"), "serve", "--port", "0"]
     skip = False
     for word in words[2:]:
         if skip or word == "--port":
             skip = not skip
             continue
-        argv.append(str(ROOT / word) if word.startswith("examples/") else word)
+        if word.startswith(("examples/", _CHECKOUT)):
+            word = str(ROOT / word.removeprefix(_CHECKOUT))
+        argv.append(word)
     return argv
+
+
+@dataclass
+class Step:
+    """One thing the page has the reader do, in the page's order."""
+
+    block: Block
+    command: Command | None = None  # a console command
+    server: list[str] | None = None  # start the page's server
+    save: str = ""  # write the block into this file
+
+
+def steps(page: Path) -> list[Step]:
+    found: list[Step] = []
+    for block in fenced_blocks(page):
+        if block.mark:
+            continue
+        if block.lang == "console":
+            for command in commands(block):
+                argv = server_argv(command.text)
+                found.append(Step(block, server=argv) if argv else Step(block, command=command))
+        elif block.lang in ("sh", "bash", "shell"):
+            text = "\n".join(block.lines).replace("\\\n", " ")
+            found += [Step(block, server=a) for a in map(server_argv, text.splitlines()) if a]
+        elif block.lang in ("yaml", "yml") and (
+            saved := _SAVED_AS.match(block.lines[0] if block.lines else "")
+        ):
+            found.append(Step(block, save=saved["name"]))
+    if found and not any(step.server for step in found):
+        found.insert(0, Step(found[0].block, server=server_argv("make run")))
+    return found
 
 
 def run_page(page: Path) -> Session:
     top = Path(tempfile.mkdtemp(prefix="toolreg-docs-"))
     session = Session(page, top)
-    for sub in ("work", "home", "state"):
+    for sub in ("work", "home", "state", "tmp"):
         (top / sub).mkdir()
     (session.state / "cwd").write_text(str(session.work))
     base = subprocess.run(
@@ -276,27 +318,23 @@ def run_page(page: Path) -> Session:
     (session.state / "base").write_text(base + "__tier_address\n")
     (session.state / "vars").write_text("")
     try:
-        for block in console_blocks(page):
-            if block.mark:
-                continue
-            outcomes = session.outcomes.setdefault(block.line, [])
-            if session.broken:
-                continue
-            for command in commands(block):
-                if session.server is None and not server_argv(command.text):
-                    session.start(server_argv("make run") or [])
-                raw = session.run(command)
+        for step in steps(page):
+            outcomes = session.outcomes.setdefault(step.block.line, [])
+            if step.server:
+                session.start(step.server)
+            elif step.save:
+                cwd = Path((session.state / "cwd").read_text().strip())
+                (cwd / step.save).write_text("\n".join(step.block.lines) + "\n")
+            elif step.command:
+                raw = session.run(step.command)
                 paths = session.paths
+                expected = normalise("\n".join(step.command.expected), paths)
                 outcomes.append(
-                    Outcome(
-                        command,
-                        normalise("\n".join(command.expected), paths).splitlines(),
-                        _lines(normalise(raw, paths)),
-                        raw,
-                    )
+                    Outcome(step.command, expected.splitlines(), _lines(normalise(raw, paths)), raw)
                 )
     except Exception as exc:  # the session cannot go on: each later block says why
         session.broken = f"{type(exc).__name__}: {exc}"
+        session.broken_at = step.block.line
     finally:
         session.stop()
         shutil.rmtree(top, ignore_errors=True)
@@ -347,7 +385,7 @@ def test_console_block(page: Path, block: Block, sessions: dict[Path, Session]) 
             f"{page.relative_to(ROOT)} line {outcome.command.line}: "
             f"$ {outcome.command.text}\n{diff}\n--- raw output ---\n{outcome.raw}"
         )
-    if session.broken and not session.outcomes.get(block.line):
+    if session.broken and block.line >= session.broken_at:
         failures.append(f"{page.relative_to(ROOT)}: the session broke: {session.broken}")
     assert not failures, "\n\n".join(failures)
 
