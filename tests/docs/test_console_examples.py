@@ -3,10 +3,11 @@ server, their output compared with what the page shows.
 
 Scope: README.md and docs/tutorials/*.md. Their console blocks are the tour
 and the tutorials, which a new user types against a plain server. The other
-pages' console blocks need what a plain server does not have (TLS
-certificates, an IdP, a browser, PostgreSQL, a console or MCP host), so they
-are not run here; their policy and manifest snippets are validated by
-test_snippets.py.
+pages' (how-tos, explanation) console blocks are excerpts of an operator's
+setting: TLS certificates, an IdP sign-in, the console or MCP host in the
+foreground, PostgreSQL, keys under /etc, a request id from an earlier step
+shortened to `f11d898e...`; they are not run here (their policy and
+manifest snippets are validated by test_snippets.py).
 
 A console example is a fenced ```console block. `$ ` starts a command (a
 trailing backslash continues it; a here-document takes the lines up to its
@@ -94,9 +95,7 @@ def in_scope() -> list[Path]:
 
 # Every console block of the pages in scope that is not run, by page, with the
 # reason the page gives (the test below keeps this list and the pages in step).
-NOT_RUN: dict[str, list[str]] = {
-    "README.md": [],
-}
+NOT_RUN: dict[str, list[str]] = {}  # none: every console block of README and tutorials runs
 
 # --- normalisation -----------------------------------------------------------
 
