@@ -212,7 +212,12 @@ class Session:
         text = command.text
         if self.server is not None:
             text = DOC_ADDRESS.sub(self.server.address, text)
-        script = _WRAPPER.format(state=shlex.quote(str(self.state)), command=text)
+        address = (
+            f"export TOOLREG_ADDRESS={self.server.address}"
+            if self.server is not None
+            else "unset TOOLREG_ADDRESS"
+        )
+        script = _WRAPPER.format(state=shlex.quote(str(self.state)), address=address, command=text)
         proc = subprocess.Popen(
             ["bash", "-c", script],
             stdout=subprocess.PIPE,
@@ -233,11 +238,12 @@ class Session:
 
 # Runs one command in the page's session: the directory and the shell variables
 # the previous command left (new variables and exported ones) are restored first
-# and saved again on exit, whatever the command does.
+# (TOOLREG_ADDRESS then set to the server running now) and saved again on exit,
+# whatever the command does.
 _WRAPPER = """\
 cd "$(cat {state}/cwd)" || exit 97
 . {state}/vars 2>/dev/null
-[ -n "$__tier_address" ] && export TOOLREG_ADDRESS="$__tier_address"
+{address}
 __tier_save() {{
   pwd > {state}/cwd
   {{ declare -p $(compgen -v | grep -vxF -f {state}/base); export -p; }} > {state}/vars 2>/dev/null
@@ -314,7 +320,7 @@ def run_page(page: Path) -> Session:
     base = subprocess.run(
         ["bash", "-c", "compgen -v"], capture_output=True, text=True, env=session.env(), check=True
     ).stdout
-    (session.state / "base").write_text(base + "__tier_address\n")
+    (session.state / "base").write_text(base)
     (session.state / "vars").write_text("")
     try:
         for step in steps(page):
@@ -358,9 +364,17 @@ def _blocks() -> Iterator[object]:
 
 
 @pytest.fixture(scope="module")
-def sessions() -> dict[Path, Session]:
-    """Every page's session, run side by side (one thread, one server per page)."""
-    pages = [p for p in in_scope() if any(not b.mark for b in console_blocks(p))]
+def sessions(request: pytest.FixtureRequest) -> dict[Path, Session]:
+    """The session of every page with a block selected to run, side by side
+    (one thread, one server per page)."""
+    selected = {
+        params["page"]
+        for item in request.session.items
+        if (params := getattr(getattr(item, "callspec", None), "params", {}))
+        and item.name.startswith("test_console_block")
+        and not params["block"].mark
+    }
+    pages = [p for p in in_scope() if p in selected]
     with ThreadPoolExecutor(max_workers=max(1, len(pages))) as pool:
         return dict(zip(pages, pool.map(run_page, pages), strict=True))
 
