@@ -69,6 +69,7 @@ from mcp.server.stdio import stdio_server
 from mcp.shared.exceptions import MCPError
 
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
+from registry_server.client.idp_tokens import TokenError
 from registry_server.client.registry_client import (
     RegistryClient,
     arguments_text,
@@ -84,6 +85,8 @@ APPROVAL_REQUEST_KEY = "_approval_request_id"
 """Argument key a caller adds to retry a dangerous call with its approvals."""
 
 SERVER_NAME = "toolreg"
+
+LIST_TTL_MS = 30_000  # ms a host may reuse a tools/list page (see list_tools)
 
 _ANNOTATIONS: dict[int, tuple[bool, bool]] = {
     pb.SAFETY_LEVEL_SAFE: (True, False),
@@ -172,6 +175,7 @@ class Bridge:
         max_level: SafetyLevel | None = None,
         categories: Sequence[str] = (),
         execute_timeout: float | None = None,
+        identity_provider: str | None = None,
     ) -> None:
         if isinstance(client, RegistryClient):
             fixed = client
@@ -181,6 +185,8 @@ class Bridge:
         self.max_level = max_level
         self.categories = tuple(categories)
         self.execute_timeout = execute_timeout
+        # The policy id of the provider people's tokens are exchanged at (OAuth), for messages.
+        self.identity_provider = identity_provider
 
     @staticmethod
     def _rpc_message(client: RegistryClient, err: grpc.RpcError) -> str:
@@ -221,9 +227,35 @@ class Bridge:
                 raise MCPError(types.INVALID_PARAMS, f"invalid cursor: {message}") from None
             log.warning("ListTools failed: %s", message)
             raise MCPError(types.INTERNAL_ERROR, message) from None
+        except TokenError as err:
+            raise MCPError(types.INTERNAL_ERROR, self._exchange_refused(err)) from None
         # A disabled tool is not offered to the model (every call would be refused).
         offered = [tool_to_mcp(t) for t in page.tools if not t.disabled]
-        return types.ListToolsResult(tools=offered, next_cursor=page.next_page_token or None)
+        # Private: the list is what this caller may see (its level cap, roles).
+        # The TTL: an operator registers, replaces or disables a tool at any
+        # moment and no listChanged notification follows, so a host should look
+        # again soon; 30 s keeps a new tool visible within a person's "register,
+        # then try it" and spares a host that lists before every turn. A stale
+        # list is harmless: every call is checked by the server anew.
+        return types.ListToolsResult(
+            tools=offered,
+            next_cursor=page.next_page_token or None,
+            ttl_ms=LIST_TTL_MS,
+            cache_scope="private",
+        )
+
+    def _exchange_refused(self, err: TokenError) -> str:
+        """The answer when the registry token of an IdP-signed-in person could
+        not be had (RFC 8693 exchange refused or the provider unreachable): one
+        log line naming the provider and its reason (TokenError carries no
+        secret), no traceback, and a readable message for the host."""
+        provider = f"identity provider {self.identity_provider or '?'}"
+        log.warning("token exchange at %s failed: %s", provider, err)
+        what = "could not be reached" if err.unreachable else "refused the token exchange"
+        return (
+            f"UNAUTHENTICATED: {provider} {what} for this person's registry token ({err});"
+            " the call was not made"
+        )
 
     async def call_tool(
         self, ctx: ServerRequestContext[Any], params: types.CallToolRequestParams
@@ -233,10 +265,8 @@ class Bridge:
         if not valid_tool_name(name):
             # Checked first: a name that is not a name (unbounded text from the MCP
             # client) never reaches a log line or the registry.
-            return types.CallToolResult(
-                content=[_text(f"TOOL_NOT_FOUND: tool names match {NAME_PATTERN}")],
-                is_error=True,
-            )
+            # An unknown tool is invalid params, as MCP says (2025-11-25 and 2026-07-28).
+            raise MCPError(types.INVALID_PARAMS, f"Unknown tool: names match {NAME_PATTERN}")
         arguments = dict(params.arguments or {})
         request_id = arguments.pop(APPROVAL_REQUEST_KEY, "")
         if not isinstance(request_id, str):
@@ -250,10 +280,7 @@ class Bridge:
             # A filtered bridge must not run tools its listing hides.
             filtered = self.max_level is not None or bool(self.categories)
             if filtered and not await anyio.to_thread.run_sync(self._offered, client, name):
-                return types.CallToolResult(
-                    content=[_text(f"TOOL_NOT_FOUND: Tool {name!r} is not offered here")],
-                    is_error=True,
-                )
+                raise MCPError(types.INVALID_PARAMS, f"Unknown tool: {name!r} is not offered here")
             args_json = arguments_text(arguments)
             if wants_progress:
                 request = pb.ExecuteToolRequest(
@@ -272,6 +299,10 @@ class Bridge:
             message = self._rpc_message(client, err)
             log.warning("ExecuteTool %s failed: %s", name, message)
             return types.CallToolResult(content=[_text(message)], is_error=True)
+        except TokenError as err:
+            return types.CallToolResult(content=[_text(self._exchange_refused(err))], is_error=True)
+        if result is not None and result.status == pb.EXECUTION_STATUS_TOOL_NOT_FOUND:
+            raise MCPError(types.INVALID_PARAMS, f"Unknown tool: {name!r}")
         if result is None:
             log.warning("StreamExecuteTool %s ended without a result", name)
             return types.CallToolResult(

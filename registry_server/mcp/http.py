@@ -236,7 +236,10 @@ def serve_http(
         people = People(exchange, connect)
     identities = Identities(connect, settings.policy, people)
     bridge = Bridge(
-        identities.client_for, max_level=settings.max_level, categories=settings.categories
+        identities.client_for,
+        max_level=settings.max_level,
+        categories=settings.categories,
+        identity_provider=settings.oauth.provider.id if settings.oauth is not None else None,
     )
     app = build_app(bridge, settings, port, oauth)
     server = ListenerServer(

@@ -17,6 +17,7 @@ import mcp.types as types
 import pytest
 from mcp import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
+from mcp.shared.exceptions import MCPError
 
 from registry_server.cli.launcher import ServerProcess, spawn_server
 
@@ -42,6 +43,7 @@ def with_session(
     body: Callable[[ClientSession], Awaitable[T]],
     *extra: str,
     message_handler: Any = None,
+    modern: bool = False,
 ) -> T:
     """Start the bridge (`toolreg [--token T] mcp --address A ...`) over stdio,
     initialize a session, run `body` in it (notifications to `message_handler`)."""
@@ -62,9 +64,14 @@ def with_session(
                 stdio_client(params) as (read, write),
                 ClientSession(read, write, message_handler=message_handler) as session,
             ):
-                init = await session.initialize()
-                assert init.server_info.name == "toolreg"
-                assert init.capabilities.tools is not None
+                if modern:  # 2026-07-28: server/discover, no handshake
+                    found = await session.discover()
+                    assert "2026-07-28" in found.supported_versions
+                    assert found.capabilities.tools is not None
+                else:
+                    init = await session.initialize()
+                    assert init.server_info.name == "toolreg"
+                    assert init.capabilities.tools is not None
                 return await body(session)
 
     return anyio.run(run)
@@ -104,18 +111,24 @@ def test_lists_tools_with_schemas_and_annotations(served: ServerProcess) -> None
 
 
 def test_filters_limit_the_listing_and_the_calls(served: ServerProcess) -> None:
-    async def body(session: ClientSession) -> tuple[list[str], types.CallToolResult]:
-        names = [t.name for t in (await session.list_tools()).tools]
-        hidden = await session.call_tool("run_python", {"code": "print(1)"})
-        return names, hidden
+    async def body(session: ClientSession) -> tuple[types.ListToolsResult, MCPError]:
+        listed = await session.list_tools()
+        with pytest.raises(MCPError) as hidden:
+            await session.call_tool("run_python", {"code": "print(1)"})
+        return listed, hidden.value
 
-    names, hidden = with_session(served.address, body, "--max-level", "safe", "--category", "text")
-    assert names == ["word_count"]
-    assert hidden.is_error and "run_python" in text_of(hidden)
+    listed, hidden = with_session(
+        served.address, body, "--max-level", "safe", "--category", "text", modern=True
+    )
+    assert [t.name for t in listed.tools] == ["word_count"]
+    # 2026-07-28's cache hints: the list is this caller's, reusable for 30 s.
+    assert (listed.ttl_ms, listed.cache_scope) == (30_000, "private")
+    # A hidden tool is an unknown one: JSON-RPC invalid params, as MCP says.
+    assert hidden.error.code == types.INVALID_PARAMS and "run_python" in hidden.error.message
 
 
 def test_calls_run_in_the_sandbox(served: ServerProcess) -> None:
-    async def body(session: ClientSession) -> dict[str, types.CallToolResult]:
+    async def body(session: ClientSession) -> dict[str, Any]:
         await session.list_tools()
         return {
             "echo": await session.call_tool(
@@ -127,8 +140,8 @@ def test_calls_run_in_the_sandbox(served: ServerProcess) -> None:
             "invalid": await session.call_tool(
                 "word_count", {"text": 5}, read_timeout_seconds=CALL_TIMEOUT_S
             ),
-            "unknown": await session.call_tool("no_such_tool", {}),
-            "not a name": await session.call_tool("Forged\nlog line " + "x" * 10_000, {}),
+            "unknown": await refused(session.call_tool("no_such_tool", {})),
+            "not a name": await refused(session.call_tool("Forged\nlog line " + "x" * 10_000, {})),
             "dangerous": await session.call_tool(
                 "write_file",
                 {"path": "notes/a.txt", "content": "hi"},
@@ -153,10 +166,12 @@ def test_calls_run_in_the_sandbox(served: ServerProcess) -> None:
     assert "INVALID_ARGUMENTS" in text_of(invalid)
     assert "$.text" in text_of(invalid)  # names the JSON path of the bad value
 
-    assert results["unknown"].is_error
-    assert "no_such_tool" in text_of(results["unknown"])
-    forged = text_of(results["not a name"])
-    assert results["not a name"].is_error and forged.startswith("TOOL_NOT_FOUND: tool names match")
+    unknown, forged = results["unknown"], results["not a name"]
+    assert isinstance(unknown, MCPError) and isinstance(forged, MCPError)
+    assert unknown.error.code == forged.error.code == types.INVALID_PARAMS
+    assert "no_such_tool" in unknown.error.message
+    assert forged.error.message.startswith("Unknown tool: names match")
+    forged = forged.error.message
     assert "Forged" not in forged  # refused before use, and not echoed
 
     dangerous = results["dangerous"]
@@ -167,6 +182,13 @@ def test_calls_run_in_the_sandbox(served: ServerProcess) -> None:
     assert len(request_id) >= 16
     assert "toolreg approvals approve" in message
     assert f'"_approval_request_id": "{request_id}"' in message
+
+
+async def refused(call: Awaitable[types.CallToolResult]) -> MCPError:
+    """The JSON-RPC error a call answers (an unknown tool is one, not a result)."""
+    with pytest.raises(MCPError) as caught:
+        await call
+    return caught.value
 
 
 def test_approval_request_id_is_passed_and_stripped(served: ServerProcess) -> None:
