@@ -299,3 +299,56 @@ def test_no_token_code_or_secret_reaches_a_log(world: World) -> None:
     for log in (bridge_log, server_log):
         assert "eyJ" not in log  # no JWT of any kind: access, exchanged, ID token
         assert "/token" not in log and "/jwks" not in log  # library URL lines stay out
+
+
+def test_a_refused_token_exchange_is_a_clear_call_error(world: World) -> None:
+    """A bridge whose client at the IdP lacks the RFC 8693 grant: the real
+    provider refuses every exchange. The host's tools/call gets an error result
+    naming the provider; the bridge logs which provider refused and why, with
+    no traceback and no token."""
+    port = free_port()
+    resource_url = f"http://127.0.0.1:{port}/mcp"
+    world.idp.add_resource(resource_url, MCP_SCOPE)
+    secret = world.idp.add_client("no-exchange-grant")  # client credentials only
+    policy = world.data_dir.parent / "policy.yaml"
+    argv = [sys.executable, "-m", "registry_server.cli", "mcp",
+            "--address", world.server.address, "--http", f"127.0.0.1:{port}",
+            "--policy", str(policy), "--oauth-provider", "testidp",
+            "--resource-url", resource_url, "--oauth-scope", MCP_SCOPE,
+            "--oauth-client-id", "no-exchange-grant", "--log-level", "DEBUG"]  # fmt: skip
+    env = {"PATH": "/usr/bin:/bin", "TOOLREG_OAUTH_CLIENT_SECRET": secret}
+    proc, _url, log = spawn_until(argv, SERVING, what="toolreg mcp --http", cwd=ROOT, env=env)
+    host_token = world.idp.forge(
+        aud=resource_url, scope=MCP_SCOPE, sub="alice", client_id=HOST_CLIENT,
+        groups=["toolreg-agents"],
+    )  # fmt: skip
+
+    async def run() -> Any:
+        headers = {"authorization": f"Bearer {host_token}"}
+        async with (
+            httpx2.AsyncClient(headers=headers, timeout=60) as http,
+            streamable_http_client(resource_url, http_client=http) as (read, write),
+            ClientSession(read, write) as session,
+        ):
+            await session.initialize()
+            return await session.call_tool("echo_back", {"text": "never runs"})
+
+    try:
+        result = anyio.run(run)
+        time.sleep(0.5)  # the log is read as the process writes it
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    assert result.is_error
+    text = result.content[0].text
+    assert text.startswith("UNAUTHENTICATED: identity provider testidp refused the token exchange")
+    assert "not made" in text
+    bridge_log = "".join(log)
+    assert (
+        "token exchange at identity provider testidp failed: token endpoint refused" in bridge_log
+    )
+    assert "Traceback" not in bridge_log
+    assert host_token not in bridge_log and secret not in bridge_log and "eyJ" not in bridge_log
+    audit = [json.loads(r) for _, k, r in store_file.audit_rows(world.data_dir)
+             if k == "execution"]  # fmt: skip
+    assert not any(r.get("arguments", {}) == {"text": "never runs"} for r in audit)
