@@ -23,7 +23,14 @@ from registry_server.domain import schemas
 from registry_server.domain.errors import InvalidArgument, Unimplemented, Violation
 from registry_server.domain.models import NAME_PATTERN, valid_tool_name
 from registry_server.domain.pages import PageQuery, PageTokens
-from registry_server.execution.call_log import CallEvent, CallLog, KeptCall, check_attach
+from registry_server.execution.call_log import (
+    CallCancel,
+    CallEvent,
+    CallLog,
+    KeptCall,
+    check_attach,
+    check_cancel,
+)
 from registry_server.execution.call_relay import Attachments, CallRelay, failed_call
 from registry_server.execution.call_request import CallRequest
 from registry_server.execution.executor import Executor
@@ -80,7 +87,7 @@ class StreamedCall:
         self._calls = calls
         self._caller = call.caller
         self._kept: KeptCall | None = None
-        self._cancel = threading.Event()
+        self._cancel = CallCancel()  # the RPC's end, or CancelExecution (who and why)
         self._keep_running = keep_running
         if not context.add_callback(self._rpc_ended):
             self._cancel.set()  # the RPC has already terminated
@@ -315,6 +322,18 @@ class ToolRegistryServicer(pb_grpc.ToolRegistryServicer):
         )  # fmt: skip
         for event in followed:
             yield _event_to_pb(event)
+
+    @maps_errors
+    def CancelExecution(
+        self, request: pb.CancelExecutionRequest, context: grpc.ServicerContext
+    ) -> pb.CancelExecutionResponse:
+        check_cancel(request.execution_id, request.reason)
+        caller = current_principal()
+        call = self._calls.cancel(
+            request.execution_id, caller.id,
+            admin=caller.admin or caller is DEVELOPER, reason=request.reason,
+        )  # fmt: skip
+        return pb.CancelExecutionResponse(execution_id=call.execution_id)
 
     @maps_errors
     def ListApprovalRequests(

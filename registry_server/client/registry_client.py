@@ -745,6 +745,16 @@ class RegistryClient:
         )
         yield from self.stub.AttachExecution(request, timeout=timeout)
 
+    def cancel(
+        self, execution_id: str, reason: str = "", *, timeout: float | None = None
+    ) -> pb.CancelExecutionResponse:
+        """CancelExecution: stop a call StreamExecuteTool started (this client's,
+        or any as an admin); its result becomes CANCELLED. NOT_FOUND for an
+        unknown or another client's call, FAILED_PRECONDITION once it ended."""
+        request = pb.CancelExecutionRequest(execution_id=execution_id, reason=reason)
+        response: pb.CancelExecutionResponse = self.stub.CancelExecution(request, timeout=timeout)
+        return response
+
 
 def _execute_request(
     name: str, arguments: str, tokens: Iterable[str], request_id: str

@@ -21,6 +21,7 @@ class Status(enum.Enum):
     SANDBOX_ERROR = "SANDBOX_ERROR"
     TOOL_DISABLED = "TOOL_DISABLED"  # an admin disabled the tool; error gives the reason
     POLICY_DENIED = "POLICY_DENIED"  # a deny rule refused the call; error names the rule
+    CANCELLED = "CANCELLED"  # CancelExecution stopped it; error says who and why
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,8 @@ class AuditRecord:
         self.redactor = Redactor({})  # the call's secret values, kept out of what it returns
         self.egress: tuple[EgressConnection, ...] = ()
         self.egress_unrecorded = 0
+        self.cancelled_by = ""  # CancelExecution: the client (or admin) who stopped the call
+        self.cancel_reason = ""
 
     def as_dict(
         self, *, decision: str, status: str = "", outcome: Outcome | None = None
@@ -66,6 +68,11 @@ class AuditRecord:
             "warm": self.warm,
             "limits": dataclasses.asdict(self.limits) if self.limits else {},
             **(self._egress_fields() if self.tool is not None and self.tool.egress else {}),
+            **(
+                {"cancelled_by": self.cancelled_by, "cancel_reason": self.cancel_reason}
+                if self.cancelled_by
+                else {}
+            ),
         }
 
     def _egress_fields(self) -> dict[str, object]:

@@ -19,7 +19,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from registry_server.domain.errors import InvalidArgument, NotFound, Violation
+from registry_server.domain.errors import FailedPrecondition, InvalidArgument, NotFound, Violation
 from registry_server.domain.models import MAX_OUTPUT_BYTES
 from registry_server.domain.outcome import Outcome
 
@@ -35,6 +35,24 @@ CLOSE_WAIT_S = 5.0  # seconds a stopping server waits for the calls it cancelled
 WAIT_SLICE_S = 0.5  # seconds a follower waits before checking whether its RPC ended
 EXECUTION_ID_PATTERN = re.compile(r"^[0-9a-f]{32}$")  # what the executor issues (uuid4 hex)
 NOT_KEPT = "no such call is kept for this client"
+NOT_RUNNING = "no such call runs on this server for this client"
+MAX_CANCEL_REASON_CHARS = 1000  # characters of a CancelExecution reason
+
+
+class CallCancel(threading.Event):
+    """A call's cancel event (the runner kills the container when set) that
+    also says who asked to stop it and why, when CancelExecution did: the
+    executor then reports CANCELLED and records both in the audit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by = ""
+        self.reason = ""
+
+    def cancel(self, by: str, reason: str) -> None:
+        if not self.is_set():  # the first ask stands (a second one is a no-op)
+            self.by, self.reason = by, reason
+        self.set()
 
 
 @dataclass(frozen=True)
@@ -62,6 +80,20 @@ class KeptCall:
     @property
     def kept_bytes(self) -> int:
         return len(self.stdout) + len(self.stderr)
+
+
+def check_cancel(execution_id: str, reason: str) -> None:
+    """A malformed CancelExecution is refused before any look-up."""
+    violations = []
+    if not EXECUTION_ID_PATTERN.fullmatch(execution_id):
+        rule = "not an execution id (32 lowercase hex digits)"
+        violations.append(Violation("execution_id", rule))
+    if len(reason) > MAX_CANCEL_REASON_CHARS:
+        violations.append(Violation("reason", f"longer than {MAX_CANCEL_REASON_CHARS} characters"))
+    elif any(ord(c) < 32 or 127 <= ord(c) < 160 for c in reason):
+        violations.append(Violation("reason", "holds control characters"))
+    if violations:
+        raise InvalidArgument("; ".join(str(v) for v in violations), violations)
 
 
 def check_attach(execution_id: str, stdout_offset: int, stderr_offset: int) -> None:
@@ -146,6 +178,20 @@ class CallLog:
             call = self._running.get(execution_id) or self._ended.get(execution_id)
         if call is None or call.caller != caller:
             return None
+        return call
+
+    def cancel(self, execution_id: str, caller: str, *, admin: bool, reason: str) -> KeptCall:
+        """Ask a running call to stop (CancelExecution): the call's own client,
+        or an admin. Another client's call is NotFound, as an unknown id; an
+        ended one FailedPrecondition. Asking again while it stops is a no-op."""
+        with self._changed:
+            self._trim()
+            call = self._running.get(execution_id) or self._ended.get(execution_id)
+        if call is None or not (admin or call.caller == caller):
+            raise NotFound(NOT_RUNNING)
+        if call.outcome is not None or not isinstance(call.cancel, CallCancel):
+            raise FailedPrecondition("the call has already ended; its result stands")
+        call.cancel.cancel(caller, reason)
         return call
 
     def follow(

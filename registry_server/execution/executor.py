@@ -41,6 +41,7 @@ from registry_server.domain.outcome import ApprovalRequestView, Outcome, Status
 from registry_server.execution import tracing
 from registry_server.execution.admission import Admission, Cancelled
 from registry_server.execution.audit_record import AuditRecord, decision_of
+from registry_server.execution.call_log import CallCancel
 from registry_server.execution.call_request import CallRequest
 from registry_server.execution.quotas import RateLimits
 from registry_server.execution.redaction import Redactor
@@ -308,7 +309,7 @@ class Executor:
             if streamed is not None:
                 streamed.flush()
         except Cancelled:
-            return Outcome(
+            return _asked_to_stop(record, cancel) or Outcome(
                 Status.SANDBOX_ERROR,
                 error="call cancelled before it started",
                 execution_id=execution_id,
@@ -345,7 +346,12 @@ class Executor:
                 ),
             )
         record.egress, record.egress_unrecorded = result.egress, result.egress_unrecorded
-        return outcome_of(tool, result, execution_id)
+        outcome = outcome_of(tool, result, execution_id)
+        if result.cancelled and outcome.status is Status.SANDBOX_ERROR:
+            stopped = _asked_to_stop(record, cancel, outcome)
+            if stopped is not None:
+                return stopped
+        return outcome
 
     def _run_warm_or_cold(
         self,
@@ -458,6 +464,21 @@ def _refusal(
     return _Refused(
         Outcome(status, error=error, execution_id=record.execution_id, approval_request=request)
     )
+
+
+def _asked_to_stop(
+    record: AuditRecord, cancel: threading.Event | None, stopped: Outcome | None = None
+) -> Outcome | None:
+    """CANCELLED, when CancelExecution stopped the call (not its client going
+    away): who asked and why go into the result and the audit record."""
+    if not isinstance(cancel, CallCancel) or not cancel.by:
+        return None
+    record.cancelled_by, record.cancel_reason = cancel.by, cancel.reason
+    why = f": {cancel.reason}" if cancel.reason else ""
+    error = f"call cancelled by '{cancel.by}'{why}"
+    if stopped is None:
+        return Outcome(Status.CANCELLED, error=error, execution_id=record.execution_id)
+    return dataclasses.replace(stopped, status=Status.CANCELLED, error=error)
 
 
 def _disabled(tool: ToolDefinition) -> str:

@@ -93,6 +93,7 @@ EXPECTED_TABLE: dict[str, frozenset[Role]] = {
     "ExecuteTool": frozenset({EXECUTE}),
     "StreamExecuteTool": frozenset({EXECUTE}),
     "AttachExecution": frozenset({EXECUTE}),
+    "CancelExecution": frozenset({EXECUTE, ADMIN}),
     "ListApprovalRequests": frozenset({APPROVE}),
     "GetApprovalRequest": frozenset({APPROVE, EXECUTE}),
     "SubmitApproval": frozenset({APPROVE}),
@@ -104,7 +105,7 @@ EXPECTED_TABLE: dict[str, frozenset[Role]] = {
     "GetServerInfo": frozenset(),
 }
 # What the admin role alone opens: the operator's own switches.
-ADMIN_METHODS = {"DeleteTool", "SetToolEnabled", "ReloadPolicy"}
+ADMIN_METHODS = {"DeleteTool", "SetToolEnabled", "ReloadPolicy", "CancelExecution"}
 ROLE_SETS: list[frozenset[Role]] = [
     frozenset(),
     frozenset({REGISTER}),
@@ -159,8 +160,8 @@ def test_the_denial_names_every_role_that_would_open_the_method() -> None:
 
 
 def test_admin_alone_opens_only_the_operators_switches() -> None:
-    """admin widens what register may do, and opens the kill switch, deletion
-    and the policy reload; no other role-gated method."""
+    """admin widens what register may do, and opens the kill switch, deletion,
+    the policy reload and cancelling any running call; no other role-gated method."""
     for method, needed in EXPECTED_TABLE.items():
         if needed and method in ADMIN_METHODS:
             authorize(principal(ADMIN), SERVICE + method)

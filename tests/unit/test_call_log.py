@@ -364,3 +364,52 @@ def test_one_clients_ended_calls_never_push_out_anothers() -> None:
         log.finish(log.start(execution_id, "busy"), OK)
     assert log.find(ID, "quiet") is not None
     assert [log.find(i, "busy") is not None for i in busy] == [False] * 17 + [True] * 3
+
+
+# -- CancelExecution ----------------------------------------------------------------------
+
+
+def test_only_the_caller_or_an_admin_cancels_a_running_call() -> None:
+    from registry_server.domain.errors import FailedPrecondition
+    from registry_server.execution.call_log import NOT_RUNNING, CallCancel
+
+    log = CallLog()
+    cancel = CallCancel()
+    kept = log.start(ID, "agent", cancel)
+    for caller, unknown in (("other", ID), ("agent", "b" * 32)):
+        with pytest.raises(NotFound) as info:
+            log.cancel(unknown, caller, admin=False, reason="")
+        assert info.value.message == NOT_RUNNING
+    assert not cancel.is_set()
+    assert log.cancel(ID, "ops", admin=True, reason="runaway") is kept
+    assert cancel.is_set() and (cancel.by, cancel.reason) == ("ops", "runaway")
+    log.cancel(ID, "agent", admin=False, reason="again")  # still stopping: a no-op
+    assert (cancel.by, cancel.reason) == ("ops", "runaway")  # the first ask stands
+    log.finish(kept, OK)
+    with pytest.raises(FailedPrecondition):
+        log.cancel(ID, "agent", admin=False, reason="")
+    with pytest.raises(NotFound):  # ended, and another's: still not told apart
+        log.cancel(ID, "other", admin=False, reason="")
+
+
+@pytest.mark.parametrize(
+    ("execution_id", "reason", "field"),
+    [
+        ("not-an-id", "", "execution_id"),
+        ("A" * 32, "", "execution_id"),
+        (ID, "r" * 1001, "reason"),
+        (ID, "two\nlines", "reason"),
+        (ID, "bell\x07", "reason"),
+        (ID, "c1\x85", "reason"),
+    ],
+)
+def test_check_cancel_refuses_malformed_requests(
+    execution_id: str, reason: str, field: str
+) -> None:
+    from registry_server.execution.call_log import check_cancel
+
+    with pytest.raises(InvalidArgument) as info:
+        check_cancel(execution_id, reason)
+    assert [v.field for v in info.value.violations] == [field]
+    check_cancel(ID, "r" * 1000)  # the longest reason, accepted
+    check_cancel(ID, "")

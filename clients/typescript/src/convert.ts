@@ -51,6 +51,7 @@ const STATUS_FROM_PB: Partial<Record<ExecutionStatus, Status>> = {
   [ExecutionStatus.SANDBOX_ERROR]: "SANDBOX_ERROR",
   [ExecutionStatus.TOOL_DISABLED]: "TOOL_DISABLED",
   [ExecutionStatus.POLICY_DENIED]: "POLICY_DENIED",
+  [ExecutionStatus.CANCELLED]: "CANCELLED",
 };
 
 const EVENT_TYPE_FROM_PB: Partial<Record<PbApprovalEventType, ApprovalEventType>> = {

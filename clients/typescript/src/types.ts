@@ -25,7 +25,9 @@ export type Status =
   /** An admin disabled the tool (`error` gives the reason). */
   | "TOOL_DISABLED"
   /** A deny rule of the policy refused the call (`error` names the rule and its reason). */
-  | "POLICY_DENIED";
+  | "POLICY_DENIED"
+  /** CancelExecution stopped the call (`error` says who and why). */
+  | "CANCELLED";
 
 /** The states of an approval request (REJECTED, VOIDED, CONSUMED and EXPIRED are final). */
 export type ApprovalState = "PENDING" | "APPROVED" | "CONSUMED" | "REJECTED" | "VOIDED" | "EXPIRED";

@@ -42,6 +42,8 @@ METHOD_ROLES: dict[str, frozenset[Role]] = {
     SERVICE + "StreamExecuteTool": frozenset({Role.EXECUTE}),
     # only the call's own client: the domain checks (execution/call_log.py)
     SERVICE + "AttachExecution": frozenset({Role.EXECUTE}),
+    # the call's own client or an admin: the domain checks which (call_log.py)
+    SERVICE + "CancelExecution": frozenset({Role.EXECUTE, Role.ADMIN}),
     SERVICE + "ListApprovalRequests": frozenset({Role.APPROVE}),
     # callers poll their own request while they wait for approvers
     SERVICE + "GetApprovalRequest": frozenset({Role.APPROVE, Role.EXECUTE}),

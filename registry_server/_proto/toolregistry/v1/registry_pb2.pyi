@@ -117,6 +117,8 @@ class _ExecutionStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Execu
     """an admin disabled the tool; error gives the reason"""
     EXECUTION_STATUS_POLICY_DENIED: _ExecutionStatus.ValueType  # 11
     """a deny rule of the policy refused the call (or could not be evaluated); error names the rule and gives its reason; nothing ran"""
+    EXECUTION_STATUS_CANCELLED: _ExecutionStatus.ValueType  # 12
+    """CancelExecution stopped the call (its sandbox killed); error says who and why"""
 
 class ExecutionStatus(_ExecutionStatus, metaclass=_ExecutionStatusEnumTypeWrapper): ...
 
@@ -143,6 +145,8 @@ EXECUTION_STATUS_TOOL_DISABLED: ExecutionStatus.ValueType  # 10
 """an admin disabled the tool; error gives the reason"""
 EXECUTION_STATUS_POLICY_DENIED: ExecutionStatus.ValueType  # 11
 """a deny rule of the policy refused the call (or could not be evaluated); error names the rule and gives its reason; nothing ran"""
+EXECUTION_STATUS_CANCELLED: ExecutionStatus.ValueType  # 12
+"""CancelExecution stopped the call (its sandbox killed); error says who and why"""
 Global___ExecutionStatus: _TypeAlias = ExecutionStatus  # noqa: Y015
 
 class _ApprovalEventType:
@@ -844,6 +848,51 @@ class AttachExecutionRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AttachExecutionRequest: _TypeAlias = AttachExecutionRequest  # noqa: Y015
+
+@_typing.final
+class CancelExecutionRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EXECUTION_ID_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    execution_id: _builtins.str
+    reason: _builtins.str
+    """Why, for the audit record and the call's result: at most 1,000
+    characters, no control characters; empty means none given.
+    """
+    def __init__(
+        self,
+        *,
+        execution_id: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["execution_id", b"execution_id", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CancelExecutionRequest: _TypeAlias = CancelExecutionRequest  # noqa: Y015
+
+@_typing.final
+class CancelExecutionResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EXECUTION_ID_FIELD_NUMBER: _builtins.int
+    execution_id: _builtins.str
+    """The call asked to stop."""
+    def __init__(
+        self,
+        *,
+        execution_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["execution_id", b"execution_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CancelExecutionResponse: _TypeAlias = CancelExecutionResponse  # noqa: Y015
 
 @_typing.final
 class ApprovalRequest(_message.Message):

@@ -90,6 +90,11 @@ class ToolRegistryStub:
                 request_serializer=toolregistry_dot_v1_dot_registry__pb2.AttachExecutionRequest.SerializeToString,
                 response_deserializer=toolregistry_dot_v1_dot_registry__pb2.ExecutionEvent.FromString,
                 _registered_method=True)
+        self.CancelExecution = channel.unary_unary(
+                '/toolregistry.v1.ToolRegistry/CancelExecution',
+                request_serializer=toolregistry_dot_v1_dot_registry__pb2.CancelExecutionRequest.SerializeToString,
+                response_deserializer=toolregistry_dot_v1_dot_registry__pb2.CancelExecutionResponse.FromString,
+                _registered_method=True)
         self.ListApprovalRequests = channel.unary_unary(
                 '/toolregistry.v1.ToolRegistry/ListApprovalRequests',
                 request_serializer=toolregistry_dot_v1_dot_registry__pb2.ListApprovalRequestsRequest.SerializeToString,
@@ -287,6 +292,29 @@ class ToolRegistryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CancelExecution(self, request, context):
+        """CancelExecution stops a call that StreamExecuteTool started (it has an
+        execution id from `started`), whether its stream is still open or it
+        runs on detached (`toolreg-reattach: 1`) for the client to re-attach.
+        The call's sandbox is killed and removed; its result, for the stream
+        and for AttachExecution, is EXECUTION_STATUS_CANCELLED; its audit record
+        says who cancelled it and why. The answer comes once the stop is asked
+        for, not once the container is gone (attach to wait for the result).
+        Only the client that made the call, or an admin, may cancel it. Asking
+        again while the call is still stopping is OK. Only the server running
+        the call can stop it: through another server of a cluster, the answer
+        is NOT_FOUND, as for an unknown id.
+        Errors:
+        - NOT_FOUND: no such call runs on this server, or it is another
+        client's (the two are not told apart).
+        - FAILED_PRECONDITION: the call has already ended (its result stands).
+        - INVALID_ARGUMENT: a malformed id, or a reason longer than 1,000
+        characters or holding control characters.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListApprovalRequests(self, request, context):
         """ListApprovalRequests lists the approval requests the caller may see for
         dangerous calls, newest first, optionally only those in `state`, a page
@@ -428,6 +456,11 @@ def add_ToolRegistryServicer_to_server(servicer, server):
                     servicer.AttachExecution,
                     request_deserializer=toolregistry_dot_v1_dot_registry__pb2.AttachExecutionRequest.FromString,
                     response_serializer=toolregistry_dot_v1_dot_registry__pb2.ExecutionEvent.SerializeToString,
+            ),
+            'CancelExecution': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelExecution,
+                    request_deserializer=toolregistry_dot_v1_dot_registry__pb2.CancelExecutionRequest.FromString,
+                    response_serializer=toolregistry_dot_v1_dot_registry__pb2.CancelExecutionResponse.SerializeToString,
             ),
             'ListApprovalRequests': grpc.unary_unary_rpc_method_handler(
                     servicer.ListApprovalRequests,
@@ -753,6 +786,33 @@ class ToolRegistry:
             '/toolregistry.v1.ToolRegistry/AttachExecution',
             toolregistry_dot_v1_dot_registry__pb2.AttachExecutionRequest.SerializeToString,
             toolregistry_dot_v1_dot_registry__pb2.ExecutionEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelExecution(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/toolregistry.v1.ToolRegistry/CancelExecution',
+            toolregistry_dot_v1_dot_registry__pb2.CancelExecutionRequest.SerializeToString,
+            toolregistry_dot_v1_dot_registry__pb2.CancelExecutionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -169,6 +169,25 @@ class ToolRegistryStub:
       not told apart).
     - INVALID_ARGUMENT: a malformed id or a negative offset.
     """
+    CancelExecution: _grpc.UnaryUnaryMultiCallable[_registry_pb2.CancelExecutionRequest, _registry_pb2.CancelExecutionResponse]
+    """CancelExecution stops a call that StreamExecuteTool started (it has an
+    execution id from `started`), whether its stream is still open or it
+    runs on detached (`toolreg-reattach: 1`) for the client to re-attach.
+    The call's sandbox is killed and removed; its result, for the stream
+    and for AttachExecution, is EXECUTION_STATUS_CANCELLED; its audit record
+    says who cancelled it and why. The answer comes once the stop is asked
+    for, not once the container is gone (attach to wait for the result).
+    Only the client that made the call, or an admin, may cancel it. Asking
+    again while the call is still stopping is OK. Only the server running
+    the call can stop it: through another server of a cluster, the answer
+    is NOT_FOUND, as for an unknown id.
+    Errors:
+    - NOT_FOUND: no such call runs on this server, or it is another
+      client's (the two are not told apart).
+    - FAILED_PRECONDITION: the call has already ended (its result stands).
+    - INVALID_ARGUMENT: a malformed id, or a reason longer than 1,000
+      characters or holding control characters.
+    """
     ListApprovalRequests: _grpc.UnaryUnaryMultiCallable[_registry_pb2.ListApprovalRequestsRequest, _registry_pb2.ListApprovalRequestsResponse]
     """ListApprovalRequests lists the approval requests the caller may see for
     dangerous calls, newest first, optionally only those in `state`, a page
@@ -360,6 +379,25 @@ class ToolRegistryAsyncStub(ToolRegistryStub):
     - NOT_FOUND: no such call kept, or it is another client's (the two are
       not told apart).
     - INVALID_ARGUMENT: a malformed id or a negative offset.
+    """
+    CancelExecution: _aio.UnaryUnaryMultiCallable[_registry_pb2.CancelExecutionRequest, _registry_pb2.CancelExecutionResponse]  # type: ignore[assignment]
+    """CancelExecution stops a call that StreamExecuteTool started (it has an
+    execution id from `started`), whether its stream is still open or it
+    runs on detached (`toolreg-reattach: 1`) for the client to re-attach.
+    The call's sandbox is killed and removed; its result, for the stream
+    and for AttachExecution, is EXECUTION_STATUS_CANCELLED; its audit record
+    says who cancelled it and why. The answer comes once the stop is asked
+    for, not once the container is gone (attach to wait for the result).
+    Only the client that made the call, or an admin, may cancel it. Asking
+    again while the call is still stopping is OK. Only the server running
+    the call can stop it: through another server of a cluster, the answer
+    is NOT_FOUND, as for an unknown id.
+    Errors:
+    - NOT_FOUND: no such call runs on this server, or it is another
+      client's (the two are not told apart).
+    - FAILED_PRECONDITION: the call has already ended (its result stands).
+    - INVALID_ARGUMENT: a malformed id, or a reason longer than 1,000
+      characters or holding control characters.
     """
     ListApprovalRequests: _aio.UnaryUnaryMultiCallable[_registry_pb2.ListApprovalRequestsRequest, _registry_pb2.ListApprovalRequestsResponse]  # type: ignore[assignment]
     """ListApprovalRequests lists the approval requests the caller may see for
@@ -615,6 +653,31 @@ class ToolRegistryServicer(metaclass=_abc_1.ABCMeta):
         - NOT_FOUND: no such call kept, or it is another client's (the two are
           not told apart).
         - INVALID_ARGUMENT: a malformed id or a negative offset.
+        """
+
+    @_abc_1.abstractmethod
+    def CancelExecution(
+        self,
+        request: _registry_pb2.CancelExecutionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_registry_pb2.CancelExecutionResponse, _abc.Awaitable[_registry_pb2.CancelExecutionResponse]]:
+        """CancelExecution stops a call that StreamExecuteTool started (it has an
+        execution id from `started`), whether its stream is still open or it
+        runs on detached (`toolreg-reattach: 1`) for the client to re-attach.
+        The call's sandbox is killed and removed; its result, for the stream
+        and for AttachExecution, is EXECUTION_STATUS_CANCELLED; its audit record
+        says who cancelled it and why. The answer comes once the stop is asked
+        for, not once the container is gone (attach to wait for the result).
+        Only the client that made the call, or an admin, may cancel it. Asking
+        again while the call is still stopping is OK. Only the server running
+        the call can stop it: through another server of a cluster, the answer
+        is NOT_FOUND, as for an unknown id.
+        Errors:
+        - NOT_FOUND: no such call runs on this server, or it is another
+          client's (the two are not told apart).
+        - FAILED_PRECONDITION: the call has already ended (its result stands).
+        - INVALID_ARGUMENT: a malformed id, or a reason longer than 1,000
+          characters or holding control characters.
         """
 
     @_abc_1.abstractmethod
