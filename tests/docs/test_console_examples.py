@@ -379,6 +379,8 @@ def sessions(request: pytest.FixtureRequest) -> dict[Path, Session]:
         return dict(zip(pages, pool.map(run_page, pages), strict=True))
 
 
+# The first block's test also waits for every page's session (about 40 s here).
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize(("page", "block"), list(_blocks()))
 def test_console_block(page: Path, block: Block, sessions: dict[Path, Session]) -> None:
     if block.mark:
