@@ -119,6 +119,22 @@ def mcp_serve(
             "--oauth-client-secret-file", help="With --oauth-provider: its secret's file."
         ),
     ] = None,
+    console_url: Annotated[
+        str | None,
+        typer.Option(
+            "--console-url",
+            help="The approval console's base URL: a dangerous call then asks the host's user"
+            " to open its approval page (an MCP input request) instead of answering text"
+            " (default with --policy: the policy's console_url).",
+        ),
+    ] = None,
+    approval_state_ttl_s: Annotated[
+        float | None,
+        typer.Option(
+            "--approval-state-ttl-s",
+            help="How long a host may take to retry an approval input request (900 s).",
+        ),
+    ] = None,
     registry_resource: Annotated[
         str | None,
         typer.Option(
@@ -163,8 +179,18 @@ def mcp_serve(
         given = [name for name, set_ in http_only.items() if set_]
         if given:
             fail(f"{', '.join(given)}: only with --http", 2)
+        from registry_server.mcp import http_settings as mcp_http_settings
+
+        try:
+            url = mcp_http_settings.check_console_url(console_url or "")
+            ttl = mcp_http_settings.check_state_ttl(approval_state_ttl_s)
+        except ToolregError as exc:
+            fail(exc.message, 2)
         with connect(ctx, address) as client:
-            mcp_bridge.serve(client, max_level=level, categories=category or ())
+            mcp_bridge.serve(
+                client, max_level=level, categories=category or (), console_url=url,
+                state_ttl_s=ttl,
+            )  # fmt: skip
         return
     _serve_mcp_http(
         ctx, address, http, policy=policy, insecure_dev=insecure_dev,
@@ -175,7 +201,8 @@ def mcp_serve(
         max_level=level, categories=category or (), oauth_provider=oauth_provider,
         resource_url=resource_url, oauth_scopes=oauth_scope or (),
         oauth_client_id=oauth_client_id, oauth_client_secret_file=oauth_client_secret_file,
-        registry_resource=registry_resource,
+        registry_resource=registry_resource, console_url=console_url,
+        approval_state_ttl_s=approval_state_ttl_s,
     )  # fmt: skip
 
 

@@ -76,7 +76,16 @@ from registry_server.client.registry_client import (
     describe_rpc_error,
 )
 from registry_server.domain.models import NAME_PATTERN, SafetyLevel, valid_tool_name
+from registry_server.mcp.approvals import (
+    DEFAULT_STATE_TTL_S,
+    INVALID_STATE,
+    ApprovalInputs,
+    ApprovalState,
+    boundary,
+    is_modern,
+)
 from registry_server.mcp.progress import EventStream, ProgressReporter
+from registry_server.mcp.tasks import install_tasks
 from registry_server.wire import convert
 
 log = logging.getLogger("toolreg.mcp")
@@ -176,6 +185,8 @@ class Bridge:
         categories: Sequence[str] = (),
         execute_timeout: float | None = None,
         identity_provider: str | None = None,
+        console_url: str = "",
+        state_ttl_s: float = DEFAULT_STATE_TTL_S,
     ) -> None:
         if isinstance(client, RegistryClient):
             fixed = client
@@ -187,6 +198,10 @@ class Bridge:
         self.execute_timeout = execute_timeout
         # The policy id of the provider people's tokens are exchanged at (OAuth), for messages.
         self.identity_provider = identity_provider
+        # With the console's URL, approvals are asked for as input requests
+        # (approvals.py); without, a dangerous call answers the text of old.
+        self.approvals = ApprovalInputs(console_url) if console_url else None
+        self.state_ttl_s = state_ttl_s
 
     @staticmethod
     def _rpc_message(client: RegistryClient, err: grpc.RpcError) -> str:
@@ -259,7 +274,7 @@ class Bridge:
 
     async def call_tool(
         self, ctx: ServerRequestContext[Any], params: types.CallToolRequestParams
-    ) -> types.CallToolResult:
+    ) -> types.CallToolResult | types.InputRequiredResult:
         client = self.client_for(ctx)
         name = params.name
         if not valid_tool_name(name):
@@ -274,6 +289,71 @@ class Bridge:
                 content=[_text(f"INVALID_ARGUMENTS: {APPROVAL_REQUEST_KEY} must be a string")],
                 is_error=True,
             )
+        if params.request_state is not None:
+            # A retry after an input request: the SDK has verified the seal and
+            # its envelope; the state must also name this very call and caller.
+            state = ApprovalState.check(params.request_state, ctx, name, arguments)
+            if request_id and request_id != state.request_id:
+                raise MCPError(types.INVALID_PARAMS, INVALID_STATE)
+            request_id = state.request_id
+            if ApprovalInputs.declined(params):
+                return types.CallToolResult(
+                    content=[_text(
+                        f"APPROVAL_REQUIRED: the approval page was declined; the call was not"
+                        f" made. Approval request {request_id} stays open until it expires."
+                    )],
+                    is_error=True,
+                )  # fmt: skip
+        outcome = await self._run(ctx, client, name, arguments, request_id)
+        if not isinstance(outcome, pb.ToolResult):
+            return outcome
+        pending = (
+            outcome.status == pb.EXECUTION_STATUS_APPROVAL_REQUIRED
+            and outcome.approval_request.id
+            and self.approvals is not None
+        )
+        if pending and self.approvals is not None:
+            if is_modern(ctx):
+                return self.approvals.input_required(ctx, name, arguments, outcome.approval_request)
+            if ApprovalInputs.url_elicitation_declared(ctx):
+                again = await self._elicit_then_retry(ctx, client, name, arguments, outcome)
+                if not isinstance(again, pb.ToolResult):
+                    return again
+                outcome = again
+        return result_to_mcp(name, outcome)
+
+    async def _elicit_then_retry(
+        self,
+        ctx: ServerRequestContext[Any],
+        client: RegistryClient,
+        name: str,
+        arguments: dict[str, Any],
+        outcome: pb.ToolResult,
+    ) -> pb.ToolResult | types.CallToolResult:
+        """2025-11-25 with URL elicitation: show the person the approval page
+        (``elicitation/create``); once they answer, try the call once more."""
+        assert self.approvals is not None
+        req = outcome.approval_request
+        answer = await ctx.session.elicit_url(
+            self.approvals.message(name, req),
+            self.approvals.page(req.id),
+            req.id,
+            related_request_id=ctx.request_id,
+        )
+        if answer.action != "accept":
+            return outcome
+        return await self._run(ctx, client, name, arguments, req.id)
+
+    async def _run(
+        self,
+        ctx: ServerRequestContext[Any],
+        client: RegistryClient,
+        name: str,
+        arguments: dict[str, Any],
+        request_id: str,
+    ) -> pb.ToolResult | types.CallToolResult:
+        """One ExecuteTool (or StreamExecuteTool, with a progress token): its
+        ToolResult, or the error result of a call that could not be made."""
         # The SDK has already taken the token from _meta; only whether there is one matters here.
         wants_progress = ctx.meta is not None and ctx.meta.get("progress_token") is not None
         try:
@@ -316,7 +396,7 @@ class Bridge:
             result.execution_id,
             ", streamed" if wants_progress else "",
         )
-        return result_to_mcp(name, result)
+        return result
 
     async def _streamed(
         self,
@@ -357,7 +437,7 @@ def build_server(bridge: Bridge) -> Server[Any]:
         version = metadata.version("toolreg")
     except metadata.PackageNotFoundError:
         version = "0"
-    return Server(
+    server: Server[Any] = Server(
         SERVER_NAME,
         version=version,
         instructions=(
@@ -367,6 +447,11 @@ def build_server(bridge: Bridge) -> Server[Any]:
         on_list_tools=bridge.list_tools,
         on_call_tool=bridge.call_tool,
     )
+    # Seals every requestState the bridge hands out and checks every echo (approvals.py).
+    server.middleware.append(boundary(bridge.state_ttl_s))
+    # Long calls as MCP tasks: the io.modelcontextprotocol/tasks extension (tasks.py).
+    install_tasks(server, bridge)
+    return server
 
 
 async def serve_stdio(bridge: Bridge) -> None:
@@ -380,9 +465,17 @@ def serve(
     *,
     max_level: SafetyLevel | None = None,
     categories: Sequence[str] = (),
+    console_url: str = "",
+    state_ttl_s: float = DEFAULT_STATE_TTL_S,
 ) -> None:
     """Serve MCP on stdin/stdout until the client closes stdin (blocking)."""
-    bridge = Bridge(client, max_level=max_level, categories=categories)
+    bridge = Bridge(
+        client,
+        max_level=max_level,
+        categories=categories,
+        console_url=console_url,
+        state_ttl_s=state_ttl_s,
+    )
     log.info("MCP bridge to toolreg at %s on stdio", client.address)
     anyio.run(serve_stdio, bridge)
 

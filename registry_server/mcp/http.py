@@ -240,6 +240,8 @@ def serve_http(
         max_level=settings.max_level,
         categories=settings.categories,
         identity_provider=settings.oauth.provider.id if settings.oauth is not None else None,
+        console_url=settings.console_url,
+        state_ttl_s=settings.approval_state_ttl_s,
     )
     app = build_app(bridge, settings, port, oauth)
     server = ListenerServer(

@@ -28,6 +28,8 @@ from registry_server.web.listener import (
 DEFAULT_MAX_BODY_BYTES = MAX_ARGUMENTS_BYTES + 64 * 1024
 DEFAULT_MAX_SESSIONS = 64  # MCP sessions open at once; the next gets 503 until one ends
 DEFAULT_SESSION_IDLE_S = 600.0  # seconds without a request before a session is closed
+DEFAULT_APPROVAL_STATE_TTL_S = 900.0  # seconds a sealed requestState of an approval is accepted
+MAX_URL_CHARS = 2048  # characters of a console URL
 CLIENT_SECRET_ENV = "TOOLREG_OAUTH_CLIENT_SECRET"  # the bridge's secret at the IdP (never argv)
 
 
@@ -94,6 +96,8 @@ class HttpSettings:
     categories: tuple[str, ...] = ()
     oauth: OAuthSettings | None = None
     resume: ResumeLimits = ResumeLimits()  # SSE events kept for Last-Event-ID
+    console_url: str = ""  # the approval console's base URL: approvals as input requests
+    approval_state_ttl_s: float = DEFAULT_APPROVAL_STATE_TTL_S
 
     @property
     def tls(self) -> bool:
@@ -214,6 +218,8 @@ def http_settings(
     registry_resource: str | None = None,
     resume_ttl_s: float | None = None,
     resume_max_bytes: int | None = None,
+    console_url: str | None = None,
+    approval_state_ttl_s: float | None = None,
 ) -> HttpSettings:
     """The CLI's options as checked settings (None = the default); ConfigError
     names the first problem, PolicyError's lines included."""
@@ -239,6 +245,11 @@ def http_settings(
         max_level=max_level,
         categories=tuple(categories),
         resume=resume_limits(resume_ttl_s, resume_max_bytes),
+        # Default: the console the policy's webhooks link to.
+        console_url=check_console_url(
+            console_url if console_url is not None else policy.console_url if policy else ""
+        ),
+        approval_state_ttl_s=check_state_ttl(approval_state_ttl_s),
         oauth=None
         if oauth_provider is None
         else oauth_settings(
@@ -253,3 +264,34 @@ def http_settings(
     )
     check_settings(settings)
     return settings
+
+
+def check_console_url(url: str) -> str:
+    """The approval console's base URL, as given to ``--console-url``: http(s),
+    no credentials, query or fragment (the bridge adds ``/#/requests/ID``);
+    "" for none. ConfigError otherwise."""
+    if not url:
+        return ""
+    parts = urlsplit(url)
+    if (
+        len(url) > MAX_URL_CHARS
+        or parts.scheme not in ("http", "https")
+        or not parts.hostname
+        or parts.username is not None
+        or parts.password is not None
+        or parts.query
+        or parts.fragment
+    ):
+        raise ConfigError(
+            "--console-url: an http(s) URL of the approval console, without credentials,"
+            f" query or fragment (at most {MAX_URL_CHARS} characters)"
+        )
+    return url.rstrip("/")
+
+
+def check_state_ttl(ttl_s: float | None) -> float:
+    if ttl_s is None:
+        return DEFAULT_APPROVAL_STATE_TTL_S
+    if not (math.isfinite(ttl_s) and 0 < ttl_s <= 86_400):
+        raise ConfigError("--approval-state-ttl-s: a number of seconds, above 0, at most 86400")
+    return ttl_s
