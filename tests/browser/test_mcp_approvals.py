@@ -226,3 +226,61 @@ def test_a_declined_page_is_an_error_and_nothing_runs(
     assert isinstance(declined, types.CallToolResult) and declined.is_error, declined
     assert "declined" in declined.content[0].text  # type: ignore[union-attr]
     assert executions(deployment, request_id) == []
+
+
+def legacy(
+    url: str, who: str, body: Callable[[ClientSession], Awaitable[T]], elicit: Any = None
+) -> T:
+    """A 2025-11-25 session (initialize) as `who`; with `elicit`, the client
+    declares elicitation (form and URL) and answers with it."""
+
+    async def run() -> T:
+        headers = {"Authorization": f"Bearer {TOKENS[who]}"}
+        with anyio.fail_after(CALL_TIMEOUT_S * 2):
+            async with (
+                httpx2.AsyncClient(headers=headers, timeout=CALL_TIMEOUT_S) as http,
+                streamable_http_client(url, http_client=http) as (read, write),
+                ClientSession(read, write, elicitation_callback=elicit) as session,
+            ):
+                init = await session.initialize()
+                assert init.protocol_version == "2025-11-25"
+                return await body(session)
+
+    return anyio.run(run)
+
+
+def test_on_2025_11_25_a_client_with_url_elicitation_is_sent_the_page(
+    deployment: Deployment, bridge: Bridge
+) -> None:
+    note = "the older revision asks too"
+    shown: list[types.ElicitRequestURLParams] = []
+
+    async def approve_then_accept(_ctx: Any, params: Any) -> types.ElicitResult:
+        assert isinstance(params, types.ElicitRequestURLParams)
+        shown.append(params)
+        request_id = request_of(params)
+        for who in ("alice", "bob"):  # approvers act while the host waits
+            done = await anyio.run_process(
+                [sys.executable, "-m", "registry_server.cli", "--token", TOKENS[who],
+                 "approvals", "approve", request_id, "--key", str(deployment.keys[who])],
+                check=False, env={**console_env(), "TOOLREG_ADDRESS": deployment.server.address},
+            )  # fmt: skip
+            assert done.returncode == 0, done.stderr
+        return types.ElicitResult(action="accept")
+
+    async def body(session: ClientSession) -> types.CallToolResult:
+        return await session.call_tool(
+            "deploy_note", {"note": note}, read_timeout_seconds=CALL_TIMEOUT_S
+        )
+
+    result = legacy(bridge.url, "agent", body, elicit=approve_then_accept)
+    assert not result.is_error, result
+    (page,) = shown
+    assert page.mode == "url" and page.url.startswith(deployment.console.url.rstrip("/"))
+    assert page.elicitation_id == request_of(page)
+    assert len(executions(deployment, request_of(page))) == 1
+
+    # A client that declares no elicitation keeps the text answer.
+    plain = legacy(bridge.url, "agent", body)
+    assert plain.is_error
+    assert plain.content[0].text.startswith("APPROVAL_REQUIRED")  # type: ignore[union-attr]
