@@ -29,8 +29,12 @@ from mcp.shared._httpx_utils import create_mcp_http_client
 from mcp.shared.exceptions import MCPError
 from pydantic import ConfigDict
 
+from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server.cli.launcher import ServerProcess, spawn_server
+from registry_server.client.registry_client import RegistryClient
 from registry_server.mcp.tasks import TASKS_EXTENSION
+from registry_server.signing.keys import generate_keypair, load_private_key
+from registry_server.signing.tokens import mint_for
 from tests import store_file
 from tests.factories import sha
 from tests.integration.test_mcp_http import BridgeProcess, spawn_bridge
@@ -38,7 +42,11 @@ from tests.integration.test_mcp_http import BridgeProcess, spawn_bridge
 pytestmark = pytest.mark.timeout(240)
 
 ROOT = Path(__file__).resolve().parents[2]
-TOKENS = {"agent": "mcp-tasks-agent-4b1e7c", "rival": "mcp-tasks-rival-e9a05d"}
+TOKENS = {
+    "agent": "mcp-tasks-agent-4b1e7c",
+    "rival": "mcp-tasks-rival-e9a05d",
+    "alice": "mcp-tasks-alice-07c2aa",
+}
 EXECUTION_LABEL = "io.toolreg.execution-id"
 RUNNING = re.compile(r"running as execution ([0-9a-f]{32})")
 TOOLS = {
@@ -89,6 +97,7 @@ class Served:
     server: ServerProcess
     data_dir: Path
     policy: Path
+    alice_key: bytes
 
 
 @pytest.fixture(scope="module")
@@ -110,14 +119,28 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         "sandbox": {"image": "toolreg/base", "command": ["echo", "hello"]},
     }  # fmt: skip
     (tools / "quick.yaml").write_text(yaml.safe_dump(quick))
+    deploy = {
+        "name": "deploy", "description": "Deploys (needs approval).",
+        "safety_level": "dangerous", "parameters": {"type": "object"},
+        "sandbox": {"image": "toolreg/base", "command": ["echo", "deployed"],
+                    "limits": {"timeout_ms": 30_000}},
+    }  # fmt: skip
+    (tools / "deploy.yaml").write_text(yaml.safe_dump(deploy))
+    alice_key, alice_public = generate_keypair()
     clients = [
-        {"id": who, "token_sha256": sha(token), "roles": ["execute"]}
-        for who, token in TOKENS.items()
-    ]
+        {"id": who, "token_sha256": sha(TOKENS[who]), "roles": ["execute"],
+         "max_safety_level": "dangerous"}
+        for who in ("agent", "rival")
+    ] + [{"id": "alice", "token_sha256": sha(TOKENS["alice"]), "roles": ["approve"]}]  # fmt: skip
     policy = base / "policy.yaml"
-    policy.write_text(yaml.safe_dump({"audience": "toolreg-mcp-tasks", "clients": clients}))
+    policy.write_text(yaml.safe_dump({
+        "audience": "toolreg-mcp-tasks",
+        "approvers": [{"id": "alice", "public_key": alice_public, "groups": ["ops"]}],
+        "approval_rules": [{"match": {"level": "dangerous"}, "approvals_required": 1}],
+        "clients": clients,
+    }))  # fmt: skip
     server = spawn_server(base / "data", "--tools", str(tools), "--policy", str(policy), cwd=ROOT)
-    yield Served(server, base / "data", policy)
+    yield Served(server, base / "data", policy, alice_key)
     server.kill()
 
 
@@ -251,3 +274,54 @@ def test_cancelling_a_task_stops_its_sandbox(bridge: BridgeProcess, served: Serv
     record = audit_of(served.data_dir, execution_id)
     assert record["status"] == "CANCELLED" and record["cancelled_by"] == "agent", record
     assert record["cancel_reason"].startswith("MCP task ") and record["duration_ms"] < 30_000
+
+
+def approval_request_of(task: TaskView) -> str:
+    found = re.search(r"\b[0-9a-f]{32}\b", task.status_message or "")
+    assert found, task
+    return found.group(0)
+
+
+def test_a_task_waits_for_approvers_then_runs_once(bridge: BridgeProcess, served: Served) -> None:
+    """A dangerous call's task is input_required until the approver approves
+    in the registry; the next tasks/get runs the call, once. A rejected
+    request completes its task with the approver's reason."""
+
+    async def ask(session: ClientSession) -> tuple[str, str]:
+        approved = await session.call_tool("deploy", {}, allow_claimed=True)
+        rejected = await session.call_tool("deploy", {"why": "other"}, allow_claimed=True)
+        assert isinstance(approved, CreatedTask) and isinstance(rejected, CreatedTask)
+        for task in (approved, rejected):
+            waiting = await poll(session, task.task_id, {"input_required", "completed"}, 60)
+            assert waiting.status == "input_required", waiting
+        return approved.task_id, rejected.task_id
+
+    approved_id, rejected_id = in_modern_session(bridge.url, TOKENS["agent"], ask)
+
+    async def request_ids(session: ClientSession) -> list[str]:
+        return [approval_request_of(await get(session, t)) for t in (approved_id, rejected_id)]
+
+    to_approve, to_reject = in_modern_session(bridge.url, TOKENS["agent"], request_ids)
+    with RegistryClient.connect(served.server.address, token=TOKENS["alice"]) as alice:
+        request = alice.stub.GetApprovalRequest(pb.GetApprovalRequestRequest(id=to_approve))
+        token = mint_for(load_private_key(served.alice_key), issuer="alice", request=request,
+                         bind_request=True)  # fmt: skip
+        alice.stub.SubmitApproval(pb.SubmitApprovalRequest(request_id=to_approve, token=token))
+        alice.stub.RejectApprovalRequest(
+            pb.RejectApprovalRequestRequest(request_id=to_reject, reason="not this week")
+        )
+
+    async def finish(session: ClientSession) -> tuple[TaskView, TaskView]:
+        done = await poll(session, approved_id, {"completed", "failed"}, 120)
+        refused = await poll(session, rejected_id, {"completed", "failed"}, 30)
+        return done, refused
+
+    done, refused = in_modern_session(bridge.url, TOKENS["agent"], finish)
+    assert done.status == "completed" and done.result is not None, done
+    assert not done.result.get("isError") and done.result["content"][0]["text"] == "deployed\n"
+    assert refused.status == "completed" and refused.result is not None, refused
+    assert refused.result["isError"] is True
+    assert "rejected by alice: not this week" in refused.result["content"][0]["text"]
+    runs = [json.loads(r) for _s, _k, r in store_file.audit_rows(served.data_dir, "execution")]
+    ran = [r for r in runs if r["tool"] == "deploy" and r["status"] == "OK"]
+    assert len(ran) == 1 and ran[0]["approval_request_id"] == to_approve, ran
