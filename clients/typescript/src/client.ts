@@ -308,6 +308,19 @@ export class ToolregClient {
   }
 
   /**
+   * CancelExecution: stop a call `streamTool` started (its `started` event's
+   * execution id): this client's own, or any as an admin. The sandbox is
+   * killed and removed; the call's result is CANCELLED, naming who and why
+   * (`reason`: at most 1,000 characters, no control characters). Throws
+   * RpcError: NOT_FOUND (unknown, or another client's), FAILED_PRECONDITION
+   * (already ended), INVALID_ARGUMENT.
+   */
+  async cancelExecution(executionId: string, options: CallOptions & { reason?: string } = {}): Promise<void> {
+    const request = { executionId, reason: options.reason ?? "" };
+    await this.#call(() => this.stub.cancelExecution(request, this.#opts(options)));
+  }
+
+  /**
    * ListApprovalRequests, newest first (state: PENDING, APPROVED, CONSUMED, REJECTED, VOIDED, EXPIRED; default all),
    * every page: at most `limit` (default all), `pageSize` per page (default `limit`, else the server's).
    */
