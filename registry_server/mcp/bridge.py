@@ -450,7 +450,7 @@ def build_server(bridge: Bridge) -> Server[Any]:
     # Seals every requestState the bridge hands out and checks every echo (approvals.py).
     server.middleware.append(boundary(bridge.state_ttl_s))
     # Long calls as MCP tasks: the io.modelcontextprotocol/tasks extension (tasks.py).
-    install_tasks(server, bridge)
+    install_tasks(server, bridge, result_to_mcp, approval_message)
     return server
 
 

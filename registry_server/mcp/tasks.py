@@ -17,7 +17,10 @@ dropped connection to the server re-attaches; the call is not cancelled).
   ``isError``); ``failed`` with a JSON-RPC error when the registry refused the
   request itself; ``cancelled``.
 * ``tasks/cancel`` stops the call: ``CancelExecution`` on the server, which
-  kills and removes the sandbox. A task already ended, or unknown, is -32602.
+  kills and removes the sandbox. A task already ended is acknowledged and
+  keeps its status; an unknown one is -32602.
+* A ``tasks/*`` request whose client capabilities do not name the extension
+  is -32021 (Missing Required Client Capability).
 * ``tasks/update`` is acknowledged (the approval happens in the console; the
   next ``tasks/get`` looks at the request again).
 
@@ -42,7 +45,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import anyio.to_thread
 import grpc
@@ -51,6 +54,7 @@ from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
 from mcp.server.context import ServerRequestContext
 from mcp.server.lowlevel import Server
 from mcp.shared.exceptions import MCPError
+from mcp_types.jsonrpc import MISSING_REQUIRED_CLIENT_CAPABILITY
 from starlette.requests import Request
 
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
@@ -61,9 +65,6 @@ from registry_server.client.registry_client import (
 )
 from registry_server.domain.models import SafetyLevel, valid_tool_name
 from registry_server.wire import convert
-
-if TYPE_CHECKING:
-    from registry_server.mcp.bridge import Bridge
 
 log = logging.getLogger("toolreg.mcp.tasks")
 
@@ -439,6 +440,13 @@ class Tasks:
     # -- tasks/* ------------------------------------------------------------------------
 
     def _mine(self, ctx: ServerRequestContext[Any], params: TaskParams) -> Task:
+        if not self.negotiated(ctx):
+            # SEP-2663: the tasks surface is gated on the request declaring the extension.
+            raise MCPError(
+                MISSING_REQUIRED_CLIENT_CAPABILITY,
+                f"tasks/* needs the {TASKS_EXTENSION} extension in the client's capabilities",
+                {"requiredCapabilities": {"extensions": {TASKS_EXTENSION: {}}}},
+            )
         task = self.store.get(principal_of(ctx), params.task_id)
         if task is None:
             raise MCPError(types.INVALID_PARAMS, UNKNOWN_TASK)
@@ -461,7 +469,7 @@ class Tasks:
         task = self._mine(ctx, params)
         with self.store.lock:
             if task.status in TERMINAL:
-                raise MCPError(types.INVALID_PARAMS, f"task is already {task.status}")
+                return {}  # idempotent: an ended task keeps its status (-32602 is for unknown ids)
             task.cancelled = True
             running = bool(task.execution_id) and task.status == "working"
         if running:
@@ -489,10 +497,22 @@ class Tasks:
         return ""
 
 
-def install_tasks(server: Server[Any], bridge: Bridge) -> Tasks:
-    """Serve the tasks extension on the bridge's MCP server (build_server)."""
-    from registry_server.mcp.bridge import approval_message, result_to_mcp
+class BridgeLike(Protocol):
+    """What the tasks read of the bridge (bridge.Bridge), without importing it."""
 
+    client_for: ClientFor
+    max_level: SafetyLevel | None
+    categories: tuple[str, ...]
+    execute_timeout: float | None
+
+
+def install_tasks(
+    server: Server[Any],
+    bridge: BridgeLike,
+    result_to_mcp: ResultToMcp,
+    approval_message: Callable[[str, pb.ApprovalRequest], str],
+) -> Tasks:
+    """Serve the tasks extension on the bridge's MCP server (build_server)."""
     # With the console's URL (approvals.py), a waiting task asks for the approval
     # page as a URL-mode elicitation; without, its statusMessage says what to do.
     approvals = getattr(bridge, "approvals", None)
