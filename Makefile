@@ -13,7 +13,7 @@ INIT_BIN := sandbox_runner/init/toolreg-init
 INIT_CC ?= gcc
 INIT_CFLAGS := -std=c11 -Os -static -s -Wall -Wextra -Werror
 
-.PHONY: help install init proto check check-proto lint typecheck check-k8s check-ts ts-client engine images interop-deps identity-deps postgres haproxy chromium rsyslog unit test run bench reap dist server-image clean
+.PHONY: help install init proto check check-proto lint typecheck check-k8s check-ts ts-client engine images interop-deps identity-deps conformance-deps postgres haproxy chromium rsyslog unit test run bench reap dist server-image clean
 
 help: ## Show the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -123,6 +123,11 @@ interop-deps: ts-client ## Install the Node.js interop test dependencies (tests/
 identity-deps: ## Install the identity tests' OpenID Provider (oidc-provider, with its Node.js, from npm)
 	cd tests/identity/idp && npm ci --no-audit --no-fund --silent
 
+# The official MCP conformance suite, pinned exactly, with the Node.js it needs
+# from npm (as identity-deps): tests/integration/test_mcp_conformance.py runs it.
+conformance-deps: ## Install the MCP conformance suite (tests/conformance, from npm)
+	cd tests/conformance && npm ci --no-audit --no-fund --silent
+
 # No unit test uses hypothesis or anyio's pytest plugin (which imports trio):
 # their start-up is left out here. PYTHONDONTWRITEBYTECODE (set in some
 # environments) would also turn off pytest's cache of rewritten test modules:
@@ -130,7 +135,7 @@ identity-deps: ## Install the identity tests' OpenID Provider (oidc-provider, wi
 unit: install ## The unit tier alone: decision logic, no engine, in seconds
 	PYTHONDONTWRITEBYTECODE= $(BIN)/pytest tests/unit -q -p no:hypothesispytest -p no:anyio $(PYTEST_ARGS)
 
-test: install init check-proto images ts-client interop-deps identity-deps postgres haproxy chromium rsyslog ## Set up everything, then run the whole test suite
+test: install init check-proto images ts-client interop-deps identity-deps conformance-deps postgres haproxy chromium rsyslog ## Set up everything, then run the whole test suite
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 run: install init images ## Set up everything, then serve the example tools on 127.0.0.1:50051
