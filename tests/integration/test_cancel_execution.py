@@ -3,13 +3,17 @@ containers: the caller stops its own call (streamed or detached) and the
 call's container is gone; the result is CANCELLED and the audit record says
 who cancelled it and why; another client gets NOT_FOUND, as for an unknown
 id; an admin may cancel any call; an ended call is FAILED_PRECONDITION;
-malformed requests are INVALID_ARGUMENT before any look-up."""
+malformed requests are INVALID_ARGUMENT before any look-up; Ctrl-C in
+`toolreg exec --stream` cancels the call."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -193,3 +197,31 @@ def test_malformed_requests_are_refused_before_any_look_up(server: ServerProcess
         with pytest.raises(grpc.RpcError) as info:
             agent.cancel(result.execution_id, timeout=10)
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_ctrl_c_in_toolreg_exec_stream_cancels_the_call(server: ServerProcess) -> None:
+    """`toolreg exec --stream` re-attaches by default; SIGINT cancels the call."""
+    env = {**os.environ, "TOOLREG_TOKEN": AGENT}
+    argv = [sys.executable, "-m", "registry_server.cli", "exec", "sleeper", "--stream",
+            "--address", server.address]  # fmt: skip
+    cli = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT
+    )
+    try:
+        assert cli.stdout is not None
+        assert cli.stdout.readline() == "started\n"  # the tool runs
+        cli.send_signal(signal.SIGINT)
+        _, err = cli.communicate(timeout=30)
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+    assert cli.returncode == 130, err
+    found = re.search(r"interrupted: call ([0-9a-f]{32}) cancelled", err)
+    assert found, err
+    execution_id = found.group(1)
+    assert wait_gone(execution_id) == []
+    record = audit_of(server, execution_id)
+    assert record["status"] == "CANCELLED"
+    assert (record["cancelled_by"], record["cancel_reason"]) == (
+        "agent", "Ctrl-C at the terminal (toolreg exec --stream)",
+    )  # fmt: skip
