@@ -40,6 +40,9 @@ NODE = HERE / "node_modules" / ".bin" / "node"
 SUITE = HERE / "node_modules" / "@modelcontextprotocol" / "conformance" / "dist" / "index.js"
 BEARER = HERE / "bearer.cjs"
 TOKEN = "conformance-agent-3e91d7"
+# Approvals are asked for as input requests (a console need not run: the suite
+# never opens the page)
+CONSOLE_URL = "https://console.example.test"
 SERVING = "serving MCP on"
 RUN_TIMEOUT_S = 150  # seconds for one whole run of the suite (about 5 s here)
 PASSING = {"SUCCESS", "INFO", "SKIPPED", "WARNING"}
@@ -104,20 +107,55 @@ for _name in (
 ):  # fmt: skip
     NOT_APPLICABLE[f"input-required-result-{_name}"] = FIXTURE_TOOL + " (it asks the client)"
 
-# The tasks extension's scenarios (io.modelcontextprotocol/tasks; not scored by
-# the suite) belong to the bridge's tasks work (registry_server/mcp/tasks.py):
-# they call the suite's fixture tools (slow_compute, greet, failing_job,
-# protocol_error_job, confirm_delete, multi_input, test_tool_with_task), not
-# registered here yet, and expect -32021 from tasks/* for a client that did not
-# declare the extension. Expected to pass once that lands; until then their
-# results are reported (pytest -rA) and not asserted.
-TASKS_PENDING = "tasks-"
+# The tasks extension's scenarios (io.modelcontextprotocol/tasks, not scored by
+# the suite; the bridge's tasks.py) run against the suite's tools registered
+# below as ordinary sandboxed tools. These of their checks do not apply:
+NO_ASKING_TOOL = FIXTURE_TOOL + " (a tool that asks the client; a sandbox cannot)"
+NOT_APPLICABLE_CHECKS.update({
+    ("tasks-lifecycle", "sep-2663-tasks-get-status-failed"):
+        "protocol_error_job: a task that fails with a JSON-RPC error needs the registry to"
+        " refuse a request it accepted at creation; no registered tool can be that",
+    ("tasks-mrtr-composition", "sep-2663-mrtr-synchronous-before-task-creation"): NO_ASKING_TOOL,
+    ("tasks-mrtr-input", "tasks-mrtr-partial-fulfillment"): NO_ASKING_TOOL,
+    ("tasks-mrtr-input", "tasks-mrtr-tasks-update-resumes"):
+        "the input a toolreg task waits for is the approvers' decision in the console, not"
+        " the client's answer: tasks/update cannot complete it (tests/browser covers approvals)",
+})  # fmt: skip
+# Checks the tasks work does not meet yet: reported (pytest -s), not asserted.
+TASKS_PENDING: dict[tuple[str, str], str] = {
+    ("tasks-request-headers", "sep-2663-server-rejects-mismatched-mcp-name-on-tasks-get"):
+        "tasks/get does not compare the Mcp-Name header with the taskId (-32020)",
+    ("tasks-required-task-error", "sep-2663-server-returns-missing-capability-when-required"):
+        "no registry tool requires a task, so a client without the extension is never"
+        " refused with -32021",
+}  # fmt: skip
 
-DIAGNOSTIC_TOOLS = {
+SLOW = (
+    "import json, sys, time\n"
+    "a = json.load(sys.stdin)\n"
+    "time.sleep(min(float(a.get('seconds', 1)), 90))\n"
+    "print(json.dumps({'label': a.get('label', ''), 'slept': a.get('seconds', 1)}))\n"
+)
+GREET = (
+    "import json, sys\nprint('Hello, %s!' % json.load(sys.stdin).get('name', 'World'), end='')\n"
+)
+FAIL = "import sys\nsys.stderr.write('this job always fails\\n')\nsys.exit(1)\n"
+# name -> (description, image, command, level, timeout_ms or 0 for the default)
+DIAGNOSTIC_TOOLS: dict[str, tuple[str, str, list[str], str, int]] = {
     "test_simple_text": ("Writes a line of text (the suite's tools-call-simple-text).",
-                         ["echo", "This is a simple text response for testing."]),
-    "test_error_handling": ("Fails on purpose (the suite's tools-call-error).",
-                            ["sh", "-c", "echo 'This tool always fails' >&2; exit 1"]),
+                         "toolreg/base", ["echo", "This is a simple text response for testing."],
+                         "safe", 0),
+    "test_error_handling": ("Fails on purpose (the suite's tools-call-error).", "toolreg/base",
+                            ["sh", "-c", "echo 'This tool always fails' >&2; exit 1"], "safe", 0),
+    # The tasks scenarios' tools: a call of a tool allowed 10 s or more becomes a task.
+    "slow_compute": ("Sleeps for `seconds`, then names its label (tasks scenarios).",
+                     "toolreg/python", ["python3", "-c", SLOW], "safe", 120_000),
+    "greet": ("Greets `name` at once (a call that is not a task).", "toolreg/python",
+              ["python3", "-c", GREET], "safe", 0),
+    "failing_job": ("A long job that fails (a task completed with isError).", "toolreg/python",
+                    ["python3", "-c", FAIL], "safe", 60_000),
+    "confirm_delete": ("Needs an approver first (a task that waits: input_required).",
+                       "toolreg/base", ["cat"], "dangerous", 60_000),
 }  # fmt: skip
 
 
@@ -135,12 +173,14 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
     base = tmp_path_factory.mktemp("conformance")
     tools = base / "tools"
     tools.mkdir()
-    for name, (description, command) in DIAGNOSTIC_TOOLS.items():
-        manifest = {
-            "name": name, "description": description,
-            "parameters": {"type": "object", "properties": {}},
-            "sandbox": {"image": "toolreg/base", "command": command},
+    for name, (description, image, command, level, timeout_ms) in DIAGNOSTIC_TOOLS.items():
+        manifest: dict[str, Any] = {
+            "name": name, "description": description, "safety_level": level,
+            "parameters": {"type": "object"},
+            "sandbox": {"image": image, "command": command},
         }  # fmt: skip
+        if timeout_ms:
+            manifest["sandbox"]["limits"] = {"timeout_ms": timeout_ms}
         (tools / f"{name}.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
     _, public = generate_keypair()
     policy = base / "policy.yaml"
@@ -148,7 +188,7 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
         "audience": "toolreg-conformance",
         "approvers": [{"id": "alice", "public_key": public, "groups": ["security"]}],
         "clients": [{"id": "agent", "token_sha256": sha(TOKEN), "roles": ["execute"],
-                     "max_safety_level": "cautious"}],
+                     "max_safety_level": "dangerous"}],
     }, sort_keys=False))  # fmt: skip
     server = spawn_server(base / "data", "--tools", str(tools), "--policy", str(policy), cwd=ROOT)
     try:
@@ -168,7 +208,7 @@ def run_suite(registry: Registry, mode: str, requirements: str, out: Path) -> di
         auth, root = ["--policy", str(registry.policy)], []
     argv = [sys.executable, "-m", "registry_server.cli", *root, "mcp",
             "--address", registry.server.address, "--http", f"127.0.0.1:{port}",
-            *auth, *origins]  # fmt: skip
+            *auth, *origins, "--console-url", CONSOLE_URL]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "TOOLREG_TOKEN"}
     proc, url, log = spawn_until(argv, re.compile(SERVING + r" (\S+)"), what="toolreg mcp",
                                  cwd=ROOT, env=env)  # fmt: skip
@@ -205,17 +245,16 @@ def test_the_conformance_suite_passes(
     for scenario, checks in results.items():
         if scenario in NOT_APPLICABLE:
             continue
-        if scenario.startswith(TASKS_PENDING):
-            bad = [c for c in checks if c.get("status") not in PASSING]
-            pending.append(f"{scenario}: {len(checks) - len(bad)} passed, {len(bad)} failed")
-            continue
         for check in checks:
             if check.get("status") in PASSING:
                 continue
             if (scenario, check.get("id")) in NOT_APPLICABLE_CHECKS:
                 continue
+            if (scenario, check.get("id")) in TASKS_PENDING:
+                pending.append(f"{scenario} / {check.get('id')}: {check.get('errorMessage')}")
+                continue
             failures.append(f"{scenario} / {check.get('id')}: {check.get('errorMessage')}")
-    print("tasks-* (expected to pass once the tasks work lands):", *pending, sep="\n  ")
+    print("tasks checks not met yet (TASKS_PENDING):", *pending, sep="\n  ")
     assert failures == [], "\n".join(failures)
     ran = set(results)
     # The scenarios a registry answers for were run (nothing silently skipped).
