@@ -254,6 +254,16 @@ def test_the_conformance_suite_passes(
                 pending.append(f"{scenario} / {check.get('id')}: {check.get('errorMessage')}")
                 continue
             failures.append(f"{scenario} / {check.get('id')}: {check.get('errorMessage')}")
+    summary = []
+    for scenario, checks in sorted(results.items()):
+        if scenario in NOT_APPLICABLE:
+            summary.append(f"{scenario}: not applicable ({NOT_APPLICABLE[scenario]})")
+            continue
+        skipped = [c["id"] for c in checks if (scenario, c.get("id")) in NOT_APPLICABLE_CHECKS]
+        passed = sum(c.get("status") in PASSING for c in checks)
+        summary.append(f"{scenario}: {passed}/{len(checks)} checks pass"
+                       + (f"; not applicable: {', '.join(sorted(set(skipped)))}" if skipped else ""))  # fmt: skip
+    print(f"conformance {requirements} {mode}:", *summary, sep="\n  ")
     print("tasks checks not met yet (TASKS_PENDING):", *pending, sep="\n  ")
     assert failures == [], "\n".join(failures)
     ran = set(results)
