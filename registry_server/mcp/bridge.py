@@ -331,16 +331,21 @@ class Bridge:
         outcome: pb.ToolResult,
     ) -> pb.ToolResult | types.CallToolResult:
         """2025-11-25 with URL elicitation: show the person the approval page
-        (``elicitation/create``); once they answer, try the call once more."""
+        (``elicitation/create``); once they answer, try the call once more.
+        A host that never answers gets the text answer after the state's
+        lifetime (the wait is bounded as a 2026-07-28 retry is)."""
         assert self.approvals is not None
         req = outcome.approval_request
-        answer = await ctx.session.elicit_url(
-            self.approvals.message(name, req),
-            self.approvals.page(req.id),
-            req.id,
-            related_request_id=ctx.request_id,
-        )
-        if answer.action != "accept":
+        accepted = False
+        with anyio.move_on_after(self.state_ttl_s):
+            answer = await ctx.session.elicit_url(
+                self.approvals.message(name, req),
+                self.approvals.page(req.id),
+                req.id,
+                related_request_id=ctx.request_id,
+            )
+            accepted = answer.action == "accept"
+        if not accepted:
             return outcome
         return await self._run(ctx, client, name, arguments, req.id)
 
