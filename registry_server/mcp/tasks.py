@@ -20,7 +20,8 @@ dropped connection to the server re-attaches; the call is not cancelled).
   kills and removes the sandbox. A task already ended is acknowledged and
   keeps its status; an unknown one is -32602.
 * A ``tasks/*`` request whose client capabilities do not name the extension
-  is -32021 (Missing Required Client Capability).
+  is -32021 (Missing Required Client Capability); over HTTP, one whose
+  ``Mcp-Name`` header is not its ``taskId`` is -32020 (Header Mismatch).
 * ``tasks/update`` is acknowledged (the approval happens in the console; the
   next ``tasks/get`` looks at the request again).
 
@@ -54,7 +55,8 @@ from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
 from mcp.server.context import ServerRequestContext
 from mcp.server.lowlevel import Server
 from mcp.shared.exceptions import MCPError
-from mcp_types.jsonrpc import MISSING_REQUIRED_CLIENT_CAPABILITY
+from mcp.shared.inbound import decode_header_value
+from mcp_types.jsonrpc import HEADER_MISMATCH, MISSING_REQUIRED_CLIENT_CAPABILITY
 from starlette.requests import Request
 
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
@@ -447,6 +449,13 @@ class Tasks:
                 f"tasks/* needs the {TASKS_EXTENSION} extension in the client's capabilities",
                 {"requiredCapabilities": {"extensions": {TASKS_EXTENSION: {}}}},
             )
+        request = ctx.request
+        if isinstance(request, Request):
+            # SEP-2243/SEP-2663: over HTTP a tasks/* request names its task in the
+            # Mcp-Name header too, and the two must agree (routing intermediaries read it).
+            named = decode_header_value(request.headers.get("mcp-name"))
+            if named != params.task_id:
+                raise MCPError(HEADER_MISMATCH, "the Mcp-Name header does not match params.taskId")
         task = self.store.get(principal_of(ctx), params.task_id)
         if task is None:
             raise MCPError(types.INVALID_PARAMS, UNKNOWN_TASK)

@@ -80,6 +80,15 @@ class TasksGet(types.Request[TaskIdParams, Literal["tasks/get"]]):
     name_param: ClassVar[str | None] = "taskId"
 
 
+class RoutedParams(TaskIdParams):
+    route: str  # sent as the Mcp-Name header instead of the taskId
+
+
+class TasksGetRouted(types.Request[RoutedParams, Literal["tasks/get"]]):
+    method: Literal["tasks/get"] = "tasks/get"
+    name_param: ClassVar[str | None] = "route"
+
+
 class TasksCancel(types.Request[TaskIdParams, Literal["tasks/cancel"]]):
     method: Literal["tasks/cancel"] = "tasks/cancel"
     name_param: ClassVar[str | None] = "taskId"
@@ -256,6 +265,15 @@ def test_a_long_call_runs_as_a_task_polled_to_its_result(bridge: BridgeProcess) 
         return info.value.error.code
 
     assert in_modern_session(bridge.url, TOKENS["rival"], rival) == types.INVALID_PARAMS
+
+    async def misrouted(session: ClientSession) -> int:
+        """The Mcp-Name header names another task than the body (SEP-2243)."""
+        params = RoutedParams(task_id=created.task_id, route="f" * 32)
+        with pytest.raises(MCPError) as info:
+            await session.send_request(TasksGetRouted(params=params), TaskView)
+        return info.value.error.code
+
+    assert in_modern_session(bridge.url, TOKENS["agent"], misrouted) == -32020
 
     async def undeclared(session: ClientSession) -> int:
         """A request whose client capabilities do not name the extension."""
