@@ -3,8 +3,10 @@
 For tests: the config runs in the foreground as any user (`haproxy -f CFG -db`: no daemon,
 chroot or user switch), logs to stderr, and health-checks every server through the standard
 gRPC health service (grpc.health.v1.Health/Check, service ""): a server is in rotation only
-while it answers SERVING, so a toolreg server whose engine fails, or that is draining on
-SIGTERM (it says NOT_SERVING while in-flight calls finish), leaves it within about a second.
+while it answers SERVING, so a toolreg server whose engine fails leaves it within
+out_of_rotation_s() (2 s). One that leaves on SIGTERM says NOT_SERVING and keeps serving for
+TOOLREG_DRAIN_S (10 s by default, at least out_of_rotation_s()) before it stops accepting
+calls, so HAProxy has taken it out by then and no call is sent to a server that refuses it.
 
 Why the health check is a raw `tcp-check` and not `option httpchk` + `check-proto h2`:
 a gRPC request must carry a 5-byte message frame (for Check: 00 00 00 00 00), and HAProxy 2.6's
@@ -50,15 +52,22 @@ READ_ONLY_METHODS = (
 # Seconds: the longest gRPC call (or silence inside a streamed one) the proxy waits for,
 # plus a margin so the client's own deadline fires first and reports DEADLINE_EXCEEDED.
 CALL_TIMEOUT_S = 65
-CHECK_INTER = "500ms"  # between two health checks of one server
+CHECK_INTER_S = 0.5  # seconds between two health checks of one server
 CHECK_FALL = 2  # failed checks in a row before a server leaves the rotation
 CHECK_RISE = 2  # passed checks in a row before it comes back
-CHECK_TIMEOUT = "1s"  # for one check's answer, once connected
+CHECK_TIMEOUT_S = 1  # seconds for one check's answer, once connected
 
 _H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 _FRAME_DATA, _FRAME_HEADERS, _FRAME_SETTINGS = 0x0, 0x1, 0x4
 _FLAG_END_STREAM, _FLAG_END_HEADERS = 0x1, 0x4
 _STREAM = 1  # the check's only stream
+
+
+def out_of_rotation_s() -> float:
+    """Seconds at most from a server's first NOT_SERVING to HAProxy taking it out of the
+    rotation: the next check starts within one interval, CHECK_FALL of them must fail, and
+    the last may take its whole timeout. A leaving server's TOOLREG_DRAIN_S must be longer."""
+    return CHECK_INTER_S * CHECK_FALL + CHECK_TIMEOUT_S
 
 
 def _frame(ftype: int, flags: int, stream: int, payload: bytes) -> bytes:
@@ -176,7 +185,7 @@ def render(
         f"    timeout http-keep-alive {CALL_TIMEOUT_S}s",
         "    timeout http-request 10s",
         "    timeout queue 5s",
-        f"    timeout check {CHECK_TIMEOUT}",
+        f"    timeout check {CHECK_TIMEOUT_S}s",
         "",
         "frontend grpc_in",
         f"    bind {frontend} proto h2",
@@ -201,7 +210,8 @@ def render(
         f" rbinary {_end_of_response_regex()}",
         "    tcp-check expect min-recv 0 comment health\\ status\\ is\\ not\\ SERVING"
         f" binary {serving_hex}",
-        f"    default-server proto h2 check inter {CHECK_INTER} fall {CHECK_FALL}"
+        f"    default-server proto h2 check inter {round(CHECK_INTER_S * 1000)}ms"
+        f" fall {CHECK_FALL}"
         f" rise {CHECK_RISE}",
         *server_lines,
     ]

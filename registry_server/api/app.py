@@ -11,10 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from grpc_health.v1 import health
-
 from registry_server.api import staging
 from registry_server.api.config import ServerConfig
+from registry_server.api.health_monitor import ServerHealth
 from registry_server.api.metrics import Metrics
 from registry_server.api.policy_reload import PolicyReloads
 from registry_server.approvals.events import ExpirySweeper
@@ -82,7 +81,7 @@ class App:
     store: Store
     registry: Registry
     executor: Executor
-    health: health.HealthServicer
+    health: ServerHealth
     backend: SandboxBackend
     approvals: Approvals
     dev_mode: bool = False
@@ -155,7 +154,7 @@ def build_app(config: ServerConfig) -> App:
         approvals=approvals,
         rates=rates,
     )
-    app = App(config, store, registry, executor, health.HealthServicer(), backend, approvals)
+    app = App(config, store, registry, executor, ServerHealth(), backend, approvals)
     app.dev_mode = dev_mode
     app.watches = watches
     app.policy = live

@@ -42,6 +42,11 @@ DEFAULT_MAX_SANDBOXES = 8  # containers running at once, server-wide
 DEFAULT_MAX_QUEUED = 32  # calls waiting for a sandbox slot before RESOURCE_EXHAUSTED
 EXTRA_GRPC_THREADS = 8  # threads for registry RPCs beyond the sandbox slots and queue
 SHUTDOWN_GRACE_S = 10.0  # seconds in-flight RPCs get to finish on SIGTERM
+# Seconds a leaving server says NOT_SERVING, still serving, before it stops accepting: HAProxy's
+# default checks (inter 2 s, fall 3) need 6 s to take it out, a Kubernetes readiness probe
+# of period 5 s and failureThreshold 2 needs 10 s.
+DEFAULT_DRAIN_S = 10.0
+MAX_DRAIN_S = 600.0  # seconds: a longer window is a misconfiguration
 DEFAULT_SANDBOX_MEMORY_MB = 4096  # MiB: the memory limits of all sandboxes, running or warm
 # Bytes of one request message: 1 MiB of arguments plus approval tokens and
 # framing fit; a bigger message is refused by gRPC before it is parsed.
@@ -134,6 +139,12 @@ class ServerConfig(BaseSettings):
     witnesses: tuple[str, ...] = ()
     witness_timeout_s: float = Field(WITNESS_TIMEOUT_S, gt=0, le=300)
     dev_audience: str = "toolreg-dev"  # the `aud` of tokens in development mode
+    # Leaving (SIGTERM or SIGINT; docs/how-to/scaling.md): for drain_s seconds the server says
+    # NOT_SERVING (readiness; liveness stays SERVING) and still serves new calls, so load
+    # balancers take it out first; only when a prober asked for readiness in the last
+    # drain_s seconds (nobody else would hear it); a second signal cuts it short; 0: off.
+    # Then it stops accepting, and calls in flight get shutdown_grace_s to finish.
+    drain_s: float = Field(DEFAULT_DRAIN_S, ge=0, le=MAX_DRAIN_S)
     shutdown_grace_s: float = Field(SHUTDOWN_GRACE_S, ge=0)
     # Seconds a streamed call's output and result stay attachable after it
     # ends (AttachExecution), and how many ended calls a server keeps at most.

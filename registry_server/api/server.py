@@ -13,13 +13,15 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
 from registry_server.api import tracing
 from registry_server.api.app import App, build_app
 from registry_server.api.auth import Authenticator, AuthInterceptor
 from registry_server.api.config import MAX_MESSAGE_BYTES, ServerConfig
-from registry_server.api.health_monitor import HealthMonitor
+from registry_server.api.health_monitor import (
+    LIVENESS_SERVICE as LIVENESS_SERVICE,  # re-exported: where tests and callers look for it
+)
+from registry_server.api.health_monitor import SERVICE_NAME, HealthMonitor, ServerHealth
 from registry_server.api.metrics import MetricsInterceptor
 from registry_server.api.policy_digest import PolicyDigestInterceptor
 from registry_server.api.servicer import ToolRegistryServicer
@@ -30,12 +32,6 @@ from registry_server.domain.files import read_credential
 from registry_server.store.page_key import page_tokens
 
 log = logging.getLogger(__name__)
-
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ToolRegistry"].full_name
-# A health "service" that is SERVING for as long as the process serves at all, whatever
-# its engine and store say: for liveness probes, so a database outage takes servers
-# out of rotation (readiness asks "") without restarting every one of them.
-LIVENESS_SERVICE = "toolreg.liveness"
 
 
 def create_server(config: ServerConfig, app: App | None = None) -> tuple[grpc.Server, int, App]:
@@ -74,10 +70,8 @@ def create_server(config: ServerConfig, app: App | None = None) -> tuple[grpc.Se
         ),
         server,
     )
+    # Readiness ("" and SERVICE_NAME) and liveness (LIVENESS_SERVICE): health_monitor.py.
     health_pb2_grpc.add_HealthServicer_to_server(app.health, server)
-    app.health.set("", health_pb2.HealthCheckResponse.SERVING)
-    app.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-    app.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection(
         (
             SERVICE_NAME,
@@ -118,16 +112,7 @@ def _start_health_monitor(app: App) -> None:
         app.metrics.store_up.set(1 if store else 0)
         return engine and store
 
-    def on_change(healthy: bool) -> None:
-        status = (
-            health_pb2.HealthCheckResponse.SERVING
-            if healthy
-            else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
-        app.health.set("", status)
-        app.health.set(SERVICE_NAME, status)
-
-    monitor = HealthMonitor(parts_answer, on_change, app.config.health_interval_s)
+    monitor = HealthMonitor(parts_answer, app.health.set_healthy, app.config.health_interval_s)
     monitor.start()
     app.closers.insert(0, monitor.stop)
 
@@ -195,10 +180,16 @@ def _start_reloader(app: App, asked: threading.Event, stopping: threading.Event)
 
 
 def serve(config: ServerConfig) -> None:
-    """Run until SIGTERM or SIGINT, then finish in-flight calls and stop."""
+    """Run until SIGTERM or SIGINT, then leave: NOT_SERVING while still serving for
+    config.drain_s, then stop accepting and finish in-flight calls (leave())."""
     stopping = threading.Event()
+    hurry = threading.Event()  # a second signal: skip what is left of the drain window
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
+        if stopping.is_set():
+            log.info("received %s again; stopping now", signal.Signals(signum).name)
+            hurry.set()
+            return
         log.info("received %s; shutting down", signal.Signals(signum).name)
         stopping.set()
 
@@ -221,7 +212,34 @@ def serve(config: ServerConfig) -> None:
         len(app.registry.names()),
     )
     stopping.wait()
-    app.health.enter_graceful_shutdown()
-    server.stop(config.shutdown_grace_s).wait()
+    leave(server, app.health, config, hurry)
     app.close()
     log.info("toolreg stopped")
+
+
+def leave(
+    server: grpc.Server, health: ServerHealth, config: ServerConfig, hurry: threading.Event
+) -> None:
+    """Leave without failing a call (docs/how-to/scaling.md, "Leaving without a failed
+    call"). A load balancer learns that a server is gone only from its health checks, and
+    sends it calls until then: a server that stopped accepting at once would fail them.
+    So readiness turns NOT_SERVING first while every call is still served, for
+    config.drain_s (long enough for the probers to see it: HAProxy's inter x fall, a
+    readiness probe's period x failureThreshold); then the server stops accepting and
+    calls in flight get config.shutdown_grace_s to finish. Nothing that asks for readiness
+    (no prober in the last drain_s seconds), or a second signal: no window."""
+    health.leave()
+    window = config.drain_s if health.asked_within(config.drain_s) else 0.0
+    if window > 0:
+        log.info(
+            "health NOT_SERVING; still serving calls for %.1f s (TOOLREG_DRAIN_S) so load "
+            "balancers take this server out first",
+            window,
+        )
+        if hurry.wait(window):
+            log.info("drain window cut short")
+    log.info(
+        "no longer accepting calls; calls in flight get %.1f s (TOOLREG_SHUTDOWN_GRACE_S)",
+        config.shutdown_grace_s,
+    )
+    server.stop(config.shutdown_grace_s).wait()

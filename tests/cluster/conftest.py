@@ -180,6 +180,9 @@ def start_cluster(
     database: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[StartCluster]:
     monkeypatch.setenv("TOOLREG_HEALTH_INTERVAL_S", HEALTH_INTERVAL_S)
+    # No load balancer here: a server that a test asked for health would otherwise say
+    # NOT_SERVING for 10 s at the end before it stops (test_load_balancer.py tests that).
+    monkeypatch.setenv("TOOLREG_DRAIN_S", "0")
     monkeypatch.delenv("TOOLREG_STORE_URL", raising=False)
     made: list[Cluster] = []
 
