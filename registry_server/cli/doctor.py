@@ -6,37 +6,35 @@ would use (docs/how-to/deploying.md, "toolreg doctor")."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
 from registry_server.cli.common import fail
+from registry_server.cli.server_options import (
+    DataDirOpt,
+    HostOpt,
+    MetricsPortOpt,
+    PolicyOpt,
+    PortOpt,
+    StoreUrlOpt,
+    TlsCertOpt,
+    TlsClientCaOpt,
+    TlsKeyOpt,
+    server_config,
+)
 
 
 def doctor(
-    host: Annotated[str | None, typer.Option(help="Address the server would listen on.")] = None,
-    port: Annotated[int | None, typer.Option(help="Its port (0 = any free port).")] = None,
-    data_dir: Annotated[
-        Path | None, typer.Option("--data-dir", help="Where the store lives.")
-    ] = None,
-    store_url: Annotated[
-        str | None,
-        typer.Option(
-            "--store-url", help="sqlite:///PATH or postgresql://... (default: in --data-dir)."
-        ),
-    ] = None,
-    policy: Annotated[Path | None, typer.Option("--policy", help="Policy file (YAML).")] = None,
-    tls_cert: Annotated[
-        Path | None, typer.Option("--tls-cert", help="Server certificate (PEM).")
-    ] = None,
-    tls_key: Annotated[Path | None, typer.Option("--tls-key", help="Server key (PEM).")] = None,
-    tls_client_ca: Annotated[
-        Path | None,
-        typer.Option("--tls-client-ca", help="CA of client certificates (mTLS)."),
-    ] = None,
-    metrics_port: Annotated[
-        int | None, typer.Option("--metrics-port", help="Prometheus metrics port.")
-    ] = None,
+    host: HostOpt = None,
+    port: PortOpt = None,
+    data_dir: DataDirOpt = None,
+    store_url: StoreUrlOpt = None,
+    policy: PolicyOpt = None,
+    tls_cert: TlsCertOpt = None,
+    tls_key: TlsKeyOpt = None,
+    tls_client_ca: TlsClientCaOpt = None,
+    metrics_port: MetricsPortOpt = None,
     docker_url: Annotated[
         str | None,
         typer.Option("--docker-url", help="Engine address (default: DOCKER_HOST or the socket)."),
@@ -55,32 +53,13 @@ def doctor(
 ) -> None:
     """Check the engine, runtimes, images, init, data directory, store, policy, TLS
     and ports; each failure names its fix. Exit status 1 on any failure."""
-    from pydantic import ValidationError
-
-    from registry_server.api.config import ServerConfig
     from registry_server.install.doctor import exit_status, render_json, render_text, run_checks
 
-    overrides: dict[str, Any] = {
-        k: v
-        for k, v in {
-            "host": host,
-            "port": port,
-            "data_dir": data_dir,
-            "store_url": store_url,
-            "policy_file": policy,
-            "tls_cert": tls_cert,
-            "tls_key": tls_key,
-            "tls_client_ca": tls_client_ca,
-            "metrics_port": metrics_port,
-            "docker_url": docker_url,
-        }.items()
-        if v is not None
-    }
-    try:
-        config = ServerConfig(**overrides)
-    except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        fail(f"invalid configuration: {problems}", 2)
+    config = server_config(
+        host=host, port=port, data_dir=data_dir, store_url=store_url, policy_file=policy,
+        tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca,
+        metrics_port=metrics_port, docker_url=docker_url,
+    )  # fmt: skip
     if tools is not None and not tools.is_dir():
         fail(f"--tools: {tools} is not a directory", 2)
     results = run_checks(config, tools_dir=tools.resolve() if tools else None)

@@ -3,46 +3,44 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
 from registry_server.cli.common import fail
+from registry_server.cli.server_options import (
+    DataDirOpt,
+    HostOpt,
+    MetricsPortOpt,
+    PolicyOpt,
+    PortOpt,
+    StoreUrlOpt,
+    TlsCertOpt,
+    TlsClientCaOpt,
+    TlsKeyOpt,
+    server_config,
+)
 from registry_server.domain.errors import ToolregError
 
 
 def serve(
-    host: Annotated[str | None, typer.Option(help="Address to listen on.")] = None,
-    port: Annotated[int | None, typer.Option(help="Port (0 = any free port).")] = None,
-    data_dir: Annotated[
-        Path | None, typer.Option("--data-dir", help="Where the store lives.")
-    ] = None,
+    host: HostOpt = None,
+    port: PortOpt = None,
+    data_dir: DataDirOpt = None,
     tools: Annotated[
         Path | None,
         typer.Option("--tools", help="Register the manifests of this directory at start."),
     ] = None,
-    policy: Annotated[Path | None, typer.Option("--policy", help="Policy file (YAML).")] = None,
-    tls_cert: Annotated[
-        Path | None, typer.Option("--tls-cert", help="Server certificate (PEM).")
-    ] = None,
-    tls_key: Annotated[Path | None, typer.Option("--tls-key", help="Server key (PEM).")] = None,
-    tls_client_ca: Annotated[
-        Path | None,
-        typer.Option("--tls-client-ca", help="Require client certificates from this CA."),
-    ] = None,
+    policy: PolicyOpt = None,
+    tls_cert: TlsCertOpt = None,
+    tls_key: TlsKeyOpt = None,
+    tls_client_ca: TlsClientCaOpt = None,
     log_level: Annotated[str, typer.Option("--log-level", envvar="TOOLREG_LOG_LEVEL")] = "INFO",
     log_format: Annotated[
         str, typer.Option("--log-format", envvar="TOOLREG_LOG_FORMAT", help="auto, json or text.")
     ] = "auto",
-    metrics_port: Annotated[
-        int | None, typer.Option("--metrics-port", help="Serve Prometheus metrics on this port.")
-    ] = None,
-    store_url: Annotated[
-        str | None,
-        typer.Option(
-            "--store-url", help="sqlite:///PATH or postgresql://... (default: in --data-dir)."
-        ),
-    ] = None,
+    metrics_port: MetricsPortOpt = None,
+    store_url: StoreUrlOpt = None,
     log_key: Annotated[
         Path | None,
         typer.Option(
@@ -110,19 +108,16 @@ def serve(
     ] = None,
 ) -> None:
     """Run the gRPC server in the foreground until SIGTERM/SIGINT."""
-    from pydantic import ValidationError
 
     from registry_server.api import logs
-    from registry_server.api.config import ServerConfig
     from registry_server.api.server import serve as run_server
 
     try:
         logs.configure(log_level, log_format)
     except ValueError as exc:
         fail(f"--log-format/--log-level: {exc}", 2)
-    overrides: dict[str, Any] = {
-        k: v
-        for k, v in {
+    config = server_config(
+        **{
             "host": host,
             "port": port,
             "data_dir": data_dir,
@@ -145,14 +140,8 @@ def serve(
             "export_syslog_ca": export_syslog_ca,
             "export_syslog_cert": export_syslog_cert,
             "export_syslog_key": export_syslog_key,
-        }.items()
-        if v is not None
-    }
-    try:
-        config = ServerConfig(**overrides)
-    except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        fail(f"invalid configuration: {problems}", 2)
+        }
+    )
     try:
         run_server(config)
     except ToolregError as exc:
