@@ -143,6 +143,24 @@ class KeptCallRecord:
 
 
 @dataclass(frozen=True)
+class IdentityRecord:
+    """A group-mapped client of an identity provider (policy/identity.py), as
+    its latest verified token showed it: who (provider and subject) and its
+    groups, never its roles (those are the policy's, derived on each lookup
+    from these groups: docs/how-to/identity.md, "Remembered clients").
+    Stored only once the token was verified and mapped to a role."""
+
+    client_id: str
+    provider: str
+    subject: str
+    groups: tuple[str, ...]  # sorted, each once
+    issued_at: float  # the token's iat: an older token never replaces a newer one's groups
+    expires_at: float  # the token's exp: approver groups hold no longer
+    first_seen: float  # time.time() of the first stored sighting
+    last_seen: float  # of the latest written one (written at most once per interval)
+
+
+@dataclass(frozen=True)
 class AuditEntry:
     seq: int  # 1, 2, 3, ... in append order
     at: float
@@ -301,6 +319,14 @@ class StoreReads(Protocol):
 
     def kept_call(self, execution_id: str) -> KeptCallRecord | None:
         """A published call (any caller's: the reader checks whose it is)."""
+        ...
+
+    def identity(self, client_id: str) -> IdentityRecord | None:
+        """The remembered group-mapped client of this id, if any."""
+        ...
+
+    def identities(self, after: str, limit: int) -> list[IdentityRecord]:
+        """Up to ``limit`` remembered clients whose ids sort after ``after``, by id."""
         ...
 
     def webhook_backlog(self) -> WebhookBacklog:
@@ -466,6 +492,17 @@ class UnitOfWork(StoreReads, Protocol):
     def prune_webhook_deliveries(self, before: float, limit: int) -> int:
         """Delete up to ``limit`` delivered or failed deliveries created before
         ``before``; returns how many."""
+        ...
+
+    def put_identity(self, record: IdentityRecord) -> None:
+        """Remember a group-mapped client. A new one is stored whole; a known
+        one keeps its first_seen, takes the provider, subject, groups and
+        times of ``record`` only when its token is not older (issued_at) than
+        the stored one's, and its last_seen only moves forward."""
+        ...
+
+    def forget_identity(self, client_id: str) -> bool:
+        """Delete a remembered client (an operator's forget); whether one was."""
         ...
 
 

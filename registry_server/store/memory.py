@@ -31,6 +31,7 @@ from registry_server.store.base import (
     CheckpointRecord,
     CosignatureRecord,
     ExportCursor,
+    IdentityRecord,
     KeptCallRecord,
     StoredTool,
     WebhookBacklog,
@@ -57,6 +58,7 @@ class _Data:
     # (event seq, endpoint) -> the outbox row
     deliveries: dict[tuple[int, str], WebhookDeliveryRecord] = field(default_factory=dict)
     kept_calls: dict[str, KeptCallRecord] = field(default_factory=dict)  # execution id -> call
+    identities: dict[str, IdentityRecord] = field(default_factory=dict)  # client id -> record
 
     def draft(self) -> _Data:
         """A copy a unit of work may change: new containers, the same records.
@@ -77,6 +79,7 @@ class _Data:
             exports=dict(self.exports),
             deliveries=dict(self.deliveries),
             kept_calls=dict(self.kept_calls),
+            identities=dict(self.identities),
         )
 
 
@@ -206,6 +209,13 @@ class _Reads:
 
     def kept_call(self, execution_id: str) -> KeptCallRecord | None:
         return self._data.kept_calls.get(execution_id)
+
+    def identity(self, client_id: str) -> IdentityRecord | None:
+        return self._data.identities.get(client_id)
+
+    def identities(self, after: str, limit: int) -> list[IdentityRecord]:
+        ids = sorted(i for i in self._data.identities if i > after)[: max(0, limit)]
+        return [self._data.identities[i] for i in ids]
 
     def webhook_backlog(self) -> WebhookBacklog:
         due = [d.next_attempt_at for d in self._data.deliveries.values()
@@ -409,6 +419,19 @@ class _Writes(_Reads):
         for key in old:
             del self._data.kept_calls[key]
         return len(old)
+
+    def put_identity(self, record: IdentityRecord) -> None:
+        held = self._data.identities.get(record.client_id)
+        if held is None:
+            self._data.identities[record.client_id] = record
+            return
+        newer = record if record.issued_at >= held.issued_at else held
+        self._data.identities[record.client_id] = replace(
+            newer, first_seen=held.first_seen, last_seen=max(held.last_seen, record.last_seen)
+        )
+
+    def forget_identity(self, client_id: str) -> bool:
+        return self._data.identities.pop(client_id, None) is not None
 
     def prune_webhook_deliveries(self, before: float, limit: int) -> int:
         done = (DELIVERED, DELIVERY_FAILED)

@@ -228,6 +228,19 @@ _MIGRATIONS: list[str] = [
         at       DOUBLE PRECISION NOT NULL
     );
     """,
+    # 12 (0.2.0), as the SQLite store's 15th: group-mapped clients of identity providers
+    """
+    CREATE TABLE idp_clients (
+        client_id    TEXT PRIMARY KEY,
+        provider     TEXT NOT NULL,
+        subject      TEXT NOT NULL,
+        groups_json  TEXT NOT NULL,
+        issued_at    DOUBLE PRECISION NOT NULL,
+        expires_at   DOUBLE PRECISION NOT NULL,
+        first_seen   DOUBLE PRECISION NOT NULL,
+        last_seen    DOUBLE PRECISION NOT NULL
+    );
+    """,
 ]
 _RELEASE_UPSERT = (
     "INSERT INTO toolreg_release (id, version, at) VALUES (1, %s, %s)"

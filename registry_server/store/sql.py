@@ -5,6 +5,7 @@ cursor. A ``Dialect`` holds the few differences."""
 
 from __future__ import annotations
 
+import json
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -26,6 +27,7 @@ from registry_server.store.base import (
     CheckpointRecord,
     CosignatureRecord,
     ExportCursor,
+    IdentityRecord,
     KeptCallRecord,
     StoredTool,
     WebhookBacklog,
@@ -161,6 +163,19 @@ def _kept_call(row: tuple[object, ...]) -> KeptCallRecord:
         stdout=bytes(stdout), stderr=bytes(stderr),  # type: ignore[call-overload]
         result_json=str(result), beat_at=float(str(beat)),
         ended_at=None if ended is None else float(str(ended)),
+    )  # fmt: skip
+
+
+_IDENTITY_COLUMNS = (
+    "client_id, provider, subject, groups_json, issued_at, expires_at, first_seen, last_seen"
+)
+
+
+def _identity(row: tuple[object, ...]) -> IdentityRecord:
+    client_id, provider, subject, groups, issued, expires, first, last = row
+    return IdentityRecord(
+        str(client_id), str(provider), str(subject), tuple(json.loads(str(groups))),
+        float(str(issued)), float(str(expires)), float(str(first)), float(str(last)),
     )  # fmt: skip
 
 
@@ -388,6 +403,20 @@ class SqlReads:
             f"SELECT {_KEPT_CALL_COLUMNS} FROM kept_calls WHERE execution_id = ?", (execution_id,)
         )
         return _kept_call(rows[0]) if rows else None
+
+    def identity(self, client_id: str) -> IdentityRecord | None:
+        rows = self._all(
+            f"SELECT {_IDENTITY_COLUMNS} FROM idp_clients WHERE client_id = ?", (client_id,)
+        )
+        return _identity(rows[0]) if rows else None
+
+    def identities(self, after: str, limit: int) -> list[IdentityRecord]:
+        rows = self._all(
+            f"SELECT {_IDENTITY_COLUMNS} FROM idp_clients WHERE client_id > ?"
+            " ORDER BY client_id LIMIT ?",
+            (after, limit),
+        )
+        return [_identity(r) for r in rows]
 
     def webhook_backlog(self) -> WebhookBacklog:
         ((count, due),) = self._all(
@@ -703,3 +732,25 @@ class SqlWrites(SqlReads):
             (DELIVERED, DELIVERY_FAILED, before, limit),
         ).rowcount
         return int(deleted)
+
+    def put_identity(self, record: IdentityRecord) -> None:
+        r = record
+        # Who and which groups: only from a token not older than the stored one's.
+        self._run(
+            f"INSERT INTO idp_clients ({_IDENTITY_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+            " ON CONFLICT(client_id) DO UPDATE SET provider = excluded.provider,"
+            " subject = excluded.subject, groups_json = excluded.groups_json,"
+            " issued_at = excluded.issued_at, expires_at = excluded.expires_at"
+            " WHERE idp_clients.issued_at <= excluded.issued_at",
+            (r.client_id, r.provider, r.subject, json.dumps(list(r.groups)), r.issued_at,
+             r.expires_at, r.first_seen, r.last_seen),
+        )  # fmt: skip
+        # When it was last seen: forward only (two servers may write out of order).
+        self._run(
+            "UPDATE idp_clients SET last_seen = ? WHERE client_id = ? AND last_seen < ?",
+            (r.last_seen, r.client_id, r.last_seen),
+        )
+
+    def forget_identity(self, client_id: str) -> bool:
+        deleted = self._run("DELETE FROM idp_clients WHERE client_id = ?", (client_id,)).rowcount
+        return bool(deleted == 1)

@@ -225,6 +225,20 @@ _MIGRATIONS: list[str] = [
         at       REAL NOT NULL
     );
     """,
+    # 15 (0.2.0): group-mapped clients of identity providers, remembered across
+    # restarts and servers (policy/seen.py); their roles are never stored
+    """
+    CREATE TABLE idp_clients (
+        client_id    TEXT PRIMARY KEY,   -- the provider's prefix + subject (or its digest)
+        provider     TEXT NOT NULL,      -- the policy's identity provider id
+        subject      TEXT NOT NULL,      -- the token's subject claim
+        groups_json  TEXT NOT NULL,      -- the token's groups, a sorted JSON list
+        issued_at    REAL NOT NULL,      -- the token's iat
+        expires_at   REAL NOT NULL,      -- the token's exp
+        first_seen   REAL NOT NULL,
+        last_seen    REAL NOT NULL
+    );
+    """,
 ]
 # The release row: written at start when another release last opened the store.
 _RELEASE_UPSERT = (
