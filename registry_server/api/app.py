@@ -34,6 +34,7 @@ from registry_server.execution.call_log import CallLog
 from registry_server.execution.call_relay import CallRelay
 from registry_server.execution.executor import Executor
 from registry_server.execution.quotas import RateLimits, Shares
+from registry_server.execution.refusal_log import RefusalLog
 from registry_server.execution.sandbox_plan import SandboxPolicy, runsc_net_problem
 from registry_server.execution.secrets import SecretStore
 from registry_server.execution.warm_pool import WarmPools
@@ -49,6 +50,7 @@ from registry_server.policy.clients import UNRESTRICTED
 from registry_server.policy.live import LivePolicy
 from registry_server.policy.loader import load_policy
 from registry_server.policy.model import Policy, PolicyError, development_policy
+from registry_server.policy.remembered import StoredIdentities
 from registry_server.signing.keys import is_encrypted, load_private_key
 from registry_server.signing.notes import NoteError, Signer, check_key_name
 from registry_server.store import audit_tree
@@ -97,6 +99,7 @@ class App:
     exporters: list[Exporter] = field(default_factory=list)  # SIEM export, one per destination
     calls: CallLog = field(default_factory=CallLog)  # streamed calls kept for AttachExecution
     relay: CallRelay | None = None  # publishes them to a shared store (PostgreSQL)
+    refusals: RefusalLog | None = None  # refused requests on the record, folded
 
     def close(self) -> None:
         self.health.enter_graceful_shutdown()
@@ -122,6 +125,8 @@ def build_app(config: ServerConfig) -> App:
     export_sinks = _export_sinks(config)  # and the SIEM's CA and client key
     backend = open_backend(config)
     store = open_store(config.store)
+    # Group-mapped IdP clients outlive this process and reach every server on the store.
+    live.current.seen.remember_in(StoredIdentities(store))
     try:
         audit_start = _check_audit_log(config, store, log_signer)
         registry = Registry(
@@ -184,6 +189,7 @@ def build_app(config: ServerConfig) -> App:
     if webhooks:
         _start_webhooks(app, config, webhooks)
     _keep_calls(app, config)
+    _record_refusals(app, config)
     app.metrics.watch(executor.admission, app.pools.stats if app.pools else None, rates)
     # Tools stored by other servers on the same database: served here at once.
     store.watch_tools(registry.reload)
@@ -200,6 +206,15 @@ def build_app(config: ServerConfig) -> App:
     if export_sinks:
         _start_siem_export(app, export_sinks, config.log_origin or f"toolreg/{policy.audience}")
     return app
+
+
+def _record_refusals(app: App, config: ServerConfig) -> None:
+    """Refused requests on the audit log, identical ones folded per interval;
+    what is still counted at close is written before the last checkpoint and
+    the SIEM export's last batch (they are appended to the closers later)."""
+    app.refusals = RefusalLog(app.store, interval_s=config.refusal_fold_s)
+    app.refusals.start()
+    app.closers.insert(0, app.refusals.close)
 
 
 def _keep_calls(app: App, config: ServerConfig) -> None:

@@ -17,11 +17,15 @@ A token's subject becomes a client in one of two ways:
   a register grant or a quota gives it). A subject none of whose groups is
   mapped has no role here.
 
-Clients made from groups exist only while a server has seen their token:
-``SeenIdentities`` keeps, per server, the subject and groups of the latest
-verified token of each (bounded), so lookups by client id (quotas, the grant
-of a tool's owner) see the same client as the call did; a reload re-derives
-them from the new mappings, and a denied subject is nobody from then on.
+Clients made from groups are known once a server has seen their token:
+``SeenIdentities`` (policy/seen.py) keeps the subject and groups of the
+latest verified token of each (bounded), and, on a server with a store,
+remembers those the policy maps to a role there, so a restarted server and
+every server on the same database know them too. Lookups by client id
+(quotas, the grant of a tool's owner) see the same client as the call did;
+roles are never remembered, only groups: each lookup derives them from the
+mappings in force, a client whose groups map to no role is nobody, and a
+denied subject is nobody from then on.
 This is pure logic: verifying tokens and fetching keys is ``api.auth``'s.
 """
 

@@ -290,8 +290,9 @@ class Policy:
 
     def client(self, client_id: str) -> Client | None:
         """A client of the file, else a group-mapped client of an identity
-        provider that this server has seen (as its provider's mappings make
-        it now; nobody once its subject is denied or its provider gone)."""
+        provider that this server has seen, or that the store remembers (as
+        its provider's mappings make it now; nobody once its subject is
+        denied, its provider gone, or its groups map to no role)."""
         static = next((c for c in self.clients if c.id == client_id), None)
         if static is not None or not self.identity_providers:
             return static
@@ -300,7 +301,10 @@ class Policy:
         if sighting is None or provider is None or sighting.subject in provider.denied_subjects:
             return None
         client = provider.client_for(sighting.subject, sighting.groups)
-        return client if client is not None and client.id == client_id else None
+        if client is None or client.id != client_id or not client.roles:
+            # Groups that map to nothing now: nobody here (its tools are not served).
+            return None
+        return client
 
     def identity_provider(self, provider_id: str) -> IdentityProvider | None:
         return next((p for p in self.identity_providers if p.id == provider_id), None)

@@ -198,7 +198,8 @@ class AccessTokens:
         if client is None:
             raise TokenRefused(INVALID, "subject is not a usable client id", provider.id)
         seen = Sighting(provider.id, subject, groups, claims["iat"], claims["exp"])
-        policy.seen.saw(client.id, seen)
+        # Stored only when the policy maps it to a role: nothing else reaches the store.
+        policy.seen.saw(client.id, seen, remember=bool(client.roles))
         return Verified(client, provider.id, subject, actor, claims)
 
     def _checked_claims(
