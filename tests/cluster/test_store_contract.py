@@ -18,6 +18,7 @@ from registry_server.store.base import (
     REJECTED,
     ApprovalEventRecord,
     ApprovalRequestRecord,
+    IdentityRecord,
     Store,
     StoredTool,
 )
@@ -223,3 +224,48 @@ def test_a_secret_is_kept_by_the_first_to_store_it(store: Store) -> None:
         raise RuntimeError("after the write")
     with store.unit_of_work() as uow:
         assert uow.keep_secret("rolled_back", "ee", NOW) == "ee"
+
+
+def identity(client_id: str, groups: tuple[str, ...], issued: float, seen: float,
+             subject: str = "bob") -> IdentityRecord:  # fmt: skip
+    return IdentityRecord(client_id, "corp", subject, groups, issued, issued + 300, seen, seen)
+
+
+def test_remembered_identities_keep_the_newest_token_and_move_last_seen_forward(
+    store: Store,
+) -> None:
+    with store.unit_of_work() as uow:
+        uow.put_identity(identity("corp.bob", ("agents", "builders"), 10.0, NOW))
+    with store.unit_of_work() as uow:
+        # A newer token, seen later: its groups (bob left "builders"); first_seen kept.
+        uow.put_identity(identity("corp.bob", ("agents",), 20.0, NOW + 50))
+    with store.unit_of_work() as uow:
+        # An older token seen later still (another server, a token still valid):
+        # last_seen moves, the groups stay the newest token's.
+        uow.put_identity(identity("corp.bob", ("agents", "ops"), 15.0, NOW + 90))
+    with store.unit_of_work() as uow:
+        # A write that arrives late (seen earlier): last_seen does not go back.
+        uow.put_identity(identity("corp.bob", ("agents",), 20.0, NOW + 60))
+    with store.reading() as reads:
+        assert reads.identity("corp.bob") == IdentityRecord(
+            "corp.bob", "corp", "bob", ("agents",), 20.0, 320.0, NOW, NOW + 90
+        )
+        assert reads.identity("corp.nobody") is None
+
+
+def test_remembered_identities_are_listed_by_id_and_forgotten(store: Store) -> None:
+    with store.unit_of_work() as uow:
+        for name in ("carol", "alice", "bob"):
+            uow.put_identity(identity(f"corp.{name}", (), 1.0, NOW, subject=name))
+    with store.reading() as reads:
+        assert [r.client_id for r in reads.identities("", 2)] == ["corp.alice", "corp.bob"]
+        assert [r.client_id for r in reads.identities("corp.bob", 10)] == ["corp.carol"]
+        assert reads.identity("corp.alice") == identity("corp.alice", (), 1.0, NOW, "alice")
+    with store.unit_of_work() as uow:
+        assert uow.forget_identity("corp.bob") is True
+        assert uow.forget_identity("corp.bob") is False
+    with pytest.raises(RuntimeError), store.unit_of_work() as uow:
+        uow.forget_identity("corp.alice")
+        raise RuntimeError("rolled back")
+    with store.reading() as reads:
+        assert [r.client_id for r in reads.identities("", 10)] == ["corp.alice", "corp.carol"]
