@@ -1,7 +1,8 @@
 """What OCSF 1.4.0 requires of the event classes toolreg exports, written
 down from the schema (ocsf-schema v1.4.0: events/base_event.json with
 includes/classification.json and includes/occurrence.json, the category
-files, events/system/process_activity.json, events/iam/authorize_session.json,
+files, events/system/process_activity.json, events/iam/authentication.json,
+events/iam/authorize_session.json,
 events/iam/user_access.json, events/application/api_activity.json, and the
 objects they use), not from toolreg's code: the tests check each exported
 event against it.
@@ -26,6 +27,13 @@ CLASSES: dict[int, dict[str, Any]] = {
         "name": "Process Activity", "category": 1,
         "required": {"actor", "device", "process"},
         "activities": {0, 1, 2, 3, 4, 5, 99},  # Launch, Terminate, Open, Inject, Set User ID
+    },
+    3002: {
+        "name": "Authentication", "category": 3,
+        "required": {"user"},
+        # Logon, Logoff, Authentication Ticket, Service Ticket Request, Service Ticket Renew
+        "activities": {0, 1, 2, 3, 4, 5, 99},
+        "at_least_one": ("service", "dst_endpoint"),
     },
     3003: {
         "name": "Authorize Session", "category": 3,
@@ -57,6 +65,9 @@ OBJECTS: dict[str, tuple[set[str], tuple[str, ...]]] = {
     "src_endpoint": (set(), ("ip", "uid", "name", "hostname", "svc_name", "instance_uid",
                              "interface_uid", "interface_name", "domain")),
     "resource": (set(), ("name", "uid")),
+    "service": (set(), ("name", "uid")),
+    "dst_endpoint": (set(), ("ip", "uid", "name", "hostname", "svc_name", "instance_uid",
+                             "interface_uid", "interface_name", "domain")),
 }  # fmt: skip
 STATUS_IDS = {0, 1, 2, 99}
 SEVERITY_IDS = {0, 1, 2, 3, 4, 5, 6, 99}
@@ -84,6 +95,11 @@ def problems(event: dict[str, Any]) -> list[str]:
         found.append(f"severity_id {event.get('severity_id')}")
     if not isinstance(event.get("time"), int):
         found.append("time is not an integer (milliseconds since the epoch)")
+    if "at_least_one" in spec and not any(event.get(a) for a in spec["at_least_one"]):
+        found.append(f"at least one of {spec['at_least_one']} must be present")
+    for name in ("count", "start_time", "end_time"):  # base event (occurrence) integers
+        if name in event and not isinstance(event[name], int):
+            found.append(f"{name} is not an integer")
     if "just_one" in spec and sum(1 for a in spec["just_one"] if a in event) != 1:
         found.append(f"just one of {spec['just_one']} must be present")
     metadata = event.get("metadata") or {}

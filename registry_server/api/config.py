@@ -13,6 +13,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from registry_server.approvals.watch import DEFAULT_MAX_WATCHES
+from registry_server.domain.refusals import DEFAULT_FOLD_S, MAX_FOLD_S
 from registry_server.execution.call_log import DEFAULT_GRACE_S, DEFAULT_MAX_ENDED, MAX_GRACE_S
 from registry_server.execution.call_relay import MAX_ATTACHED
 from registry_server.execution.warm_pool import (
@@ -150,6 +151,9 @@ class ServerConfig(BaseSettings):
     # ends (AttachExecution), and how many ended calls a server keeps at most.
     attach_grace_s: float = Field(DEFAULT_GRACE_S, ge=0, le=MAX_GRACE_S)
     attach_max_ended: int = Field(DEFAULT_MAX_ENDED, ge=0, le=100_000)
+    # Seconds over which identical refused requests (same source, method, tool and
+    # reason) share one audit record with their count (docs/how-to/audit.md, "Refusals").
+    refusal_fold_s: float = Field(DEFAULT_FOLD_S, gt=0, le=MAX_FOLD_S)
     # Egress (docs/how-to/deploying.md): the networks the egress proxy reaches the
     # world through, its resolvers, and the CAs it verifies upstreams with.
     egress_networks: tuple[str, ...] = ("bridge",)

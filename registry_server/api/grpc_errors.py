@@ -13,6 +13,7 @@ from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from registry_server.api import refusals
 from registry_server.domain.errors import ErrorCode, InvalidArgument, QuotaExceeded, ToolregError
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ def _quota_details(status: status_pb2.Status, exc: QuotaExceeded) -> None:
 
 def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
     if isinstance(exc, ToolregError):
+        refusals.note(exc)  # a refusal (permission, quota, capacity) goes on the record
         context.abort_with_status(to_status(exc))
     log.exception("unexpected error in RPC")
     # Never leak internals to the client; the log has the traceback.

@@ -36,11 +36,17 @@ def rewrap(
 
 
 def refuse(
-    handler: grpc.RpcMethodHandler[Any, Any], code: grpc.StatusCode, message: str
+    handler: grpc.RpcMethodHandler[Any, Any],
+    code: grpc.StatusCode,
+    message: str,
+    before: Callable[[Any, grpc.ServicerContext], None] | None = None,
 ) -> grpc.RpcMethodHandler[Any, Any]:
-    """A handler of the same shape as ``handler`` that aborts every call."""
+    """A handler of the same shape as ``handler`` that aborts every call
+    (``before`` is told of each first: the refusal's record)."""
 
-    def deny(_request: Any, context: grpc.ServicerContext) -> Any:
+    def deny(request: Any, context: grpc.ServicerContext) -> Any:
+        if before is not None:
+            before(request, context)
         context.abort(code, message)
 
     kinds = {

@@ -40,7 +40,7 @@ def create_server(config: ServerConfig, app: App | None = None) -> tuple[grpc.Se
     app = app or build_app(config)
     interceptors: list[grpc.ServerInterceptor] = [
         MetricsInterceptor(app.metrics),  # before auth: it counts refused calls too
-        AuthInterceptor(Authenticator(None if app.dev_mode else app.policy)),
+        AuthInterceptor(Authenticator(None if app.dev_mode else app.policy), app.refusals),
     ]
     live = app.policy
     if live is not None:

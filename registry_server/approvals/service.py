@@ -388,6 +388,8 @@ class Approvals:
                 "event": "requested", "request_id": request.id, "tool": call.tool.name,
                 "tool_digest": call.tool.digest, "args_digest": call.arguments_digest,
                 "requested_by": call.caller, "approvals_required": rule.approvals_required,
+                # what the policy demands, rule by rule (docs/how-to/audit.md)
+                "requirements": requirements_of(rule),
             }, self.hooks)  # fmt: skip
         self.hub.poke()
         return self.get(request.id)
@@ -745,3 +747,16 @@ def _consume(uow: UnitOfWork, approved: Approved, execution_id: str) -> None:
             )
     if approved.request_id and not uow.consume_request(approved.request_id, now):
         raise Denied(f"approval request {approved.request_id} is no longer usable")
+
+
+def requirements_of(rule: EffectiveRule) -> list[dict[str, object]]:
+    """Each approval rule that applies, for the request's audit record: its
+    name, how many approvers and from which groups (empty: any approver)."""
+    return [
+        {
+            "rule": r.name or r.source,
+            "approvals_required": r.approvals_required,
+            "groups": list(r.groups),
+        }
+        for r in rule.requirements
+    ]

@@ -36,6 +36,11 @@ class AuditRecord:
         self.egress_unrecorded = 0
         self.cancelled_by = ""  # CancelExecution: the client (or admin) who stopped the call
         self.cancel_reason = ""
+        # A refusal by a policy rule (a deny rule; an approval rule whose condition
+        # could not be evaluated) names the rule and its reason; the kill switch
+        # gives the admin's reason (rule ""). Never the call's argument values.
+        self.rule = ""
+        self.reason = ""
 
     def as_dict(
         self, *, decision: str, status: str = "", outcome: Outcome | None = None
@@ -73,6 +78,8 @@ class AuditRecord:
                 if self.cancelled_by
                 else {}
             ),
+            **({"rule": self.rule} if self.rule else {}),
+            **({"reason": self.reason} if self.reason else {}),
         }
 
     def _egress_fields(self) -> dict[str, object]:

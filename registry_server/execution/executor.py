@@ -182,6 +182,7 @@ class Executor:
                 f" '{tool.name}' is {tool.safety_level.value}"
             )
         if tool.disabled:
+            record.reason = tool.disabled_reason
             raise _refusal(record, Status.TOOL_DISABLED, _disabled(tool))
         return tool
 
@@ -211,6 +212,7 @@ class Executor:
             tool_name=tool.name, categories=tool.categories, level=tool.safety_level, facts=facts
         )
         if denial is not None:
+            record.rule, record.reason = denial.rule, denial.reason
             raise _refusal(record, Status.POLICY_DENIED, denial.message)
         return facts
 
@@ -255,6 +257,10 @@ class Executor:
                 )
             except RuleNotEvaluable as exc:
                 span.set_attribute(tracing.DECISION, "denied")
+                record.rule, record.reason = (
+                    exc.rule,
+                    f"its condition could not be evaluated: {exc.detail}",
+                )
                 raise _refusal(record, Status.POLICY_DENIED, str(exc)) from None
             except (Denied, NotFound) as exc:
                 span.set_attribute(tracing.DECISION, "denied")
@@ -434,6 +440,7 @@ class Executor:
                 record, Status.TOOL_NOT_FOUND, f"Tool '{name}' was deleted before the call started"
             )
         if current.disabled:
+            record.reason = current.disabled_reason
             raise _refusal(record, Status.TOOL_DISABLED, _disabled(current))
 
     # -- the record -----------------------------------------------------------------------

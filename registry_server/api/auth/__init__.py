@@ -10,7 +10,8 @@ UNAUTHENTICATED; a missing role gets PERMISSION_DENIED. Without a policy
 Health and reflection stay open: they reveal nothing a port scan would not.
 Everything fails closed: a method in neither table is refused, and domain code
 asking who calls outside an admitted RPC gets UNAUTHENTICATED, never the
-developer.
+developer. Every refusal, here or later in the call, goes on the record
+(api/refusals.py): each call runs in a refusal scope opened here.
 """
 
 from __future__ import annotations
@@ -22,10 +23,14 @@ from typing import Any
 
 import grpc
 
+from registry_server.api import refusals
 from registry_server.api.auth.access_tokens import AccessTokens, TokenRefused, looks_like_jwt
 from registry_server.api.handlers import refuse, rewrap
+from registry_server.api.refusals import CallScope
 from registry_server.domain.errors import Unauthenticated
 from registry_server.domain.models import SafetyLevel
+from registry_server.domain.refusals import BEARER, IDP_JWT, MALFORMED, MTLS, NO_CREDENTIAL
+from registry_server.execution.refusal_log import RefusalLog
 from registry_server.policy.clients import UNRESTRICTED, Client, RegisterGrant, Role
 from registry_server.policy.live import PolicySource, source_of
 from registry_server.policy.model import Policy
@@ -101,10 +106,19 @@ def current_principal() -> Principal:
 
 
 class AuthError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    """A refusal at the door: ``reason`` is its stable code for the record
+    (api/refusals.py), ``client`` the caller when its credential was known."""
+
+    def __init__(
+        self, code: grpc.StatusCode, message: str, reason: str, *, client: str = "",
+        provider: str = "",
+    ) -> None:  # fmt: skip
         super().__init__(message)
         self.code = code
         self.message = message
+        self.reason = reason
+        self.client = client
+        self.provider = provider
 
 
 class Authenticator:
@@ -129,14 +143,17 @@ class Authenticator:
             scheme, _, token = bearer[0].partition(" ")
             if scheme.lower() != "bearer" or not token.strip():
                 raise AuthError(
-                    grpc.StatusCode.UNAUTHENTICATED, "authorization must be 'Bearer <token>'"
-                )
+                    grpc.StatusCode.UNAUTHENTICATED, "authorization must be 'Bearer <token>'",
+                    "malformed_authorization",
+                )  # fmt: skip
             token = token.strip()
             client = policy.client_by_token(token)
             if client is None and policy.identity_providers and looks_like_jwt(token):
                 client, actor, claims = self._from_access_token(policy, token)
             if client is None:
-                raise AuthError(grpc.StatusCode.UNAUTHENTICATED, "unknown bearer token")
+                raise AuthError(
+                    grpc.StatusCode.UNAUTHENTICATED, "unknown bearer token", "unknown_bearer_token"
+                )
         else:
             for subject in _subjects(auth_context):
                 client = policy.client_by_subject(subject)
@@ -147,6 +164,7 @@ class Authenticator:
                     grpc.StatusCode.UNAUTHENTICATED,
                     "no known credential: send 'authorization: Bearer <token>'"
                     " or a client certificate",
+                    "unknown_certificate" if _subjects(auth_context) else "no_credential",
                 )
         return Principal(
             client.id, client.roles, client.max_safety_level, client.register,
@@ -159,15 +177,33 @@ class Authenticator:
         try:
             verified = self.access_tokens.verify(policy, token)
         except TokenRefused as refused:
-            raise AuthError(grpc.StatusCode.UNAUTHENTICATED, refused.answer) from None
+            code = "idp_token_expired" if refused.reason == "expired" else "idp_token_invalid"
+            # The precise reason (never token content: access_tokens.py) goes on the record.
+            raise AuthError(
+                grpc.StatusCode.UNAUTHENTICATED, refused.answer, code,
+                provider=refused.provider if refused.provider != "-" else "",
+            ) from None  # fmt: skip
         client = verified.client
         if not client.roles:
             # Known to the provider, granted nothing here: fail closed on every method.
             raise AuthError(
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"client '{client.id}' has no role in this policy (none of its groups is mapped)",
-            )
+                "no_role_mapped", client=client.id, provider=verified.provider,
+            )  # fmt: skip
         return client, verified.actor, verified.claims
+
+
+def credential_kind(metadata: tuple[tuple[str, Any], ...], auth_context: Mapping[str, Any]) -> str:
+    """What kind of credential a call presents, for the record: never the
+    credential, nor any part of it."""
+    bearer = [str(v) for k, v in metadata if k == "authorization"]
+    if bearer:
+        scheme, _, token = bearer[0].partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            return MALFORMED
+        return IDP_JWT if looks_like_jwt(token.strip()) else BEARER
+    return MTLS if _subjects(auth_context) else NO_CREDENTIAL
 
 
 def _subjects(auth_context: Mapping[str, Any]) -> list[str]:
@@ -186,12 +222,17 @@ def authorize(principal: Principal, method: str) -> None:
         raise AuthError(
             grpc.StatusCode.PERMISSION_DENIED,
             f"client '{principal.id}' lacks the {names} role for {method.removeprefix(SERVICE)}",
-        )
+            "missing_role", client=principal.id,
+        )  # fmt: skip
 
 
 class AuthInterceptor(grpc.ServerInterceptor):
-    def __init__(self, authenticator: Authenticator) -> None:
+    """``refusals``: where refused calls are recorded (None: not recorded,
+    for servers without a store of their own in tests)."""
+
+    def __init__(self, authenticator: Authenticator, refusals: RefusalLog | None = None) -> None:
         self._auth = authenticator
+        self._refusals = refusals
 
     def intercept_service(
         self,
@@ -204,22 +245,49 @@ class AuthInterceptor(grpc.ServerInterceptor):
             return handler
         if method not in METHOD_ROLES:
             # A method someone added without deciding who may call it.
-            return refuse(handler, grpc.StatusCode.PERMISSION_DENIED, "method not open to clients")
+            message = "method not open to clients"
+
+            def record(request: Any, context: grpc.ServicerContext) -> None:
+                scope = self._scope(request, context, method)
+                if scope is not None:
+                    scope.refuse(refusals.PERMISSION_DENIED, "method_not_open", message)
+
+            return refuse(handler, grpc.StatusCode.PERMISSION_DENIED, message, before=record)
         return rewrap(handler, lambda b: self._unary(b, method), lambda b: self._stream(b, method))
 
-    def _admit(self, context: grpc.ServicerContext, method: str) -> Principal:
+    def _scope(self, request: Any, context: grpc.ServicerContext, method: str) -> CallScope | None:
+        if self._refusals is None:
+            return None
+        return CallScope(
+            self._refusals, method.removeprefix(SERVICE), refusals.peer_host(context.peer()),
+            credential_kind(context.invocation_metadata(), context.auth_context()),
+            refusals.tool_of(request),
+        )  # fmt: skip
+
+    def _admit(
+        self, request: Any, context: grpc.ServicerContext, method: str
+    ) -> tuple[Principal, CallScope | None]:
+        """Who calls, once known to be allowed this method; refused (and on
+        the record) otherwise. The scope records what the call refuses later."""
+        scope = self._scope(request, context, method)
         try:
             principal = self._auth.identify(context.invocation_metadata(), context.auth_context())
             authorize(principal, method)
         except AuthError as exc:
+            if scope is not None:
+                scope.of(exc.client).refuse(
+                    exc.code.name, exc.reason, exc.message, provider=exc.provider
+                )
             context.abort(exc.code, exc.message)
-        return principal
+        return principal, scope.of(principal.id) if scope is not None else None
 
     def _unary(self, behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
         def run(request: Any, context: grpc.ServicerContext) -> Any:
-            token = _current.set(self._admit(context, method))
+            principal, scope = self._admit(request, context, method)
+            token = _current.set(principal)
             try:
-                return behavior(request, context)
+                with refusals.entered(scope):
+                    return behavior(request, context)
             finally:
                 _current.reset(token)
 
@@ -229,14 +297,15 @@ class AuthInterceptor(grpc.ServerInterceptor):
         self, behavior: Callable[..., Iterator[Any]], method: str
     ) -> Callable[..., Iterator[Any]]:
         def run(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-            principal = self._admit(context, method)
+            principal, scope = self._admit(request, context, method)
             items = behavior(request, context)
             while True:
-                # A generator's body runs at each next(): the caller must be
-                # known there, not only when the generator was made.
+                # A generator's body runs at each next(): the caller (and the
+                # refusal scope) must be known there, not only when it was made.
                 token = _current.set(principal)
                 try:
-                    item = next(items)
+                    with refusals.entered(scope):
+                        item = next(items)
                 except StopIteration:
                     return
                 finally:

@@ -8,7 +8,14 @@ The classes, and why:
   approved dangerous call stores as its approvals are spent, just before its
   command starts (status STARTING), is Launch; the record of a run's end,
   at every level, is Terminate, with the exit code, duration and start time.
-* Authorize Session (3003, Identity & Access Management): a call refused by
+* Authentication (3002, Identity & Access Management): refused credentials
+  (kind "refusal", status UNAUTHENTICATED: an unknown or malformed bearer
+  token, an IdP token that does not hold, no credential): a failed Logon, with
+  ``count`` refusals folded into the record between ``start_time`` and
+  ``end_time``, the source's address, and never the credential.
+* Authorize Session (3003, Identity & Access Management): refused requests
+  of a known client that lacks the right (kind "refusal", PERMISSION_DENIED),
+  with ``count`` as above; and a call refused by
   authorization: a deny rule (policy_denied), a token or request that does
   not hold (approval_denied), or approvals still missing
   (approval_required). Each call is a session whose privilege to run the
@@ -20,7 +27,9 @@ The classes, and why:
 * API Activity (6003, Application Activity): every other record is an
   RPC's effect on the registry: tools registered, replaced, deleted,
   disabled or enabled; policy reloads, refused or not; calls refused before
-  any authorization (unknown tool, invalid arguments, disabled tool).
+  any authorization (unknown tool, invalid arguments, disabled tool); and
+  requests refused for a quota or capacity (kind "refusal",
+  RESOURCE_EXHAUSTED), with ``count``.
 * Base Event (0): a kind of record this version does not know (or a
   record it cannot read), so that no record is ever left out or holds up
   the ones after it.
@@ -34,6 +43,7 @@ the audit's own fields, which hold no argument value, secret or token.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -51,6 +61,7 @@ SERVICE = "toolregistry.v1.ToolRegistry"  # the gRPC service whose calls are rec
 # (class_uid, class_name, category_uid, category_name)
 BASE_EVENT = (0, "Base Event", 0, "Uncategorized")
 PROCESS_ACTIVITY = (1007, "Process Activity", 1, "System Activity")
+AUTHENTICATION = (3002, "Authentication", 3, "Identity & Access Management")
 AUTHORIZE_SESSION = (3003, "Authorize Session", 3, "Identity & Access Management")
 USER_ACCESS = (3005, "User Access Management", 3, "Identity & Access Management")
 API_ACTIVITY = (6003, "API Activity", 6, "Application Activity")
@@ -58,10 +69,12 @@ API_ACTIVITY = (6003, "API Activity", 6, "Application Activity")
 # activity ids (per class) and their captions
 OTHER = 99
 LAUNCH, TERMINATE = 1, 2  # Process Activity
+LOGON = 1  # Authentication
 ASSIGN_PRIVILEGES, REVOKE_PRIVILEGES = 1, 2  # Authorize Session, User Access Management
 CREATE, READ, UPDATE, DELETE = 1, 2, 3, 4  # API Activity
 ACTIVITY_NAMES = {
     PROCESS_ACTIVITY: {LAUNCH: "Launch", TERMINATE: "Terminate"},
+    AUTHENTICATION: {LOGON: "Logon"},
     AUTHORIZE_SESSION: {ASSIGN_PRIVILEGES: "Assign Privileges"},
     USER_ACCESS: {ASSIGN_PRIVILEGES: "Assign Privileges", REVOKE_PRIVILEGES: "Revoke Privileges"},
     API_ACTIVITY: {CREATE: "Create", READ: "Read", UPDATE: "Update", DELETE: "Delete"},
@@ -159,6 +172,7 @@ def event(
         "approval": lambda: _approval(record, requests or {}),
         "registration": lambda: _registration(record),
         "policy": lambda: _policy(record),
+        "refusal": lambda: _refusal(record, source),
     }
     body = None
     if entry.kind in mappers:
@@ -389,6 +403,78 @@ def _policy(r: Mapping[str, Any]) -> _Body:
         API_ACTIVITY, UPDATE, message, fields, status_id=FAILURE if refused else SUCCESS,
         status_detail=what, severity_id=MEDIUM if refused else INFORMATIONAL,
     )  # fmt: skip
+
+
+def _refusal(r: Mapping[str, Any], source: Source) -> _Body:
+    """Refused requests, ``count`` of them folded into one record
+    (domain/refusals.py): by their gRPC status, a failed authentication, a
+    refused authorization, or an API call refused for a quota or capacity."""
+    status = _text(r.get("status"))
+    who = _text(r.get("who"))
+    method = _text(r.get("method"))
+    tool = _text(r.get("tool"))
+    reason = r.get("reason") or {}
+    code, text = _text(reason.get("code")), _text(reason.get("text"))
+    where = r.get("source") or {}
+    peer, client = _text(where.get("peer")), _text(where.get("client"))
+    count = int(r["count"])
+    endpoint: dict[str, Any] = {"name": client or peer or "unknown"}
+    if peer and peer != OVERFLOW_SOURCE:
+        endpoint["ip" if _is_ip(peer) else "hostname"] = peer
+    fields: dict[str, Any] = {
+        "count": count,
+        "start_time": round(float(r["first_at"]) * 1000),
+        "end_time": round(float(r["last_at"]) * 1000),
+        "src_endpoint": endpoint,
+    }
+    times = f"{count} time(s)" if count != 1 else "once"
+    about = f" (tool '{tool}')" if tool else ""
+    if status == "UNAUTHENTICATED":
+        credential = _text(r.get("credential"))
+        fields |= {
+            "user": {"name": who, **({"uid": client} if client else {})},
+            "service": {"name": SERVICE},
+            "dst_endpoint": {"name": source.log_name, "svc_name": SERVICE},
+            "auth_protocol_id": OTHER,
+            "auth_protocol": credential or "none",
+            "is_remote": True,
+        }
+        message = f"{who} ({credential or 'no credential'}) refused at {method}{about}, {times}"
+        kind, activity, severity = AUTHENTICATION, LOGON, MEDIUM
+    elif status == "PERMISSION_DENIED":
+        fields |= {
+            "actor": _actor(client),
+            "user": _user(client or who),
+            "privileges": [f"{method}:{tool}" if tool else method],
+        }
+        message = f"{who} may not call {method}{about}: refused {times}"
+        kind, activity, severity = AUTHORIZE_SESSION, ASSIGN_PRIVILEGES, MEDIUM
+    else:
+        fields |= {
+            "actor": _actor(client),
+            "api": {"operation": method, "service": {"name": SERVICE}},
+            "resources": [{"type": "tool", "name": tool}] if tool else [],
+        }
+        message = f"{who}'s {method}{about} refused ({code}), {times}"
+        kind, activity, severity = API_ACTIVITY, OTHER, LOW
+        if not fields["resources"]:
+            del fields["resources"]
+    return _Body(
+        kind, activity, message, fields, status_id=FAILURE, status_code=code,
+        status_detail=text, severity_id=severity,
+        activity_name="Refuse" if activity == OTHER else "",
+    )  # fmt: skip
+
+
+OVERFLOW_SOURCE = "(overflow)"  # domain/refusals.OVERFLOW: many sources folded into one record
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 def dumps(event_: Mapping[str, Any]) -> str:
