@@ -142,7 +142,11 @@ def test_a_restarted_server_serves_the_tool_of_a_builder_it_never_saw(
 
 
 def test_a_second_server_on_the_same_postgresql_knows_the_builder_and_its_tool(
-    idp: IdP, builder: str, tmp_path: Path, database: str, servers: list[ServerProcess]  # noqa: F811
+    idp: IdP,
+    builder: str,
+    tmp_path: Path,
+    database: str,  # noqa: F811 (the fixture imported above)
+    servers: list[ServerProcess],
 ) -> None:
     policy = tmp_path / "policy.yaml"
     write_policy(policy, idp)
