@@ -19,6 +19,7 @@ from registry_server.cli.common import Connection, fail
 from registry_server.cli.console import console_serve
 from registry_server.cli.doctor import doctor
 from registry_server.cli.execute import exec_tool
+from registry_server.cli.identities import identities_app
 from registry_server.cli.images import images_app
 from registry_server.cli.keys import keys_app
 from registry_server.cli.login import login, logout
@@ -44,6 +45,7 @@ app.add_typer(audit_app, name="audit")
 app.add_typer(policy_app, name="policy")
 app.add_typer(witness_app, name="witness")
 app.add_typer(images_app, name="images")
+app.add_typer(identities_app, name="identities")
 # `toolreg --help` lists these in this order, before the groups above.
 app.command()(serve)
 app.command("exec")(exec_tool)

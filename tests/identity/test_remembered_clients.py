@@ -12,6 +12,8 @@ policy in force: unmap the group and the builder is nobody, its tool unserved.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -56,6 +58,15 @@ def write_policy(path: Path, idp: IdP, *, builders_mapped: bool = True) -> None:
         }],
     }  # fmt: skip
     path.write_text(yaml.safe_dump(policy, sort_keys=False))
+
+
+def toolreg(*args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "registry_server.cli", *args],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done.stdout
 
 
 def stub(server: ServerProcess, token: str) -> pb_grpc.ToolRegistryStub:
@@ -139,6 +150,19 @@ def test_a_restarted_server_serves_the_tool_of_a_builder_it_never_saw(
     refused = run(second, tool)
     assert refused.status != pb.EXECUTION_STATUS_OK
     assert f"client '{owner}' no longer holds a register grant" in refused.error, refused.error
+    second.stop()
+    servers.remove(second)
+
+    # The operator lists and forgets it (docs/how-to/identity.md): with the
+    # group mapped again, a server that starts after knows no such builder.
+    listed = toolreg("identities", "list", "--data-dir", str(data))
+    assert [json.loads(line)["client"] for line in listed.splitlines()] == [owner]
+    assert json.loads(listed)["groups"] == [BUILDERS] and "roles" not in json.loads(listed)
+    assert toolreg("identities", "forget", owner, "--data-dir", str(data)) == f"forgot {owner}\n"
+    write_policy(policy, idp)
+    third = spawn_server(data, "--policy", str(policy), cwd=ROOT)
+    servers.append(third)
+    assert f"client '{owner}' no longer holds a register grant" in run(third, tool).error
 
 
 def test_a_second_server_on_the_same_postgresql_knows_the_builder_and_its_tool(
