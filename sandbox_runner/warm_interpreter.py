@@ -131,18 +131,86 @@ def stub_command(command: tuple[str, ...], preload: tuple[str, ...]) -> list[str
 
 # The stub, run with `-c` so it works in any image with a Python 3.8+ (nothing to bake
 # in, nothing in the image to keep in step with the server). It imports nothing the
-# interpreter has not loaded at start (os, sys, time) until its preloads, and runpy
-# only for -m. Its report records are toolreg_init.c's `struct report` (int kind, int
-# value, long long usec; native byte order): fd 3 is the init's report pipe, fd 4 the
-# read end of the sized input's pipe (both set up by the init's --prestart).
+# interpreter has not loaded at start (os, sys, time; atexit is built in) until its
+# preloads, and runpy only for -m. Its report records are toolreg_init.c's `struct
+# report` (int kind, int value, long long usec; native byte order): fd 3 is the init's
+# report pipe, fd 4 the read end of the sized input's pipe (both set up by the init's
+# --prestart).
 # Kinds: 1 RELEASED, 2 NOT_RELEASED, 3 EXEC_FAILED, 5 PRESTART_FAILED (value: the length
 # of the message that follows), 6 PRESTART_READY.
 STUB_SOURCE: Final = r"""
-import os, sys, time
+import atexit, os, sys, time
 def _rep(kind, value, extra=b''):
     o = sys.byteorder
     os.write(3, kind.to_bytes(4, o, signed=True) + value.to_bytes(4, o, signed=True)
              + (time.time_ns() // 1000).to_bytes(8, o, signed=True) + extra)
+# How the tool's run ends. The interpreter exits as python3's would: SystemExit's
+# message or an uncaught exception's traceback printed, non-daemon threads joined,
+# atexit handlers run, by CPython itself. Then _end, the first atexit handler
+# registered (before any preload) and so the last run, flushes sys.stdout and
+# sys.stderr as Py_FinalizeEx does next and leaves with os._exit: the rest of it
+# (collecting every object, tearing down every module) took most of a warm call's
+# time under the cautious level's half CPU, and the container is removed after this
+# one call anyway. Skipped with it: __del__ methods still pending, and files other
+# than the standard streams left unflushed, as after any os._exit.
+_status, _sigint = 0, False
+_os_exit, _kill, _getpid = os._exit, os.kill, os.getpid  # before the tool can rebind them
+def _exit_status(e):
+    # pythonrun.c _Py_HandleSystemExit: None 0, an int as a C long (-1 when it is
+    # beyond one), anything else 1 (CPython prints it).
+    try:
+        c = e.code
+    except BaseException:
+        return 1
+    if c is None:
+        return 0
+    if isinstance(c, int):
+        c = int.__index__(c)
+        return c & 0xFF if -2 ** 63 <= c < 2 ** 63 else 255
+    return 1
+def _flush():
+    ok = True
+    for _n in ('stdout', 'stderr'):
+        _f = getattr(sys, _n, None)
+        try:
+            if _f is None or _f.closed:
+                continue
+            _f.flush()
+        except BaseException as _x:
+            ok = False
+            if _n == 'stdout':  # as PyErr_WriteUnraisable(sys.stdout) words it
+                try:
+                    import traceback
+                    sys.stderr.write('Exception ignored in: %r\n%s' % (_f, ''.join(
+                        traceback.format_exception(type(_x), _x, _x.__traceback__.tb_next))))
+                except BaseException:
+                    pass
+    # The streams the interpreter started with, where the tool swapped them: a normal
+    # exit flushes them when it frees them.
+    for _f in (sys.__stdout__, sys.__stderr__):
+        try:
+            if _f is not None and _f is not sys.stdout and _f is not sys.stderr and not _f.closed:
+                _f.flush()
+        except BaseException:
+            pass
+    return ok
+def _end():
+    try:
+        sys._getframe(1)
+        return  # called from Python code (atexit._run_exitfuncs): not the exit
+    except ValueError:
+        pass
+    status = _status if _flush() else 120
+    if _sigint:  # Py_RunMain after an uncaught KeyboardInterrupt: die of SIGINT
+        try:
+            import _signal
+            _signal.signal(_signal.SIGINT, _signal.SIG_DFL)
+            _kill(_getpid(), _signal.SIGINT)
+        except BaseException:
+            pass
+        status = 130
+    _os_exit(status)
+atexit.register(_end)
 _preload, _mode, _target, _args = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
 for _name in filter(None, _preload.split(',')):
     try:
@@ -211,11 +279,15 @@ try:
             _code = compile(_target if _mode == 'code' else _f.read(), _m.__dict__.get(
                 '__file__', '<string>'), 'exec')
         exec(_code, _m.__dict__)
-except SystemExit:
+except SystemExit as _e:
+    _status = _exit_status(_e)
     raise
 except BaseException as _e:
     _tb = _e.__traceback__
     _e = _e.with_traceback(_tb.tb_next if _tb is not None else None)  # not the stub's frame
+    _sigint = type(_e) is KeyboardInterrupt  # exactly: as pythonrun.c checks it
+    sys.last_type, sys.last_value, sys.last_traceback = type(_e), _e, _e.__traceback__
     sys.excepthook(type(_e), _e, _e.__traceback__)
+    _status = 1
     sys.exit(1)
 """
