@@ -17,7 +17,12 @@ from __future__ import annotations
 
 from registry_server.domain.errors import InvalidDefinition, Violation
 from registry_server.domain.models import ToolDefinition
-from registry_server.policy.conditions import ConditionError, Scope, compile_condition
+from registry_server.policy.conditions import (
+    GUARDS_COST_LIMIT,
+    ConditionError,
+    Scope,
+    compile_condition,
+)
 
 MANIFEST_FIELD = "guard"  # the manifest's key (the Tool message's field is "guards")
 ONLY_ARGS = "a guard reads only `args`, the call's arguments"
@@ -26,17 +31,32 @@ ONLY_ARGS = "a guard reads only `args`, the call's arguments"
 def guard_violations(tool: ToolDefinition, field: str = MANIFEST_FIELD) -> list[Violation]:
     """Each guard of ``tool`` whose condition does not compile, type-check
     (it may read ``args`` only) or fit the cost limit, named
-    ``<field>.<index>.condition`` with CEL's reason (line and column)."""
+    ``<field>.<index>.condition`` with CEL's reason (line and column); and
+    ``<field>`` when the guards together cost more than GUARDS_COST_LIMIT
+    (every call runs all of them: sixteen at the limit of one would be a
+    registrant's way to make each call of its tool cost half a second)."""
     problems: list[Violation] = []
+    total = 0
     for index, guard in enumerate(tool.guards):
         try:
-            compile_condition(guard.condition, Scope.GUARD)
+            total += compile_condition(guard.condition, Scope.GUARD).cost
         except ConditionError as exc:
             reason = str(exc)
             if "undeclared reference" in reason:
                 reason += f" ({ONLY_ARGS})"
             problems.append(Violation(f"{field}.{index}.condition", reason))
+    if total > GUARDS_COST_LIMIT:
+        problems.append(Violation(field, guards_over_limit(total)))
     return problems
+
+
+def guards_over_limit(total: int) -> str:
+    return (
+        f"the guards together may cost up to {total:,} units at worst, over the limit of"
+        f" {GUARDS_COST_LIMIT:,} for all of a tool's guards (fewer guards, cheaper tests:"
+        " startsWith or == instead of contains() or a regex, no Unicode classes or (?i)"
+        " over whole arguments)"
+    )
 
 
 def check_guards(

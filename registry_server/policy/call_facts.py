@@ -4,13 +4,21 @@ policy knows it, and the call's time."""
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
 from registry_server.domain.models import SafetyLevel, ToolDefinition
-from registry_server.policy.conditions import CallerFacts, CallFacts, ToolFacts
+from registry_server.policy.conditions import (
+    CallerFacts,
+    CallFacts,
+    Scope,
+    ToolFacts,
+    compile_condition,
+    fields_read,
+)
 from registry_server.policy.model import EffectiveRule, Policy
 
 
@@ -66,7 +74,10 @@ def request_rule(
             args = None
         if isinstance(args, dict):
             when = datetime.fromtimestamp(at, UTC)
-            facts = CallFacts(args, tool, caller_facts(policy, requested_by), when, policy.reads)
+            facts = CallFacts(
+                args, tool, caller_facts(policy, requested_by), when, policy.reads,
+                policy.arg_fields,
+            )  # fmt: skip
     return policy.rule_for(
         tool_name=tool.name, categories=tool.categories, level=SafetyLevel(tool.level),
         facts=facts,
@@ -81,11 +92,29 @@ def call_facts(
     at: float,
     claims: Mapping[str, Any] | None = None,
 ) -> CallFacts:
-    """The facts of one call made at ``at`` (time.time())."""
+    """The facts of one call made at ``at`` (time.time()): its arguments made
+    into CEL values only as far as the tool's guards and the policy's
+    conditions read them."""
     return CallFacts(
         args=args,
         tool=tool_facts(tool),
         caller=caller_facts(policy, caller, claims),
         now=datetime.fromtimestamp(at, UTC),
         reads=policy.reads,
+        arg_fields=_union(policy.arg_fields, guard_fields(tuple(g.condition for g in tool.guards))),
     )
+
+
+@functools.lru_cache(maxsize=1024)
+def guard_fields(conditions: tuple[str, ...]) -> frozenset[str] | None:
+    """The top-level arguments a tool's guards read (None: all); once per
+    set of guards (each guard compiled from the cache). A guard that no
+    longer compiles reads all of them: the executor refuses the call anyway."""
+    try:
+        return fields_read(compile_condition(text, Scope.GUARD) for text in conditions)
+    except ValueError:
+        return None
+
+
+def _union(a: frozenset[str] | None, b: frozenset[str] | None) -> frozenset[str] | None:
+    return None if a is None or b is None else a | b

@@ -27,7 +27,7 @@ import enum
 import functools
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -43,9 +43,24 @@ ARGUMENTS_BOUND = 1024 * 1024  # bytes: what a call's arguments can be (domain/a
 TOOL_BOUND = 16 * 1024  # bytes: a tool's name, level, categories, owner, digest and hosts
 CALLER_BOUND = 16 * 1024  # bytes: a caller's id, roles, groups and claims (claims are capped)
 MAX_CLAIMS_BYTES = 8 * 1024  # bytes of JSON claims a condition sees; larger claims are not shown
-# Units of work (a node visited, a byte compared or copied) an expression may
-# cost at worst: sixteen passes over the largest arguments a call can carry.
-COST_LIMIT = 16 * ARGUMENTS_BOUND
+# Units of work (a node visited, a byte compared or copied; one unit is about
+# regex_cost.NS_PER_UNIT = 0.5 ns of the calibration machine, measured by
+# bench/conditions_cost.py) an expression may cost at worst: 64 passes over
+# the largest arguments a call can carry (about 34 ms).
+COST_LIMIT = 64 * ARGUMENTS_BOUND
+# Units all the guards of one tool may cost together (its registrant's, not
+# trusted: sixteen of them at the limit each would be 0.5 s a call): two
+# expressions' worth, about 67 ms.
+GUARDS_COST_LIMIT = 2 * COST_LIMIT
+# Units all the policy's conditions may cost together (the operator's; an
+# upper bound of what one call evaluates: every deny rule's and approval
+# rule's `when`): eight expressions' worth, about 0.27 s.
+POLICY_COST_LIMIT = 8 * COST_LIMIT
+# Units the conditions one call evaluates may cost: its tool's guards and
+# the policy's, each held under its own cap (about 0.34 s at worst, on
+# arguments of 1 MiB; making the read arguments into CEL values comes on top,
+# bounded by their size like parse_arguments).
+CALL_COST_BUDGET = GUARDS_COST_LIMIT + POLICY_COST_LIMIT
 _PACKAGE = "toolreg.conditions"
 VARIABLES = ("args", "tool", "caller", "caller.claims", "now")  # what a condition may read
 
@@ -173,11 +188,15 @@ class Condition:
     # What it reads: of "args", "tool", "caller", "caller.claims", "now"
     # (a call's facts are made into CEL values only as far as some condition reads them).
     reads: frozenset[str] = frozenset(VARIABLES)
+    # The top-level fields of ``args`` it reads (`args.path`, `args["a b"]`);
+    # None when it reads ``args`` whole (`size(args)`, `"k" in args`, a macro
+    # over it): only those fields are made into CEL values for it.
+    arg_fields: frozenset[str] | None = None
 
     def holds(self, facts: CallFacts) -> bool:
         """True or False; raises ConditionFailed when it is neither."""
         try:
-            value = self._program.eval(facts.activation(self.reads))
+            value = self._program.eval(facts.activation(self.reads, self.arg_fields))
         except (RuntimeError, ValueError, TypeError, OverflowError) as exc:
             # cel-cpp's iteration budget, a value CEL cannot hold, and the like
             raise ConditionFailed(_plain(str(exc), self.text)) from None
@@ -213,7 +232,25 @@ def compile_condition(text: str, scope: Scope) -> Condition:
             " a.{0,30}b; compare with startsWith or ==, use exists() or all(), or test"
             " a smaller part)"
         )
-    return Condition(text, scope, cost, program, _reads(syntax))
+    return Condition(text, scope, cost, program, _reads(syntax), _arg_fields(syntax))
+
+
+def total_cost(conditions: Iterable[Condition | None]) -> int:
+    """What evaluating all of ``conditions`` for one call may cost at worst."""
+    return sum(c.cost for c in conditions if c is not None)
+
+
+def fields_read(conditions: Iterable[Condition | None]) -> frozenset[str] | None:
+    """The top-level argument fields any of ``conditions`` reads; None when
+    one reads ``args`` whole."""
+    fields: set[str] = set()
+    for c in conditions:
+        if c is None or "args" not in c.reads:
+            continue
+        if c.arg_fields is None:
+            return None
+        fields |= c.arg_fields
+    return frozenset(fields)
 
 
 def _compile_message(raw: str) -> str:
@@ -282,6 +319,41 @@ def _reads(expr: Any) -> frozenset[str]:
 
     walk(expr)
     return frozenset(found)
+
+
+def _arg_fields(expr: Any) -> frozenset[str] | None:
+    """The top-level fields of ``args`` that ``expr`` selects (`args.x`,
+    `has(args.x)`, `args["x"]`), or None when it uses ``args`` any other way:
+    then the whole arguments must be there for it."""
+    fields: set[str] = set()
+    whole = False
+
+    def is_args(node: Any) -> bool:
+        return _kind(node) == "ident_expr" and node.ident_expr.name == "args"
+
+    def walk(node: Any) -> None:
+        nonlocal whole
+        kind = _kind(node)
+        if kind == "ident_expr":
+            whole = whole or node.ident_expr.name == "args"
+            return
+        if kind == "select_expr" and is_args(node.select_expr.operand):
+            fields.add(node.select_expr.field)
+            return
+        if kind == "call_expr":
+            call = node.call_expr
+            if (
+                call.function == "_[_]" and not call.HasField("target") and len(call.args) == 2
+                and is_args(call.args[0]) and _kind(call.args[1]) == "const_expr"
+                and call.args[1].const_expr.string_value  # (a key of no other kind type-checks)
+            ):  # fmt: skip
+                fields.add(call.args[1].const_expr.string_value)
+                return
+        for child in _children(node, kind):
+            walk(child)
+
+    walk(expr)
+    return None if whole else frozenset(fields)
 
 
 def _children(node: Any, kind: str | None) -> list[Any]:
@@ -372,13 +444,26 @@ def _estimate_call(call: Any, sizes: dict[str, int]) -> tuple[int, int]:
         if problem is not None:
             # Else every call it is evaluated for would err: found at load.
             raise ConditionError(f"matches(): the pattern is not valid RE2: {problem}")
-        # RE2: a pass with its DFA, and its NFA's work when the DFA would
-        # not fit its cache (see "what RE2 does with a pattern" below).
-        cost += read + re2_cost(pattern, parts[0][0])
+        # RE2: compiling the pattern (at every evaluation), a pass with its
+        # DFA priced by the program's size, and its NFA's work when the DFA
+        # would not fit its cache (policy/regex_cost.py).
+        cost += re2_cost(pattern, parts[0][0])
     if name == "contains" and len(parts) == 2:
-        # A substring search compares the needle at each place of the text
-        # (memcmp): text x needle / _COMPARED_AT_ONCE (a 100-byte needle in 1 MiB: 11 ms).
-        cost += parts[0][0] * parts[1][0] // _COMPARED_AT_ONCE
+        text, needle = parts[0][0], parts[1][0]
+        last = operands[-1]
+        single = _kind(last) == "const_expr" and len(last.const_expr.string_value) == 1
+        if not single:
+            # A substring search stops at each place the needle's first byte
+            # occurs and compares the rest there: the text chosen to be that
+            # byte over and over, every place costs (measured up to 21 ns a
+            # byte of 1 MiB, "ab" in "aaa..."), and a long needle compares
+            # more of itself (text x needle / _COMPARED_AT_ONCE).
+            cost += text * _CONTAINS_UNITS + text * needle // _COMPARED_AT_ONCE
+    if name == "size" and parts:
+        # A string's size counts its code points (UTF-8 decoded: 0.66 ns a byte).
+        cost += parts[0][0] * _DECODE_UNITS
+    if name == "_+_":
+        cost += read * _COPY_UNITS  # the joined string or list is a new copy
     if name in _SMALL:
         return 1, cost
     if name == "_?_:_":
@@ -424,6 +509,9 @@ def _estimate_loop(loop: Any, sizes: dict[str, int]) -> tuple[int, int]:
 
 
 _COMPARED_AT_ONCE = 4  # bytes a substring search compares for a unit (memcmp, measured)
+_CONTAINS_UNITS = 48  # units a byte of text costs contains() with a needle of 2+ bytes (24 ns)
+_DECODE_UNITS = 2  # units a byte costs size() of a string beyond reading it (1 ns)
+_COPY_UNITS = 2  # units a byte costs to copy into a new string or list (1 ns)
 
 
 @functools.cache
@@ -467,25 +555,43 @@ class CallFacts:
     """What conditions may read about one call. Made into CEL values once per
     call, shared by every condition evaluated for it (guards' and the
     policy's), and only as far as they read: ``reads`` names what the
-    conditions that may run read (policy.reads), and a condition reading more
-    makes them again."""
+    conditions that may run read (policy.reads), ``arg_fields`` the top-level
+    arguments they read (None: all of them), and a condition reading more
+    makes them again. Making 1 MiB of arguments into CEL values costs tens of
+    ms; a field no condition reads costs nothing."""
 
     args: Mapping[str, Any]
     tool: ToolFacts | None = None
     caller: CallerFacts | None = None
     now: datetime | None = None
     reads: frozenset[str] = frozenset(VARIABLES)
+    arg_fields: frozenset[str] | None = None
     _activation: Any = field(default=None, repr=False)
     _made_for: frozenset[str] = field(default=frozenset(), repr=False)
+    _fields_made: frozenset[str] | None = field(default=frozenset(), repr=False)
 
-    def activation(self, reads: frozenset[str]) -> Any:
-        if self._activation is None or not reads <= self._made_for:
+    def activation(self, reads: frozenset[str], arg_fields: frozenset[str] | None = None) -> Any:
+        made = self._fields_made
+        fields_covered = made is None or (arg_fields is not None and arg_fields <= made)
+        if self._activation is None or not reads <= self._made_for or not fields_covered:
             self._made_for = self._made_for | reads | self.reads
-            self._activation = _env(Scope.POLICY).Activation(self._data(self._made_for))
+            if made is None or arg_fields is None or self.arg_fields is None:
+                self._fields_made = None
+            else:
+                self._fields_made = made | arg_fields | self.arg_fields
+            self._activation = _env(Scope.POLICY).Activation(
+                self._data(self._made_for, self._fields_made)
+            )
         return self._activation
 
-    def _data(self, reads: frozenset[str]) -> dict[str, Any]:
-        data: dict[str, Any] = {"args": dict(self.args)}
+    def _data(
+        self, reads: frozenset[str], arg_fields: frozenset[str] | None = None
+    ) -> dict[str, Any]:
+        if arg_fields is None:
+            args = dict(self.args)
+        else:  # a field absent from the call stays absent: `has()` and errors alike
+            args = {k: self.args[k] for k in arg_fields if k in self.args}
+        data: dict[str, Any] = {"args": args}
         if "tool" in reads:
             data["tool"] = _tool_message(self.tool or ToolFacts("", ""))
         if "caller" in reads or "caller.claims" in reads:

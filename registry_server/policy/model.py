@@ -24,7 +24,12 @@ from registry_server.policy.clients import (
     RegisterGrant,
     Role,
 )
-from registry_server.policy.conditions import CallFacts, Condition, ConditionFailed
+from registry_server.policy.conditions import (
+    CallFacts,
+    Condition,
+    ConditionFailed,
+    fields_read,
+)
 from registry_server.policy.identity import IdentityProvider
 from registry_server.policy.seen import SeenIdentities
 from registry_server.policy.webhooks import WebhookSpec
@@ -266,6 +271,11 @@ class Policy:
         VARIABLES): a call's facts are made into CEL values that far only."""
         whens = [r.when for r in self.rules] + [r.when for r in self.deny_rules]
         return frozenset({"args"}).union(*(c.reads for c in whens if c is not None))
+
+    @functools.cached_property
+    def arg_fields(self) -> frozenset[str] | None:
+        """The top-level arguments the policy's conditions read (None: all)."""
+        return fields_read([r.when for r in self.rules] + [r.when for r in self.deny_rules])
 
     def approver(self, approver_id: str) -> Approver | None:
         """The approver, in its groups of the file and, when it is a

@@ -1,4 +1,4 @@
-"""What RE2 does with a pattern, for the cost of a condition's `matches()`
+r"""What RE2 does with a pattern, for the cost of a condition's `matches()`
 (policy/conditions.py): worked out from the pattern at load, never by
 running it.
 RE2 searches with a DFA it builds as it reads: a state for each set of the
@@ -12,6 +12,19 @@ So the same automaton is built here, from the pattern's positions
 pattern costs a pass and the states RE2 builds (cel-expr-python compiles
 the pattern again at each evaluation, so at each call); beyond it, the
 NFA's text x positions x NFA_UNITS as well.
+
+The positions are code points, but RE2 runs over UTF-8 bytes: a Unicode
+class (`\p{L}`: 1,201 instructions) or a case-folded one is a tree of byte
+ranges, and both its DFA's states and its NFA's threads are made of those
+instructions. So RE2's own program size (google-re2 compiles the pattern
+here, as cel-cpp's RE2 does) prices what the positions cannot: compiling it
+at each evaluation, and every byte of text a share of it (measured, on
+1 MiB: `[\p{L}]{0,7}b` 5.5 ms to compile and 7 ms to scan; `\p{L}{0,30}b`
+0.1 s to compile and 2-3 s to scan, where RE2's DFA gives up).
+
+Units: one unit stands for about NS_PER_UNIT of the calibration machine's
+time (bench/conditions_cost.py measures every kind of call against its
+estimate: docs/how-to/writing-tools.md, "Guards").
 """
 
 from __future__ import annotations
@@ -21,10 +34,23 @@ import operator
 import re
 from typing import Any
 
+import re2
+
 DFA_STATES_CAP = 1_000  # DFA states a pattern may need (RE2 caches some 10,000)
 DFA_STATE_UNITS = 6_000  # units a DFA state costs RE2 to build (some 3 us, measured)
 MAX_POSITIONS = 2_048  # positions (characters and classes, repeats expanded) analysed at all
 NFA_UNITS = 8  # units a position and a byte cost RE2's NFA (some 4 ns; a unit is ~0.5 ns)
+NS_PER_UNIT = 0.5  # ns of the calibration machine's time a unit stands for (bench: conditions)
+PASS_UNITS = 3  # units a byte costs RE2's DFA with a small program (measured 1.2-1.4 ns)
+COMPILE_UNITS = 6_000  # units an instruction of the program costs to compile (up to 2.8 us)
+# Units a byte costs per 1,000 instructions of the program: its DFA's states
+# and NFA's threads are byte ranges of them (measured up to 0.029 ns per
+# instruction and byte while the program is small; 0.082 ns beyond, where
+# RE2's DFA runs out of memory and its NFA steps them all).
+INSTRUCTION_MILLIUNITS = 80  # 0.04 ns, up to LARGE_PROGRAM instructions
+LARGE_PROGRAM = 16_384  # instructions beyond which RE2's DFA does not keep up
+LARGE_INSTRUCTION_MILLIUNITS = 200  # 0.1 ns an instruction and a byte, beyond LARGE_PROGRAM
+UNKNOWN_PROGRAM = 1 << 20  # instructions assumed of a pattern google-re2 does not compile
 _REPEAT = re.compile(r"\{(\d+)(?:(,)(\d*))?\}")
 _MAX_CHAR = 0x10FFFF
 Ranges = tuple[tuple[int, int], ...]  # code points, sorted and disjoint
@@ -342,12 +368,34 @@ def _re2_size(pattern: str) -> int:
     return _re2_automaton(pattern)[0]
 
 
+@functools.lru_cache(maxsize=256)
+def re2_program_size(pattern: str) -> int:
+    """RE2's instructions for ``pattern`` (UTF-8, as cel-cpp compiles it);
+    UNKNOWN_PROGRAM when google-re2 does not compile it (priced as the
+    largest, never as free)."""
+    options = re2.Options()
+    options.log_errors = False
+    try:
+        return int(re2.compile(pattern, options).programsize)
+    except (re2.error, ValueError, TypeError):
+        return UNKNOWN_PROGRAM
+
+
 def re2_cost(pattern: str, text: int) -> int:
-    """What RE2 costs beyond a pass over ``text`` bytes: the DFA states it
-    builds (at most one a byte), and when they would not fit, its NFA's
-    work too, every position at every byte."""
+    """What RE2 costs to compile ``pattern`` and search ``text`` bytes with
+    it: compiling its program (at every evaluation), a pass of the DFA whose
+    every byte costs a share of the program (Unicode classes and case folding
+    are large programs), the DFA states it builds (at most one a byte), and
+    when they would not fit RE2's cache, its NFA's work too, every position
+    at every byte."""
     positions, states = _re2_automaton(pattern)
-    cost = min(states, text) * DFA_STATE_UNITS
+    program = re2_program_size(pattern)
+    per_thousand = (
+        INSTRUCTION_MILLIUNITS if program <= LARGE_PROGRAM else LARGE_INSTRUCTION_MILLIUNITS
+    )
+    cost = program * COMPILE_UNITS + text * PASS_UNITS
+    cost += -(-text * program * per_thousand // 1000)  # rounded up
+    cost += min(states, text) * DFA_STATE_UNITS
     if states > DFA_STATES_CAP and text > DFA_STATES_CAP:
         cost += text * positions * NFA_UNITS
     return cost

@@ -30,7 +30,13 @@ from registry_server.policy.clients import (
     MAX_QUOTA_SERVERS,
     Role,
 )
-from registry_server.policy.conditions import ConditionError, Scope, compile_condition
+from registry_server.policy.conditions import (
+    POLICY_COST_LIMIT,
+    ConditionError,
+    Scope,
+    compile_condition,
+    total_cost,
+)
 from registry_server.policy.identity import (
     ASYMMETRIC_ALGORITHMS,
     CLAIM_PATH,
@@ -610,6 +616,21 @@ class _PolicyIn(_Strict):
     identity_providers: list[_IdentityProviderIn] = Field(
         default_factory=list, max_length=MAX_PROVIDERS
     )
+
+    @model_validator(mode="after")
+    def _conditions_cost(self) -> _PolicyIn:
+        # One call may evaluate every deny rule's and approval rule's `when`:
+        # their sum is what the policy's conditions can cost a call.
+        whens = [r.when for r in self.approval_rules] + [r.when for r in self.deny_rules]
+        total = total_cost(compile_condition(w, Scope.POLICY) for w in whens if w is not None)
+        if total > POLICY_COST_LIMIT:
+            raise ValueError(
+                f"the conditions (`when`) of approval_rules and deny_rules may cost up to"
+                f" {total:,} units together at worst for one call, over the limit of"
+                f" {POLICY_COST_LIMIT:,} (fewer conditions, or cheaper ones: see"
+                " docs/how-to/approvals.md, Conditions)"
+            )
+        return self
 
     @field_validator("console_url")
     @classmethod

@@ -156,9 +156,11 @@ def test_a_literal_re2_pattern_works(sql: str, dropped: bool) -> None:
 
 
 def test_re2_syntax_that_python_lacks_works() -> None:
-    assert holds(r'args.s.matches("^\\pL+$")', {"s": "Größe"})  # Unicode classes
+    # Unicode classes (over a tool's name: over 1 MiB of arguments \pL's
+    # 1,201 instructions cost more than the limit, see the estimates below)
+    assert holds(r'tool.name.matches("^\\pL+$")', tool=ToolFacts("Größe", "safe"))
     assert holds(r'args.s.matches("^(?P<user>[a-z]+)@")', {"s": "ann@example.com"})
-    assert not holds(r'args.s.matches("^\\pL+$")', {"s": "a1"})
+    assert not holds(r'tool.name.matches("^\\pL+$")', tool=ToolFacts("a1", "safe"))
 
 
 @pytest.mark.parametrize(
@@ -196,7 +198,7 @@ EXPENSIVE = {
     "the whole arguments scanned per element": "args.items.exists(x, args.sql.contains(x))",
     "a loop in a loop in a literal": f"{TEN}.exists(i, args.items.exists(x, x == string(i)))",
     "a huge string built": "size(" + " + ".join(["args.s"] * 17) + ") > 0",
-    "the same string compared many times": " || ".join(["args.s == args.t"] * 9),
+    "the same string compared many times": " || ".join(["args.s == args.t"] * 33),
     # A needle from the call: a naive substring search is |text| x |needle|
     # (2.5 s for a 768 KiB text and a 256 KiB needle, by hand, before).
     "contains() of a needle from the call": "args.text.contains(args.needle)",
@@ -245,7 +247,7 @@ ORDINARY = [
     "now.getHours() < 18",
     'has(args.env) && args.env in ["prod", "staging"]',
     'args.path.startsWith("/work/") && !args.path.contains("..")',
-    'args.sql.contains("DROP") || args.sql.contains("drop")',
+    'args.sql.contains("DROP")',  # two over 1 MiB are over the limit: about 21 ms each
     "size(args.sql + args.sql) > 0",
     'caller.claims.department == "eng" && tool.owner != caller.id',
     f"{TEN}.exists(a, {TEN}.exists(b, a + b == 18))",  # literal: 100 iterations
@@ -315,8 +317,9 @@ def test_a_pattern_costs_a_pass_while_its_dfa_fits_and_its_nfa_beyond() -> None:
     def cost(text: str) -> int:
         return compile_condition(text, POLICY).cost
 
-    # long but tame: as many DFA states as places in a run of hex digits
-    assert cost(r'args.s.matches("^[0-9a-f]{40}$")') < 3 * ARGUMENTS_BOUND
+    # long but tame: as many DFA states as places in a run of hex digits; a
+    # DFA pass (PASS_UNITS a byte), the read, and 82 instructions' share
+    assert cost(r'args.s.matches("^[0-9a-f]{40}$")') < 12 * ARGUMENTS_BOUND
     assert regex_cost._re2_automaton("^[0-9a-f]{40}$") == (40, 41)
     # 2^8 sets of places where an "a" was: RE2 caches them; 2^9 it thrashes
     assert regex_cost._re2_automaton("[ab]*a[ab]{8}c")[1] <= regex_cost.DFA_STATES_CAP
