@@ -51,17 +51,27 @@ class Clock:
 
 def wrong_token(peer: str = "10.0.0.7", tool: str = "echo") -> Refusal:
     return Refusal(
-        status="UNAUTHENTICATED", code="unknown_bearer_token", text="unknown bearer token",
-        method="ExecuteTool", credential=BEARER, peer=peer, tool=tool,
-    )  # fmt: skip
+        status="UNAUTHENTICATED",
+        code="unknown_bearer_token",
+        text="unknown bearer token",
+        method="ExecuteTool",
+        credential=BEARER,
+        peer=peer,
+        tool=tool,
+    )
 
 
 def missing_role(client: str = "reader", peer: str = "10.0.0.8") -> Refusal:
     return Refusal(
-        status="PERMISSION_DENIED", code="missing_role",
+        status="PERMISSION_DENIED",
+        code="missing_role",
         text=f"client '{client}' lacks the execute role for ExecuteTool",
-        method="ExecuteTool", client=client, credential=BEARER, peer=peer, tool="echo",
-    )  # fmt: skip
+        method="ExecuteTool",
+        client=client,
+        credential=BEARER,
+        peer=peer,
+        tool="echo",
+    )
 
 
 def total(records: list[dict[str, Any]]) -> int:
@@ -140,13 +150,17 @@ def test_the_table_is_bounded_and_overflow_groups_keep_the_counts() -> None:
     assert total(records) == 1_000
     overflow = [r for r in records if r.get("overflow")]
     assert {r["reason"]["code"] for r in overflow} == {
-        "unknown_bearer_token", "malformed_authorization",
-    }  # fmt: skip
+        "unknown_bearer_token",
+        "malformed_authorization",
+    }
     assert all(r["method"] == OVERFLOW and r["source"] == {"peer": OVERFLOW} for r in overflow)
     # distinct sources are counted up to the table's size, then said to be more
     assert [(r["count"], r["sources"], r.get("sources_capped")) for r in overflow] == [
-        (1, 1, None), (1, 1, None), (498, 3, True), (497, 3, True),
-    ]  # fmt: skip
+        (1, 1, None),
+        (1, 1, None),
+        (498, 3, True),
+        (497, 3, True),
+    ]
     assert len(records) == 3 + 2 + 2  # three groups at once, each overflow group twice
 
 
@@ -154,12 +168,18 @@ def test_a_record_says_who_what_why_and_from_where_and_nothing_else() -> None:
     folder = Folder(interval_s=INTERVAL, clock=Clock())
     unknown = folder.add(wrong_token())
     assert unknown == {
-        "status": "UNAUTHENTICATED", "who": UNKNOWN_CREDENTIAL, "credential": BEARER,
-        "method": "ExecuteTool", "tool": "echo",
+        "status": "UNAUTHENTICATED",
+        "who": UNKNOWN_CREDENTIAL,
+        "credential": BEARER,
+        "method": "ExecuteTool",
+        "tool": "echo",
         "reason": {"code": "unknown_bearer_token", "text": "unknown bearer token"},
-        "source": {"peer": "10.0.0.7"}, "count": 1, "first_at": 1_000.0, "last_at": 1_000.0,
+        "source": {"peer": "10.0.0.7"},
+        "count": 1,
+        "first_at": 1_000.0,
+        "last_at": 1_000.0,
         "interval_s": INTERVAL,
-    }  # fmt: skip
+    }
     known = folder.add(missing_role())
     assert known is not None
     assert (known["who"], known["source"]) == ("reader", {"peer": "10.0.0.8", "client": "reader"})
@@ -188,7 +208,10 @@ def test_bad_settings_are_refused() -> None:
 @pytest.mark.parametrize(
     ("error", "expected"),
     [
-        (QuotaExceeded("m", subject="client:a", limit="rate"), ("RESOURCE_EXHAUSTED", "quota_rate")),
+        (
+            QuotaExceeded("m", subject="client:a", limit="rate"),
+            ("RESOURCE_EXHAUSTED", "quota_rate"),
+        ),
         (
             QuotaExceeded("m", subject="server", limit="max_queued"),
             ("RESOURCE_EXHAUSTED", "server_max_queued"),
@@ -259,15 +282,28 @@ def _entry(record: dict[str, Any]) -> Any:
         (Refusal(**{**wrong_token().__dict__, "peer": "::1", "tool": ""}), 3002),
         (missing_role(), 3003),
         (
-            Refusal(status="RESOURCE_EXHAUSTED", code="quota_rate", text="over its rate",
-                    method="ExecuteTool", client="agent", peer="10.0.0.2", tool="echo"),
+            Refusal(
+                status="RESOURCE_EXHAUSTED",
+                code="quota_rate",
+                text="over its rate",
+                method="ExecuteTool",
+                client="agent",
+                peer="10.0.0.2",
+                tool="echo",
+            ),
             6003,
-        ),  # fmt: skip
+        ),
         (
-            Refusal(status="RESOURCE_EXHAUSTED", code="server_max_queued", text="full",
-                    method="StreamExecuteTool", client="agent", peer="10.0.0.2"),
+            Refusal(
+                status="RESOURCE_EXHAUSTED",
+                code="server_max_queued",
+                text="full",
+                method="StreamExecuteTool",
+                client="agent",
+                peer="10.0.0.2",
+            ),
             6003,
-        ),  # fmt: skip
+        ),
     ],
 )
 def test_each_refusal_is_an_ocsf_event_of_its_class_with_its_count(
