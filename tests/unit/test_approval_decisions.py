@@ -259,6 +259,11 @@ def test_without_tokens_a_request_is_opened_and_says_what_is_needed(env: Env) ->
         "args_digest": call.arguments_digest,
         "requested_by": "agent-1",
         "approvals_required": 2,
+        # what each rule that applies demands (issue 37): its name, how many, whose
+        "requirements": [
+            {"rule": "rule 1", "approvals_required": 2, "groups": ["security"]},
+            {"rule": "rule 2", "approvals_required": 1, "groups": ["ops"]},
+        ],
     }
 
 
