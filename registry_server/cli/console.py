@@ -84,6 +84,23 @@ def console_serve(
             " (default: this listener's URL + /auth/callback).",
         ),
     ] = None,
+    trusted_proxy: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--trusted-proxy",
+            envvar="TOOLREG_CONSOLE_TRUSTED_PROXIES",
+            help="A reverse proxy's address or CIDR network (repeatable): from these peers"
+            " only, the forwarded header names the client the sign-in throttle counts"
+            " (default: none; forwarded headers are ignored).",
+        ),
+    ] = None,
+    forwarded_header: Annotated[
+        str | None,
+        typer.Option(
+            "--forwarded-header",
+            help="The header the trusted proxies set: x-forwarded-for (default) or forwarded.",
+        ),
+    ] = None,
     log_level: Annotated[str, typer.Option("--log-level", envvar="TOOLREG_LOG_LEVEL")] = "INFO",
 ) -> None:
     """Serve the approval console: a web page where approvers see, live, the
@@ -119,6 +136,7 @@ def console_serve(
             sso_provider=sso_provider, sso_client_id=sso_client_id,
             sso_client_secret_file=sso_client_secret_file, sso_scopes=sso_scopes,
             sso_resource=sso_resource, sso_redirect_uri=sso_redirect_uri,
+            trusted_proxies=tuple(trusted_proxy or ()), forwarded_header=forwarded_header,
         )  # fmt: skip
     except ToolregError as exc:
         fail(exc.message, 2)

@@ -74,7 +74,8 @@ from registry_server.client.registry_client import (
 from registry_server.client.terminal import escape
 from registry_server.console import views
 from registry_server.console.feed import Feeds, Page
-from registry_server.console.guard import Guard, error, shown, source_of
+from registry_server.console.forwarded import ClientAddresses
+from registry_server.console.guard import Guard, error, shown
 from registry_server.console.passkey_routes import PasskeyRoutes, signer_of
 from registry_server.console.sessions import Session, Sessions, SessionsFull
 from registry_server.console.settings import (
@@ -220,6 +221,8 @@ class Console:
             )
             self.oidc = OidcClient.from_settings(settings.sso, redirect)
         self.throttle = SignInThrottle(window_s=settings.signin_window_s)
+        # The source the throttle and the log count: the peer, unless it is a trusted proxy.
+        self.sources = ClientAddresses(settings.trusted_proxies, settings.forwarded_header)
         self.log_budget = LogBudget()
         self.connections = Connections(connect)
         self.feeds = Feeds(self.connections)
@@ -284,7 +287,7 @@ class Console:
                 log.warning("console: %s", summary)
 
     def _guard_refused(self, scope: Scope, reason: str, detail: str) -> None:
-        self.refused(GUARD, source_of(scope), reason,
+        self.refused(GUARD, self.sources.of(scope), reason,
                      f"{scope['method']} {shown(scope['path'])}, {detail}")  # fmt: skip
 
     def refused(self, kind: str, source: str, reason: str, detail: str = "") -> None:
@@ -327,7 +330,7 @@ class Console:
             return error(401, "not signed in (or the session ended); sign in again")
         if not session.csrf_matches(request.headers.get(CSRF_HEADER)):
             reason = "wrong CSRF token" if CSRF_HEADER in request.headers else "no CSRF token"
-            self.refused(CSRF, source_of(request.scope), reason,
+            self.refused(CSRF, self.sources.of(request.scope), reason,
                          f"client {escape(session.client_id)}, {request.method}"
                          f" {shown(request.url.path)}")  # fmt: skip
             return error(403, "missing or wrong CSRF token; reload the page")
@@ -363,7 +366,7 @@ class Console:
         return JSONResponse(self._whoami(session))
 
     async def sign_in(self, request: Request) -> Response:
-        source = source_of(request.scope)
+        source = self.sources.of(request.scope)
         # Before the token is looked at: a throttled source learns nothing, right token or not.
         throttled = self.throttle.check(source)
         if throttled is not None:
@@ -438,7 +441,7 @@ class Console:
     def _sso_gate(self, request: Request) -> tuple[str, OidcClient] | Response:
         """Where an SSO step comes from and the provider's client, unless SSO
         is off (404) or the source is throttled (before anything is read)."""
-        source = source_of(request.scope)
+        source = self.sources.of(request.scope)
         if self.oidc is None:
             return error(404, "single sign-on is not set up on this console")
         throttled = self._sso_throttled(source)

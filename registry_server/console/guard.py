@@ -69,13 +69,6 @@ def shown(text: str | None, cap: int = MAX_SHOWN_CHARS) -> str:
     return repr(text[:cap]) + (f"... ({len(text)} characters)" if len(text) > cap else "")
 
 
-def source_of(scope: Scope) -> str:
-    """The peer's address (no proxy header is trusted: uvicorn runs with
-    proxy_headers off), or "unknown"."""
-    client = scope.get("client")
-    return str(client[0])[:64] if client else "unknown"
-
-
 def error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status, headers=headers)
 

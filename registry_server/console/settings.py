@@ -25,6 +25,12 @@ from pathlib import Path
 from typing import Self
 from urllib.parse import urlsplit
 
+from registry_server.console.forwarded import (
+    FORWARDED_HEADERS,
+    X_FORWARDED_FOR,
+    Network,
+    parse_trusted_proxies,
+)
 from registry_server.console.throttle import DEFAULT_WINDOW_S, MAX_WINDOW_S, MIN_WINDOW_S
 from registry_server.domain.errors import ConfigError
 from registry_server.policy.clients import Client, Role
@@ -128,6 +134,9 @@ class ConsoleSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     signin_window_s: float = DEFAULT_WINDOW_S  # seconds a sign-in throttle window lasts
     sso: SsoSettings | None = None  # sign-in through the organization's IdP, when set
+    # Reverse proxies whose forwarded header names the client (forwarded.py); none by default
+    trusted_proxies: tuple[Network, ...] = ()
+    forwarded_header: str = X_FORWARDED_FOR  # the one header those proxies set
 
     @property
     def tls(self) -> bool:
@@ -152,11 +161,22 @@ class ConsoleSettings:
         sso_scopes: str | None = None,
         sso_resource: str | None = None,
         sso_redirect_uri: str | None = None,
+        trusted_proxies: tuple[str, ...] = (),
+        forwarded_header: str | None = None,
     ) -> Self:
         """The CLI's options as checked settings (None = the default, or for
         ``signin_window_s`` $TOOLREG_CONSOLE_SIGNIN_WINDOW_S if set);
         ConfigError names the first problem in one line."""
         host, port = parse_endpoint(endpoint)
+        try:
+            proxies = parse_trusted_proxies(trusted_proxies)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if forwarded_header is not None and not proxies:
+            raise ConfigError(
+                "--forwarded-header: only with --trusted-proxy (without trusted proxies no"
+                " forwarded header is read)"
+            )
         if signin_window_s is None:
             signin_window_s = _seconds_from_env(SIGNIN_WINDOW_ENV, DEFAULT_WINDOW_S)
         if policy_file is None:
@@ -179,6 +199,8 @@ class ConsoleSettings:
             session_idle_s=DEFAULT_SESSION_IDLE_S if session_idle_s is None else session_idle_s,
             max_body_bytes=DEFAULT_MAX_BODY_BYTES if max_body_bytes is None else max_body_bytes,
             signin_window_s=signin_window_s,
+            trusted_proxies=proxies,
+            forwarded_header=(forwarded_header or X_FORWARDED_FOR).lower(),
             sso=SsoSettings.from_options(
                 policy,
                 provider_id=sso_provider,
@@ -207,6 +229,11 @@ class ConsoleSettings:
                     if self.sso is not None else ""
                 ) + ")"
             )  # fmt: skip
+        if self.forwarded_header not in FORWARDED_HEADERS:
+            raise ConfigError(
+                f"--forwarded-header: one of {', '.join(FORWARDED_HEADERS)}"
+                f" (the header the trusted proxies set), not {self.forwarded_header[:64]!r}"
+            )
         if not MIN_WINDOW_S <= self.signin_window_s <= MAX_WINDOW_S:
             raise ConfigError(
                 f"the sign-in throttle's window must be {MIN_WINDOW_S:g} to {MAX_WINDOW_S:g}"
