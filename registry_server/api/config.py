@@ -152,7 +152,7 @@ class ServerConfig(BaseSettings):
     attach_grace_s: float = Field(DEFAULT_GRACE_S, ge=0, le=MAX_GRACE_S)
     attach_max_ended: int = Field(DEFAULT_MAX_ENDED, ge=0, le=100_000)
     # Seconds over which identical refused requests (same source, method, tool and
-    # reason) share one audit record with their count (docs/how-to/audit.md, "Refusals").
+    # reason) share one audit record with their count (docs/how-to/audit.md, "Refused requests").
     refusal_fold_s: float = Field(DEFAULT_FOLD_S, gt=0, le=MAX_FOLD_S)
     # Egress (docs/how-to/deploying.md): the networks the egress proxy reaches the
     # world through, its resolvers, and the CAs it verifies upstreams with.

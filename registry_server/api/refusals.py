@@ -1,4 +1,4 @@
-"""Every refused request on the record (docs/how-to/audit.md, "Refusals").
+"""Every refused request on the record (docs/how-to/audit.md, "Refused requests").
 
 The one door every RPC passes is AuthInterceptor (api/auth/): it opens a
 ``CallScope`` for each call (the method, the peer's address, the credential's

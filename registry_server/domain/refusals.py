@@ -1,4 +1,4 @@
-"""Refused requests on the record, folded (docs/how-to/audit.md, "Refusals").
+"""Refused requests on the record, folded (docs/how-to/audit.md, "Refused requests").
 
 Every UNAUTHENTICATED, PERMISSION_DENIED and RESOURCE_EXHAUSTED answer is a
 ``Refusal``. Identical refusals (same source, method, tool and reason code)

@@ -1,5 +1,5 @@
 """Every refusal on the record (issue 37, item 1; docs/how-to/audit.md,
-"Refusals"). A real server on loopback with a real policy and a real SQLite
+"Refused requests"). A real server on loopback with a real policy and a real SQLite
 file, the real engine for the calls that hold a sandbox, and the SIEM export
 to a JSON Lines file:
 
