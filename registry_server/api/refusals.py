@@ -17,6 +17,7 @@ errors: they never pass through here, so nothing is recorded twice.
 from __future__ import annotations
 
 import contextvars
+import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -103,9 +104,10 @@ def reason_of(exc: ToolregError) -> tuple[str, str] | None:
 
 
 def peer_host(peer: str) -> str:
-    """gRPC's peer ("ipv4:10.0.0.7:51234", "ipv6:[::1]:51234", "unix:...")
+    """gRPC's peer ("ipv4:10.0.0.7:51234", "ipv6:%5B::1%5D:51234", "unix:...")
     without the port: one source however many connections it opens."""
     scheme, _, rest = peer.partition(":")
+    rest = urllib.parse.unquote(rest)  # gRPC writes peers as URIs: ipv6 brackets escaped
     if scheme == "ipv4":
         rest = rest.rpartition(":")[0] or rest
     elif scheme == "ipv6":

@@ -47,9 +47,10 @@ from registry_server.signing.keys import generate_keypair
 from registry_server.store.sqlite import SqliteStore
 from registry_server.wire import convert
 from tests import ocsf_schema
+from tests.certs import CertificateAuthority
 from tests.factories import sha
 from tests.integration.conftest import Running, StartServer, start_server  # noqa: F401
-from tests.security.conftest import engine, wait_until_gone  # noqa: F401
+from tests.security.conftest import engine, list_over_mtls, wait_until_gone  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
 AUDIENCE = "toolreg-refusals"
@@ -92,7 +93,8 @@ def policy(approver_keys: dict[str, str]) -> dict[str, Any]:
         "deny_rules": [
             {"name": "no-wipe", "match": {"tool": "wipe"}, "reason": "wiping is for operators"}
         ],
-        "clients": [{**c, "token_sha256": sha(TOKENS[c["id"]])} for c in clients],
+        "clients": [{**c, "token_sha256": sha(TOKENS[c["id"]])} for c in clients]
+        + [{"id": "agent-tls", "mtls_subject": "CN=agent-tls", "roles": ["register"]}],
         "identity_providers": [
             {
                 "id": "corp",
@@ -437,3 +439,55 @@ def test_a_flood_of_wrong_tokens_leaves_a_few_records_that_add_up(serve: Any) ->
     assert sum(e["count"] for e in events) == FLOOD
     assert {e["class_uid"] for e in events} == {3002}
     no_token_anywhere(served)
+
+
+def test_certificates_are_refused_on_the_record_by_kind_never_by_subject(
+    serve: Any, tmp_path: Path
+) -> None:
+    ca = CertificateAuthority("toolreg refusals CA")
+    server_cert = ca.issue("localhost", server=True)
+    files = {"ca": ca.pem, "cert": server_cert.cert_pem, "key": server_cert.key_pem}
+    for name, data in files.items():
+        (tmp_path / f"{name}.pem").write_bytes(data)
+    served: Served = serve(
+        tls_cert=tmp_path / "cert.pem",
+        tls_key=tmp_path / "key.pem",
+        tls_client_ca=tmp_path / "ca.pem",
+        host="localhost",
+    )
+    port = served.running.port
+    # a certificate the CA signed for a subject the policy does not know
+    stranger = ca.issue("stranger-7f3a")
+    assert list_over_mtls(port, ca.pem, stranger) == grpc.StatusCode.UNAUTHENTICATED
+    # a known certificate without the role
+    known = ca.issue("agent-tls")
+    assert list_over_mtls(port, ca.pem, known) == grpc.StatusCode.OK
+    from registry_server.client.registry_client import open_channel
+
+    with open_channel(
+        f"localhost:{port}", tls_ca=ca.pem, tls_cert=known.cert_pem, tls_key=known.key_pem
+    ) as channel:
+        stub = pb_grpc.ToolRegistryStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.ExecuteTool(pb.ExecuteToolRequest(name="echo_it", arguments_json="{}"), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED  # type: ignore[attr-defined]
+    served.running.stop()
+    records = {r["reason"]["code"]: r for r in served.refusals()}
+    assert set(records) == {"unknown_certificate", "missing_role"}
+    unknown = records["unknown_certificate"]
+    assert (unknown["who"], unknown["credential"], unknown["method"]) == (
+        "unknown credential",
+        "mtls",
+        "ListTools",
+    )
+    assert unknown["source"]["peer"] in ("127.0.0.1", "::1")
+    role = records["missing_role"]
+    assert (role["who"], role["credential"], role["tool"]) == ("agent-tls", "mtls", "echo_it")
+    # the certificate's subject is not a credential the record repeats
+    assert "stranger-7f3a" not in json.dumps(served.entries())
+    events = [e for e in served.events() if e["unmapped"]["audit"]["kind"] == "refusal"]
+    assert sorted(
+        (e["class_uid"], e["auth_protocol"] if e["class_uid"] == 3002 else "") for e in events
+    ) == [(3002, "mtls"), (3003, "")]
+    for event in events:
+        assert ocsf_schema.problems(event) == []

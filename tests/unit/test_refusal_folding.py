@@ -230,6 +230,7 @@ def test_which_domain_errors_are_refusals(error: Exception, expected: object) ->
 def test_a_peer_is_its_address_without_the_port() -> None:
     assert api_refusals.peer_host("ipv4:127.0.0.1:51234") == "127.0.0.1"
     assert api_refusals.peer_host("ipv6:[::1]:51234") == "::1"
+    assert api_refusals.peer_host("ipv6:%5B2001:db8::7%5D:51234") == "2001:db8::7"  # as gRPC says
     assert api_refusals.peer_host("unix:/run/toolreg.sock") == "unix:/run/toolreg.sock"
     assert len(api_refusals.peer_host("unix:" + "a" * 1_000)) == api_refusals.MAX_PEER_CHARS
 
