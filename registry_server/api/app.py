@@ -50,12 +50,12 @@ from registry_server.policy.clients import UNRESTRICTED
 from registry_server.policy.live import LivePolicy
 from registry_server.policy.loader import load_policy
 from registry_server.policy.model import Policy, PolicyError, development_policy
-from registry_server.policy.remembered import StoredIdentities
 from registry_server.signing.keys import is_encrypted, load_private_key
 from registry_server.signing.notes import NoteError, Signer, check_key_name
 from registry_server.store import audit_tree
 from registry_server.store.base import Store
 from registry_server.store.inspect import POSTGRES_URL_PREFIXES, sqlite_path
+from registry_server.store.remembered import StoredIdentities
 from registry_server.store.sqlite import SqliteStore
 from sandbox_runner import Limits, SandboxBackend, SandboxError
 from sandbox_runner.docker_backend import DockerBackend

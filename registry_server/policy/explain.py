@@ -292,7 +292,10 @@ def _caller(policy: Policy, call: Call, level: SafetyLevel) -> tuple[Policy, Cal
     # As the server has it once it has verified the caller's token.
     seeing = replace(policy, seen=SeenIdentities())
     seeing.seen.saw(call.client, Sighting(provider.id, subject, frozenset(groups)))
-    client = seeing.client(call.client)
+    # As the token makes it (roles or none), not as a lookup by id sees it: a
+    # lookup makes a client whose groups map to no role nobody (model.py).
+    client = provider.client_for(subject, frozenset(groups))
+    client = client if client is not None and client.id == call.client else None
     shown = ", ".join(sorted(groups)) or "none"
     how = f"a client of identity provider {provider.id} (its token's groups: {shown})"
     return seeing, _view(seeing, call, client, how, level)

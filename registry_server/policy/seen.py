@@ -47,7 +47,7 @@ class Sighting:
 
 
 class Remembered(Protocol):
-    """Where sightings outlive the server (policy/remembered.py: the store)."""
+    """Where sightings outlive the server (store/remembered.py: the store)."""
 
     def load(self, client_id: str) -> Sighting | None: ...
 
