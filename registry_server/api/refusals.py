@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextvars
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Final
@@ -43,19 +43,21 @@ RESOURCE_EXHAUSTED: Final = "RESOURCE_EXHAUSTED"
 
 @dataclass(frozen=True)
 class CallScope:
-    """One RPC as its refusals describe it."""
+    """One RPC as its refusals describe it. ``describe`` gives the peer's
+    address (without its port), the kind of credential presented and the
+    tool the request names: read only when the call is refused, so an
+    admitted call pays nothing for them."""
 
     log: RefusalLog
     method: str  # the RPC's name, e.g. ExecuteTool
-    peer: str  # the peer's address without its port
-    credential: str  # the kind of credential presented
-    tool: str = ""  # the tool the request names (a valid name only)
+    describe: Callable[[], tuple[str, str, str]]  # (peer, credential kind, tool)
     client: str = ""  # the client, once its credential is known
 
     def refuse(self, status: str, code: str, text: str, *, provider: str = "") -> None:
+        peer, credential, tool = self.describe()
         refusal = Refusal(
             status=status, code=code, text=text, method=self.method, client=self.client,
-            credential=self.credential, peer=self.peer, tool=self.tool, provider=provider,
+            credential=credential, peer=peer, tool=tool, provider=provider,
         )  # fmt: skip
         self.log.refuse(refusal)
 

@@ -258,11 +258,16 @@ class AuthInterceptor(grpc.ServerInterceptor):
     def _scope(self, request: Any, context: grpc.ServicerContext, method: str) -> CallScope | None:
         if self._refusals is None:
             return None
-        return CallScope(
-            self._refusals, method.removeprefix(SERVICE), refusals.peer_host(context.peer()),
-            credential_kind(context.invocation_metadata(), context.auth_context()),
-            refusals.tool_of(request),
-        )  # fmt: skip
+
+        def describe() -> tuple[str, str, str]:
+            metadata, auth_context = context.invocation_metadata(), context.auth_context()
+            return (
+                refusals.peer_host(context.peer()),
+                credential_kind(metadata, auth_context),
+                refusals.tool_of(request),
+            )
+
+        return CallScope(self._refusals, method.removeprefix(SERVICE), describe)
 
     def _admit(
         self, request: Any, context: grpc.ServicerContext, method: str
