@@ -1,19 +1,23 @@
 """What recording refusals costs a refused call (docs/how-to/audit.md,
-"Refused requests"): wrong bearer tokens against two servers of this run,
-in this process, with a policy and a SQLite file each; one records its
-refusals (as every server does), the other does not (its interceptor gets
-no refusal log), interleaved in batches so noise hits both alike; a
-third server, unrecorded too, is the A/A control.
+"Refused requests"): wrong bearer tokens against servers of this run, in
+this process, with a policy and a SQLite file each, interleaved in batches
+so noise hits them alike:
 
-* folded: every refusal the same group (one source, method, tool, reason),
-  as a flood is: the first is written, the rest counted in memory;
-* distinct: every refusal a new group (a new tool name each time), the
-  worst case until the table is full: each one written before its answer
-  (past 1,024 groups an interval, they fold into an overflow group).
+* recorded: a server as every server is (refusals recorded, folded);
+* unrecorded: its interceptor gets no refusal log (the baseline); a second
+  one is the A/A control (what noise alone makes of a ratio);
+* unfolded: refusals recorded with no folding to speak of (table and
+  per-source share of 10^9 groups): every refusal naming a new tool is a
+  record written before its answer, what folding saves.
 
-Run: ``.venv/bin/python -m bench.refusal_cost [--batches 15] [--calls 200]``.
-Prints medians of the per-batch mean latency (ms per refused call), their
-ratio against the unrecorded server, and the control's ratio.
+Rows: a flood (every refusal the same group: the first is written, the rest
+counted in memory); a new tool name on every call (one source: its first 32
+groups are written at once, the rest fold into its overflow group); and the
+unfolded server with a new tool name on every call.
+
+Run: ``.venv/bin/python -m bench.refusal_cost [--batches 15] [--calls 60]``.
+Prints medians of the per-batch mean latency (ms per refused call), each
+row's ratio against the unrecorded server, and the control's ratio.
 """
 
 from __future__ import annotations
@@ -36,16 +40,17 @@ from registry_server._proto.toolregistry.v1 import registry_pb2_grpc as pb_grpc
 from registry_server.api.app import build_app
 from registry_server.api.config import ServerConfig
 from registry_server.api.server import create_server
+from registry_server.execution.refusal_log import RefusalLog
 
 BATCHES = 15  # interleaved batches per server and mode
-# refused calls per batch: (BATCHES + 1) * CALLS stays under the refusal table's
-# 1,024 groups, so every "distinct" refusal is a new group written before its answer
-CALLS = 60
+CALLS = 60  # refused calls per batch
 AGENT_TOKEN_SHA256 = "0" * 64  # a client no token of this bench matches
+UNFOLDED = 10**9  # groups: a table that never fills
 
 
 @contextmanager
-def _server(root: Path, recorded: bool) -> Iterator[pb_grpc.ToolRegistryStub]:
+def _server(root: Path, refusals: str) -> Iterator[pb_grpc.ToolRegistryStub]:
+    """``refusals``: "recorded" (as served), "unrecorded" or "unfolded"."""
     root.mkdir(parents=True)
     policy = root / "policy.yaml"
     clients = [{"id": "agent", "token_sha256": AGENT_TOKEN_SHA256, "roles": ["execute"]}]
@@ -54,10 +59,14 @@ def _server(root: Path, recorded: bool) -> Iterator[pb_grpc.ToolRegistryStub]:
         host="127.0.0.1", port=0, data_dir=root / "data", policy_file=policy, max_warm=0
     )
     app = build_app(config)
-    if not recorded:
+    if refusals != "recorded":
         assert app.refusals is not None
         app.refusals.close()
         app.refusals = None  # the interceptor below records nothing
+    if refusals == "unfolded":
+        app.refusals = RefusalLog(app.store, max_keys=UNFOLDED, max_per_source=UNFOLDED)
+        app.refusals.start()
+        app.closers.insert(0, app.refusals.close)
     server, port, app = create_server(config, app)
     server.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
@@ -105,14 +114,18 @@ def _compare(
 def run(batches: int = BATCHES, calls: int = CALLS) -> dict[str, Any]:
     with (
         tempfile.TemporaryDirectory(prefix="toolreg-bench-refusals-") as tmp,
-        _server(Path(tmp) / "on", True) as on,
-        _server(Path(tmp) / "off", False) as off,
-        _server(Path(tmp) / "control", False) as control,
+        _server(Path(tmp) / "on", "recorded") as on,
+        _server(Path(tmp) / "off", "unrecorded") as off,
+        _server(Path(tmp) / "control", "unrecorded") as control,
+        _server(Path(tmp) / "unfolded", "unfolded") as unfolded,
     ):
-        stubs = {"recorded": on, "unrecorded": off, "control": control}
+        base = {"unrecorded": off, "control": control}
         rows = {
-            mode: _compare(stubs, batches, calls, distinct=mode == "distinct")
-            for mode in ("folded", "distinct")
+            "flood, one group": _compare({"recorded": on, **base}, batches, calls, False),
+            "a new tool each call": _compare({"recorded": on, **base}, batches, calls, True),
+            "unfolded, a new tool each call": _compare(
+                {"recorded": unfolded, **base}, batches, calls, True
+            ),
         }
     return {"batches": batches, "calls_per_batch": calls, "rows": rows}
 

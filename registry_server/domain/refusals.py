@@ -7,10 +7,13 @@ the rest are counted and written as one record (``count``, ``first_at``,
 ``last_at``) when the interval ends. A flood of refusals therefore costs the
 log a bounded number of records, and the counts still add up to every refusal.
 
-The table of open groups is bounded too: past ``max_keys`` distinct groups a
-new one is folded into the overflow group of its reason (there are only as
-many reasons as codes in this program), so an attacker varying whatever it
-controls (tool names, addresses) fills the table, never the memory or the log.
+The table of open groups is bounded too: one source has at most
+``MAX_KEYS_PER_SOURCE`` groups (its further refusals fold into its own
+overflow group of their reason: method "(overflow)", no tool), and past
+``max_keys`` groups in all a new one is folded into the table's overflow
+group of its reason (there are only as many reasons as codes in this
+program), so an attacker varying whatever it controls (tool names,
+addresses) fills the table, never the memory or the log.
 
 Pure: the clock is passed in; ``RefusalLog`` (execution/refusal_log.py) adds
 the lock, the store and the flusher thread.
@@ -18,13 +21,17 @@ the lock, the store and the flusher thread.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
 DEFAULT_FOLD_S: Final = 10.0  # seconds: identical refusals within one interval share a record
 MAX_FOLD_S: Final = 3_600.0  # seconds: a longer interval would hide a flood for too long
 DEFAULT_MAX_KEYS: Final = 1_024  # distinct groups folded at once; more go to an overflow group
+# Groups of one source at once; more of its refusals fold into its own overflow group per
+# reason: a caller varying tool names costs the log a few records, not the whole table.
+MAX_KEYS_PER_SOURCE: Final = 32
 MAX_TEXT_CHARS: Final = 300  # characters of a refusal's text kept in its record
 UNKNOWN_CREDENTIAL: Final = "unknown credential"  # who, when no client is known
 OVERFLOW: Final = "(overflow)"  # the source and method of an overflow group
@@ -84,12 +91,15 @@ class Folder:
         *,
         interval_s: float = DEFAULT_FOLD_S,
         max_keys: int = DEFAULT_MAX_KEYS,
+        max_per_source: int = MAX_KEYS_PER_SOURCE,
         clock: Callable[[], float],
     ) -> None:
-        if interval_s <= 0 or max_keys < 1:
-            raise ValueError("interval_s must be > 0 and max_keys >= 1")
+        if interval_s <= 0 or max_keys < 1 or max_per_source < 1:
+            raise ValueError("interval_s must be > 0, max_keys and max_per_source >= 1")
         self.interval_s = interval_s
         self.max_keys = max_keys
+        self.max_per_source = max_per_source
+        self._per_source: Counter[str] = Counter()  # open groups of each source
         self._clock = clock
         self._groups: dict[tuple[str, str, str, str], _Group] = {}
         self._overflow: dict[str, _Group] = {}  # by reason code
@@ -104,6 +114,10 @@ class Folder:
         now = self._clock()
         key = refusal.key()
         group = self._groups.get(key)
+        if group is None and self._per_source[refusal.source] >= self.max_per_source:
+            refusal = replace(refusal, method=OVERFLOW, tool="")  # the source's own overflow
+            key = refusal.key()
+            group = self._groups.get(key)
         if group is None and len(self._groups) >= self.max_keys:
             group = self._overflow.get(refusal.code)
             if group is None:
@@ -120,6 +134,7 @@ class Folder:
                 group.capped = True
         elif group is None:
             self._groups[key] = group = _Group(refusal, now)
+            self._per_source[refusal.source] += 1
             return _record(group, 1, now, now, self.interval_s)
         if group.pending == 0:
             group.pending_first_at = now
@@ -139,6 +154,8 @@ class Folder:
                     continue
                 if group.pending == 0:
                     del table[key]  # type: ignore[arg-type]
+                    if not group.overflow:
+                        self._forget_source(group.first.source)
                     continue
                 out.append(self._take(group))
                 group.window_start = now
@@ -151,7 +168,13 @@ class Folder:
         ]
         self._groups.clear()
         self._overflow.clear()
+        self._per_source.clear()
         return out
+
+    def _forget_source(self, source: str) -> None:
+        self._per_source[source] -= 1
+        if self._per_source[source] <= 0:
+            del self._per_source[source]
 
     def _take(self, group: _Group) -> dict[str, Any]:
         record = _record(

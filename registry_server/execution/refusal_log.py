@@ -15,7 +15,13 @@ from collections.abc import Callable
 from typing import Any, Final
 
 from registry_server.domain.errors import ToolregError
-from registry_server.domain.refusals import DEFAULT_FOLD_S, DEFAULT_MAX_KEYS, Folder, Refusal
+from registry_server.domain.refusals import (
+    DEFAULT_FOLD_S,
+    DEFAULT_MAX_KEYS,
+    MAX_KEYS_PER_SOURCE,
+    Folder,
+    Refusal,
+)
 from registry_server.store.base import Store
 from registry_server.store.group_commit import AuditAppender
 
@@ -32,10 +38,13 @@ class RefusalLog:
         *,
         interval_s: float = DEFAULT_FOLD_S,
         max_keys: int = DEFAULT_MAX_KEYS,
+        max_per_source: int = MAX_KEYS_PER_SOURCE,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._appender = AuditAppender(store)
-        self._folder = Folder(interval_s=interval_s, max_keys=max_keys, clock=clock)
+        self._folder = Folder(
+            interval_s=interval_s, max_keys=max_keys, max_per_source=max_per_source, clock=clock
+        )
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

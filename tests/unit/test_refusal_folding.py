@@ -164,6 +164,25 @@ def test_the_table_is_bounded_and_overflow_groups_keep_the_counts() -> None:
     assert len(records) == 3 + 2 + 2  # three groups at once, each overflow group twice
 
 
+def test_one_source_varying_tool_names_fills_its_own_share_not_the_table() -> None:
+    clock = Clock()
+    folder = Folder(interval_s=INTERVAL, max_per_source=4, clock=clock)
+    written = [folder.add(wrong_token(tool=f"tool_{n}")) for n in range(100)]
+    first = [r for r in written if r is not None]
+    # four groups of its own, then its overflow group (no tool), written at once
+    assert [r.get("tool") for r in first] == ["tool_0", "tool_1", "tool_2", "tool_3", None]
+    assert first[-1]["method"] == OVERFLOW and first[-1]["source"] == {"peer": "10.0.0.7"}
+    assert len(folder) == 5
+    assert folder.add(wrong_token(peer="10.0.0.9", tool="tool_99")) is not None  # others: own
+    clock.now += INTERVAL
+    rest = folder.due()
+    assert total(first) + total(rest) == 100
+    assert total([r for r in rest if r["method"] == OVERFLOW]) == 95
+    clock.now += INTERVAL
+    assert folder.due() == [] and len(folder) == 0  # quiet: the source's share is free again
+    assert (folder.add(wrong_token(tool="tool_50")) or {}).get("tool") == "tool_50"
+
+
 def test_a_record_says_who_what_why_and_from_where_and_nothing_else() -> None:
     folder = Folder(interval_s=INTERVAL, clock=Clock())
     unknown = folder.add(wrong_token())
@@ -203,6 +222,8 @@ def test_bad_settings_are_refused() -> None:
         Folder(interval_s=0, clock=Clock())
     with pytest.raises(ValueError, match="max_keys"):
         Folder(max_keys=0, clock=Clock())
+    with pytest.raises(ValueError, match="max_per_source"):
+        Folder(max_per_source=0, clock=Clock())
 
 
 @pytest.mark.parametrize(
