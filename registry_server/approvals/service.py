@@ -582,6 +582,8 @@ class Approvals:
                 uow.mark_approved(request_id)
                 events.record(uow, events.APPROVED, request_id, {
                     "event": "request_approved", "request_id": request_id,
+                    # the rules it met, as the policy in force states them now
+                    "requirements": requirements_of(rule),
                 }, self.hooks)  # fmt: skip
         self.hub.poke()
         return self.get(request_id)

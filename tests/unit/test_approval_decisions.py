@@ -555,7 +555,10 @@ def test_submitted_tokens_approve_the_request_and_it_runs_once(env: Env) -> None
     assert (view.state, view.approved_by, view.approvals_missing) == (APPROVED, ("alice",), 0)
     added, quorum = env.audit()[-2][1], env.audit()[-1][1]
     assert (added["event"], added["submitted_by"]) == ("approved", "alice-cli")
-    assert quorum == {"event": "request_approved", "request_id": request.id}
+    assert quorum == {
+        "event": "request_approved", "request_id": request.id,
+        "requirements": [{"rule": "default", "approvals_required": 1, "groups": []}],
+    }  # fmt: skip
 
     approved = env.approvals.decide(call, (), request.id)
     assert isinstance(approved, Approved)
