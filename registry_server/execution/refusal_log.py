@@ -14,7 +14,6 @@ import time
 from collections.abc import Callable
 from typing import Any, Final
 
-from registry_server.domain.errors import ToolregError
 from registry_server.domain.refusals import (
     DEFAULT_FOLD_S,
     DEFAULT_MAX_KEYS,
@@ -83,7 +82,7 @@ class RefusalLog:
         for record in records:
             try:
                 self._appender.append(KIND, record)
-            except ToolregError as exc:
+            except Exception as exc:  # whatever the store raises: the refusal's answer stands
                 log.warning(
                     "could not store a refusal record (%s, %d refusal(s)): %s",
                     record["reason"]["code"], record["count"], exc,

@@ -9,6 +9,7 @@ the interval's end or at close), and each refusal record as its OCSF class."""
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import pytest
@@ -21,6 +22,7 @@ from registry_server.domain.errors import (
     NotFound,
     PermissionDenied,
     QuotaExceeded,
+    StoreError,
     Unauthenticated,
 )
 from registry_server.domain.refusals import (
@@ -355,3 +357,23 @@ def test_an_overflow_record_is_an_ocsf_event_too() -> None:
     event = ocsf.event(_entry(record), ocsf.Source("toolreg/unit"))
     assert ocsf_schema.problems(event) == [] and event["class_uid"] == 3002
     assert "ip" not in event["src_endpoint"]
+
+
+class _BrokenStore(MemoryStore):
+    """A store whose writes fail (a full disk, a lost database)."""
+
+    def unit_of_work(self) -> Any:
+        raise StoreError("disk full")
+
+
+def test_a_store_that_cannot_take_the_record_costs_a_warning_not_the_answer(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    refusals = RefusalLog(_BrokenStore(), interval_s=INTERVAL, clock=Clock())
+    with caplog.at_level(logging.WARNING):
+        refusals.refuse(wrong_token())  # written at once: fails, does not raise
+        refusals.refuse(wrong_token())
+        refusals.close()  # the drained record fails too
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 2 and all("unknown_bearer_token" in w for w in warnings)
+    assert all("disk full" in w for w in warnings)
