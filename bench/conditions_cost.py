@@ -49,6 +49,7 @@ from typing import Any
 
 import yaml
 
+from bench import conditions_calibration
 from bench.common import pct
 from registry_server.domain.arguments import parse_arguments
 from registry_server.domain.models import ToolDefinition, parse_definition
@@ -471,6 +472,7 @@ def run(rounds: int) -> dict[str, Any]:
     out["costliest"] = costliest(max(3, rounds // 20))
     out["cost_limit"] = COST_LIMIT
     out["examples"] = [when for _, when in _families(0)]
+    out["model"] = conditions_calibration.run(policies[NONE], max(3, rounds // 40))
     return out
 
 
@@ -539,6 +541,8 @@ def report_md(sec: Mapping[str, Any]) -> list[str]:
             f" | {r['activation_ms']:.2f}"
             f" | {r['convert_ms']:.2f} | {r['eval_ms']:.2f} | {r['outcome']} |"
         )
+    if "model" in sec:
+        lines += conditions_calibration.report_md(sec["model"])
     return lines
 
 
@@ -546,7 +550,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.conditions_cost", description=__doc__)
     parser.add_argument("--rounds", type=int, default=200, help=f"rounds of {BLOCK} calls per case")
     parser.add_argument("--json", type=Path, help="also write the result here")
+    parser.add_argument(
+        "--model-only", action="store_true",
+        help="only the cost model against measured time (bench/conditions_calibration.py)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.model_only:
+        with tempfile.TemporaryDirectory(prefix="toolreg-bench-cond-") as work:
+            policy = load_policy(policy_files(Path(work))[NONE])
+        model = conditions_calibration.run(policy, max(3, args.rounds // 40))
+        print("\n".join(conditions_calibration.report_md(model)))
+        return
     result = run(args.rounds)
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

@@ -44,11 +44,12 @@ NS_PER_UNIT = 0.5  # ns of the calibration machine's time a unit stands for (ben
 PASS_UNITS = 3  # units a byte costs RE2's DFA with a small program (measured 1.2-1.4 ns)
 COMPILE_UNITS = 6_000  # units an instruction of the program costs to compile (up to 2.8 us)
 # Units a byte costs per 1,000 instructions of the program: its DFA's states
-# and NFA's threads are byte ranges of them (measured up to 0.029 ns per
-# instruction and byte while the program is small; 0.082 ns beyond, where
-# RE2's DFA runs out of memory and its NFA steps them all).
-INSTRUCTION_MILLIUNITS = 80  # 0.04 ns, up to LARGE_PROGRAM instructions
-LARGE_PROGRAM = 16_384  # instructions beyond which RE2's DFA does not keep up
+# and NFA's threads are byte ranges of them (measured, CPU time: up to 0.001
+# ns an instruction and a byte while the program is small, `[\p{L}]{0,7}`
+# 8,385 instructions 7.3 ns a byte; 0.082 ns beyond, where RE2's DFA runs
+# out of memory and its NFA steps them all: `\p{L}{0,30}` 2-3 us a byte).
+INSTRUCTION_MILLIUNITS = 8  # 0.004 ns, up to LARGE_PROGRAM instructions
+LARGE_PROGRAM = 16_384  # instructions beyond which RE2's DFA does not keep up (cliff: ~20,000)
 LARGE_INSTRUCTION_MILLIUNITS = 200  # 0.1 ns an instruction and a byte, beyond LARGE_PROGRAM
 UNKNOWN_PROGRAM = 1 << 20  # instructions assumed of a pattern google-re2 does not compile
 _REPEAT = re.compile(r"\{(\d+)(?:(,)(\d*))?\}")
