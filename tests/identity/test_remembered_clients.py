@@ -60,13 +60,14 @@ def write_policy(path: Path, idp: IdP, *, builders_mapped: bool = True) -> None:
     path.write_text(yaml.safe_dump(policy, sort_keys=False))
 
 
-def toolreg(*args: str) -> str:
+def toolreg(*args: str, code: int = 0) -> str:
+    """The CLI's output (stdout; stderr when it is expected to fail with ``code``)."""
     done = subprocess.run(
         [sys.executable, "-m", "registry_server.cli", *args],
         capture_output=True, text=True, timeout=60, cwd=ROOT,
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    return done.stdout
+    assert done.returncode == code, done.stderr
+    return done.stdout if code == 0 else done.stderr
 
 
 def stub(server: ServerProcess, token: str) -> pb_grpc.ToolRegistryStub:
@@ -159,6 +160,10 @@ def test_a_restarted_server_serves_the_tool_of_a_builder_it_never_saw(
     assert [json.loads(line)["client"] for line in listed.splitlines()] == [owner]
     assert json.loads(listed)["groups"] == [BUILDERS] and "roles" not in json.loads(listed)
     assert toolreg("identities", "forget", owner, "--data-dir", str(data)) == f"forgot {owner}\n"
+    again = toolreg("identities", "forget", owner, "--data-dir", str(data), code=1)
+    assert f"no remembered client '{owner}'" in again
+    bad = toolreg("identities", "forget", "x'; DROP TABLE tools", "--data-dir", str(data), code=2)
+    assert "client_id: not a client id" in bad
     write_policy(policy, idp)
     third = spawn_server(data, "--policy", str(policy), cwd=ROOT)
     servers.append(third)
