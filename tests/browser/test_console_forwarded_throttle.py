@@ -1,7 +1,9 @@
 """The console's sign-in throttle behind a reverse proxy, against a real
-`toolreg console` process over real HTTP on loopback. The "proxy" is a
-client on 127.0.0.3 (all of 127/8 is loopback) that sends X-Forwarded-For as
-a proxy appends it: the client's words, then the address it heard from.
+`toolreg console` process over real HTTP on loopback. In the first two tests
+the "proxy" is a client on 127.0.0.3 (all of 127/8 is loopback) that sends
+X-Forwarded-For as a proxy appends it: the client's words, then the address
+it heard from. The last puts a real HAProxy (`option forwardfor`, connecting
+to the console from 127.0.0.3) in front of it.
 
 Without --trusted-proxy the header is nobody's word: a client that sends a
 new spoofed address with each guess is still one source. With the proxy
@@ -10,8 +12,11 @@ the left-most hop is still counted under its own address."""
 
 from __future__ import annotations
 
+import shutil
 import socket
+import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -122,3 +127,90 @@ def test_behind_a_trusted_proxy_clients_are_throttled_apart_and_a_forged_hop_buy
     assert "sign-in refused from 127.0.0.1: unknown token" in text, text
     assert f"sign-in refused from {PROXY}" not in text  # the proxy is nobody's source
     assert "203.0.113.99" not in text  # a forged hop never reaches the log
+
+
+HAPROXY_CONFIG = """\
+global
+    maxconn 64
+defaults
+    mode http
+    timeout connect 5s
+    timeout client 30s
+    timeout server 30s
+frontend approvals
+    bind 127.0.0.1:{port}
+    option forwardfor
+    default_backend console
+backend console
+    server console {console} source {proxy}
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def haproxy(proxied: ConsoleProcess, tmp_path: Path) -> Iterator[str]:
+    """A real HAProxy in front of the console; its URL."""
+    binary = shutil.which("haproxy") or "/usr/sbin/haproxy"
+    if not Path(binary).exists():
+        pytest.fail("haproxy is not installed: run `make test` (it installs it)")
+    port = free_port()
+    console = proxied.origin.removeprefix("http://")
+    config = tmp_path / "haproxy.cfg"
+    config.write_text(HAPROXY_CONFIG.format(port=port, console=console, proxy=PROXY))
+    proc = subprocess.Popen(
+        [binary, "-f", str(config), "-db"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    try:
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    pytest.fail("HAProxy did not listen")
+                time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def test_through_a_real_haproxy_each_client_is_its_own_source(
+    proxied: ConsoleProcess, haproxy: str
+) -> None:
+    def through(source: str) -> httpx.Client:
+        # The console checks Host and Origin against its own listener's.
+        host = proxied.origin.removeprefix("http://")
+        return httpx.Client(
+            base_url=haproxy, transport=httpx.HTTPTransport(local_address=source),
+            headers={"Host": host, "Origin": proxied.origin}, timeout=30,
+        )  # fmt: skip
+
+    with through("127.0.0.1") as attacker, through("127.0.0.2") as colleague:
+        # The attacker claims a new address each time; HAProxy adds its real one.
+        statuses = [
+            via(attacker, wrong_token(), f"198.51.100.{i}").status_code
+            for i in range(1, MAX_FAILURES_PER_SOURCE + 2)
+        ]
+        assert statuses == [401] * MAX_FAILURES_PER_SOURCE + [429], statuses
+        assert attacker.post(
+            "/api/session", headers={"Authorization": f"Bearer {TOKENS['alice']}"}
+        ).status_code == 429  # fmt: skip
+        signed_in = colleague.post(
+            "/api/session", headers={"Authorization": f"Bearer {TOKENS['bob']}"}
+        )
+        assert signed_in.status_code == 200, signed_in.text
+    assert proxied.stop() == 0
+    text = "".join(proxied.log)
+    assert "sign-in refused from 127.0.0.1: unknown token" in text, text
+    assert "sign-in refused from 127.0.0.1: throttled (source)" in text, text
+    assert "198.51.100." not in text and f"refused from {PROXY}" not in text
