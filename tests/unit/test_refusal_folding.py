@@ -12,10 +12,12 @@ import json
 import logging
 from typing import Any
 
+import grpc
 import pytest
 
 from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server.api import refusals as api_refusals
+from registry_server.api.auth import Authenticator, AuthInterceptor
 from registry_server.domain.errors import (
     AtCapacity,
     InvalidArgument,
@@ -377,3 +379,51 @@ def test_a_store_that_cannot_take_the_record_costs_a_warning_not_the_answer(
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 2 and all("unknown_bearer_token" in w for w in warnings)
     assert all("disk full" in w for w in warnings)
+
+
+class _Abort(Exception):
+    pass
+
+
+class _Context:
+    """What the interceptor reads of a call, for a method nobody opened."""
+
+    def __init__(self) -> None:
+        self.code: grpc.StatusCode | None = None
+
+    def peer(self) -> str:
+        return "ipv4:192.0.2.9:40000"
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", "Bearer not-a-token-of-anyone-5d1"),)
+
+    def auth_context(self) -> dict[str, Any]:
+        return {}
+
+    def abort(self, code: grpc.StatusCode, message: str) -> None:
+        self.code = code
+        raise _Abort(message)
+
+
+class _Details:
+    method = "/x.Y/Leak"
+    invocation_metadata = ()
+
+
+def test_a_method_nobody_opened_is_refused_on_the_record_too() -> None:
+    store = MemoryStore()
+    refusals = RefusalLog(store, interval_s=INTERVAL, clock=Clock())
+    interceptor = AuthInterceptor(Authenticator(None), refusals)
+    handler = grpc.unary_unary_rpc_method_handler(lambda request, context: "secret")
+    wrapped = interceptor.intercept_service(lambda d: handler, _Details())  # type: ignore[arg-type]
+    assert wrapped is not None and wrapped.unary_unary is not None
+    context = _Context()
+    with pytest.raises(_Abort):
+        wrapped.unary_unary(pb.ExecuteToolRequest(name="echo"), context)  # type: ignore[arg-type]
+    assert context.code is grpc.StatusCode.PERMISSION_DENIED
+    (record,) = _refusal_records(store)
+    assert (record["method"], record["reason"]["code"], record["credential"]) == (
+        "/x.Y/Leak", "method_not_open", BEARER,
+    )  # fmt: skip
+    assert record["source"] == {"peer": "192.0.2.9"} and record["tool"] == "echo"
+    assert "not-a-token" not in json.dumps(record)
