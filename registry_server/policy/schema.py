@@ -262,7 +262,7 @@ def _check_condition(value: str | None) -> str | None:
 class _RuleIn(_Strict):
     name: str | None = None
     match: _MatchIn
-    when: str | None = None  # CEL (policy/conditions.py): the rule applies only when it holds
+    when: str | None = None  # CEL: the rule applies only when it holds (all `when`s: a cost cap)
     approvals_required: int = Field(ge=1)
     groups: list[str] = Field(default_factory=list)
     max_token_ttl_s: int = Field(DEFAULT_MAX_TOKEN_TTL_S, ge=1, le=MAX_TOKEN_TTL_S)
@@ -286,7 +286,7 @@ class _RuleIn(_Strict):
 class _DenyRuleIn(_Strict):
     name: str
     match: _DenyMatchIn | None = None  # None: every tool
-    when: str | None = None  # None: every call the match covers
+    when: str | None = None  # None: every call the match covers (all `when`s: a cost cap)
     reason: str
 
     @field_validator("name")
