@@ -15,6 +15,14 @@ substring search what comparing the needle at every place of the text does.
 cel-cpp's own iteration budget (about 10,000 iterations an evaluation) stops
 a comprehension that runs long anyway (a second line, never the first).
 
+A call runs all its tool's guards and may run every condition of the
+policy, so each expression's limit is not enough: a tool's guards together
+are held under GUARDS_COST_LIMIT (its registrant is not trusted; checked at
+registration, catalog/guards.py) and the policy's under POLICY_COST_LIMIT
+(checked at load, policy/schema.py), which bounds a call's conditions by
+CALL_COST_BUDGET. The units are calibrated against measured CPU time
+(bench/conditions_calibration.py; regex_cost.NS_PER_UNIT).
+
 A condition reads only what ``CallFacts`` holds: the tool, the call's
 validated arguments, the caller and the call's time. Evaluating fails closed:
 an error (a missing field, a wrong type, the iteration budget) raises
