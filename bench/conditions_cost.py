@@ -521,8 +521,10 @@ def report_md(sec: Mapping[str, Any]) -> list[str]:
         "",
         f"The costliest expressions the static limit accepts ({sec['cost_limit']:,} units),"
         " on arguments of about 1 MiB (the most a call carries), on a fresh call each time."
-        " First read: the first condition of a call that reads `args` converts all of them"
-        " into CEL values (once a call: its other conditions find them converted); eval: the"
+        " First read: the first condition of a call that reads `args` whole converts all of"
+        " them into CEL values (once a call: its other conditions find them converted; a"
+        " call's conditions that name their fields convert those only, see the projection"
+        " below); eval: the"
         " expression itself. cel-cpp stops an evaluation's loops at 10,000 iterations in all."
         " For scale, what the call pays for the same arguments before any condition:"
         " `parse_arguments` (strict JSON, shape, JSON Schema, RFC 8785 form).",
