@@ -1,10 +1,15 @@
-"""Warm interpreters (issue 30, item 1): the `run_python` example as shipped
-(``prestart: python``) against a `cat` tool, both on toolreg/python, warm and
-cold, interleaved in one run on one server (runc: safe and cautious tools run
-nowhere else); then the same pair under gVisor (runsc) through the runner in
-process, since the server never gives runsc to a tool that may prestart (a
-dangerous tool is never pre-started): warm = the released call of a container
-prepared ahead, cold = prepare and call."""
+"""Warm interpreters (issue 30, item 1; issue 37, item 3): the `run_python`
+example as shipped (``prestart: python``, cautious) against two `cat` tools,
+warm and cold, interleaved in one run on one server (runc: safe and cautious
+tools run nowhere else): a SAFE `cat` on toolreg/base, the fair baseline (the
+cheapest tool a registry runs: no interpreter, no tight limits), and a cautious
+`cat` on toolreg/python (the same image and limits as run_python: what the
+interpreter itself costs). Then the same pair under gVisor (runsc) through the
+runner in process, since the server never gives runsc to a tool that may
+prestart (a dangerous tool is never pre-started): warm = the released call of a
+container prepared ahead, cold = prepare and call.
+
+Runs alone: ``python -m bench --only interpreter [--runs N]``."""
 
 from __future__ import annotations
 
@@ -29,6 +34,8 @@ from sandbox_runner.profiles import GVISOR, profile_for
 from sandbox_runner.spec import INIT_BINARY
 
 IMAGE = "toolreg/python"
+SAFE_IMAGE = "toolreg/base"  # the safe cat's: the fair baseline (issue 37)
+TARGET = 1.5  # run_python warm p50 / cat warm p50, against each baseline (issues 30, 37)
 WARM_POOL = 2  # warm containers per warm tool
 SETTLE_TIMEOUT_S = 10.0  # seconds for a pool to refill between rounds
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tools" / "run_python.yaml"
@@ -36,24 +43,29 @@ CODE_ARGS = {"code": 'print(\'{"message":"hello"}\')'}  # prints what cat echoes
 CAT_ARGS = {"message": "hello"}
 EXPECTED = '{"message":"hello"}'
 
+SAFE_CAT_WARM = f"safe cat on {SAFE_IMAGE} warm_pool={WARM_POOL}"
 CAT_WARM = f"cat warm_pool={WARM_POOL}"
 PY_WARM = f"run_python warm_pool={WARM_POOL}"
 CAT_COLD = "cat cold"
 PY_COLD = "run_python cold"
 GV_CAT_WARM = "runsc runner: cat warm"
+# The target's two ratios (bench/report.py reads them by these names).
+RATIO_SAFE = f"run_python warm / safe cat warm on {SAFE_IMAGE}"
+RATIO_SAME_IMAGE = f"run_python warm / cautious cat warm on {IMAGE}"
 GV_PY_WARM = "runsc runner: run_python warm"
 GV_CAT_COLD = "runsc runner: cat cold"
 GV_PY_COLD = "runsc runner: run_python cold"
 
 
-def _manifest(name: str, warm_pool: int, python: bool) -> pb.Tool:
+def _manifest(name: str, warm_pool: int, python: bool, safe: bool = False) -> pb.Tool:
     if python:
         raw = yaml.safe_load(EXAMPLE.read_text())
     else:
         raw = {
-            "name": name, "description": "cat on the python image",
-            "parameters": {"type": "object"}, "safety_level": "cautious",
-            "sandbox": {"image": IMAGE, "command": ["cat"]},
+            "name": name, "description": "cat",
+            "parameters": {"type": "object"},
+            "safety_level": "safe" if safe else "cautious",
+            "sandbox": {"image": SAFE_IMAGE if safe else IMAGE, "command": ["cat"]},
         }  # fmt: skip
     raw.update(name=name, warm_pool=warm_pool)
     return convert.tool_to_pb(parse_definition(raw))
@@ -61,14 +73,15 @@ def _manifest(name: str, warm_pool: int, python: bool) -> pb.Tool:
 
 def _server_calls(srv: Server) -> dict[str, tuple[Callable[[], str], Callable[[], None]]]:
     tools = {
-        CAT_WARM: ("bench_cat_warm", False, WARM_POOL, CAT_ARGS),
-        PY_WARM: ("bench_run_python_warm", True, WARM_POOL, CODE_ARGS),
-        CAT_COLD: ("bench_cat_cold", False, 0, CAT_ARGS),
-        PY_COLD: ("bench_run_python_cold", True, 0, CODE_ARGS),
+        SAFE_CAT_WARM: ("bench_safe_cat_warm", False, WARM_POOL, CAT_ARGS, True),
+        CAT_WARM: ("bench_cat_warm", False, WARM_POOL, CAT_ARGS, False),
+        PY_WARM: ("bench_run_python_warm", True, WARM_POOL, CODE_ARGS, False),
+        CAT_COLD: ("bench_cat_cold", False, 0, CAT_ARGS, False),
+        PY_COLD: ("bench_run_python_cold", True, 0, CODE_ARGS, False),
     }
     calls: dict[str, tuple[Callable[[], str], Callable[[], None]]] = {}
-    for row, (name, python, pool, args) in tools.items():
-        srv.register(_manifest(name, pool, python))
+    for row, (name, python, pool, args, safe) in tools.items():
+        srv.register(_manifest(name, pool, python, safe))
         request = pb.ExecuteToolRequest(name=name, arguments_json=json.dumps(args))
 
         def call(request: pb.ExecuteToolRequest = request) -> str:
@@ -162,12 +175,13 @@ def run(runs: int, engine: docker.DockerClient) -> dict[str, Any]:
         "image": IMAGE,
         "rows": rows,
         "ratios_p50": {
-            "run_python warm / cat warm": ratio(PY_WARM, CAT_WARM),
+            RATIO_SAFE: ratio(PY_WARM, SAFE_CAT_WARM),
+            RATIO_SAME_IMAGE: ratio(PY_WARM, CAT_WARM),
             "run_python cold / cat cold": ratio(PY_COLD, CAT_COLD),
             "runsc: run_python warm / cat warm": ratio(GV_PY_WARM, GV_CAT_WARM),
             "runsc: run_python cold / cat cold": ratio(GV_PY_COLD, GV_CAT_COLD),
         },
-        "target": "run_python warm / cat warm <= 1.5 (issue 30)",
+        "target": f"run_python warm / each warm cat <= {TARGET} (issues 30, 37)",
         "unavailable": unavailable,
     }
 
@@ -175,7 +189,8 @@ def run(runs: int, engine: docker.DockerClient) -> dict[str, Any]:
 def report_md(sec: dict[str, Any]) -> list[str]:
     lines = [
         "",
-        f"## Warm interpreters: run_python (the example, prestart) beside cat on {sec['image']}"
+        "## Warm interpreters: run_python (the example, prestart, cautious) beside a safe cat"
+        f" on {SAFE_IMAGE} and a cautious cat on {sec['image']}"
         f" ({sec['runs']} interleaved calls per row)",
         "",
         "| row | p50 ms | p95 ms | min ms | max ms |",
