@@ -136,8 +136,11 @@ def worst_tool(
 
 
 def worst_arguments(size: int = ARGUMENTS_BOUND - 64) -> dict[str, Any]:
-    """Arguments of at most ``size`` bytes as JSON on which every guard of
-    the set scans its whole text and holds."""
+    """Arguments of at most ``size`` bytes as UTF-8 JSON on which every guard
+    of the set scans its whole text and holds. Send them as
+    ``json.dumps(args, ensure_ascii=False)``: escaped (``\\u03b1``), the
+    Greek and Cyrillic letters take 6 bytes instead of 2 and the call is over
+    the 1 MiB the arguments may have."""
     room = size - len(json.dumps({FIELD: ""}))
     unit_bytes = len(json.dumps(_UNIT, ensure_ascii=False).encode()) - 2
     text = _UNIT * (room // unit_bytes)
