@@ -248,10 +248,16 @@ os.close(3)
 _isolated = sys.flags.isolated or getattr(sys.flags, 'safe_path', False)
 try:
     if _mode == 'module':
-        sys.argv = [_target] + _args
+        sys.argv = ['-m'] + _args
         if not _isolated:
             sys.path[0] = os.getcwd()
-        runpy.run_module(_target, run_name='__main__', alter_sys=True)
+        # What python3 -m calls (its frames in a traceback, its message for a missing
+        # module, argv[0] the module's path), in a fresh __main__.
+        _m = type(sys)('__main__')
+        _m.__builtins__ = __builtins__
+        _m.__annotations__ = {}
+        sys.modules['__main__'] = _m
+        runpy._run_module_as_main(_target)
     else:
         _m = type(sys)('__main__')
         _m.__builtins__ = __builtins__

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from pathlib import Path
 
 import docker
 import pytest
 
-from sandbox_runner import CAUTIOUS_LIMITS, SandboxSpec
+from sandbox_runner import CAUTIOUS_LIMITS, Mount, SandboxSpec
 from sandbox_runner.docker_backend import DockerBackend
 
 PYTHON_IMAGE = "toolreg/python"
@@ -96,6 +97,11 @@ CASES: dict[str, tuple[str, int]] = {
         "raise OSError('x')",
         1,
     ),
+    "main_namespace": (
+        "import sys\n"
+        "print(sys.argv, __name__, sorted(globals()), sys.path[0], globals().get('__file__'))",
+        0,
+    ),
     "streams_swapped": (
         "import io, sys\nsys.__stdout__.write('to the real stdout')\nsys.stdout = io.StringIO()\n"
         "print('into the StringIO')",
@@ -116,10 +122,13 @@ def image() -> str:
     return PYTHON_IMAGE
 
 
-def spec(image: str, code: str, prestart: str, env: tuple[tuple[str, str], ...]) -> SandboxSpec:
+def spec(
+    image: str, code: str, prestart: str, env: tuple[tuple[str, str], ...],
+    command: tuple[str, ...] = (), mounts: tuple[Mount, ...] = (),
+) -> SandboxSpec:  # fmt: skip
     return SandboxSpec(
-        image=image, command=("python3", "-c", code), env=env, limits=LIMITS,
-        input=b"", prestart=prestart,
+        image=image, command=command or ("python3", "-c", code), env=env, limits=LIMITS,
+        input=b"", prestart=prestart, mounts=mounts,
     )  # fmt: skip
 
 
@@ -161,3 +170,37 @@ def test_output_order_of_thread_and_atexit(runner: DockerBackend, eid: Eid, imag
     assert exit_code == 0
     assert out == "main\nlast registered, first run\nfirst registered, last run"
     assert "ValueError: in a handler" in err and "Exception ignored in atexit callback" in err
+
+
+@pytest.mark.parametrize("mode", ["script", "module"])
+@pytest.mark.parametrize(
+    "name",
+    ["keyboard_interrupt", "sys_exit_message", "uncaught_exception_traceback",
+     "output_written_in_atexit", "non_daemon_thread_joined_before_atexit", "main_namespace"],
+)  # fmt: skip
+def test_a_warm_script_or_module_ends_as_python3_does(
+    runner: DockerBackend, eid: Eid, image: str, tmp_path: Path, mode: str, name: str
+) -> None:
+    """The same ending for `python3 SCRIPT` and `python3 -m MODULE` (runpy's frames
+    included in a traceback, as python3 -m shows them)."""
+    code, expected_exit = CASES[name]
+    (tmp_path / "case.py").write_text(code)
+    tmp_path.chmod(0o755)  # the sandbox's uid reads it
+    (tmp_path / "case.py").chmod(0o644)
+    mounts = (Mount(str(tmp_path), "/case"),)
+    command = ("python3", "/case/case.py") if mode == "script" else ("python3", "-m", "case")
+    env = (*BUFFERED, ("PYTHONPATH", "/case"))
+    cold = outcome(runner, eid, spec(image, "", "", env, command, mounts))
+    warm = outcome(runner, eid, spec(image, "", "python", env, command, mounts))
+    assert cold[0] == expected_exit, cold
+    assert warm == cold
+
+
+def test_a_warm_missing_module_fails_as_python3_m_does(
+    runner: DockerBackend, eid: Eid, image: str
+) -> None:
+    command = ("python3", "-m", "no_such_module_here")
+    cold = outcome(runner, eid, spec(image, "", "", BUFFERED, command))
+    warm = outcome(runner, eid, spec(image, "", "python", BUFFERED, command))
+    assert cold == (1, "", "/usr/bin/python3: No module named no_such_module_here\n")
+    assert warm == cold
