@@ -153,7 +153,7 @@ def _rep(kind, value, extra=b''):
 # time under the cautious level's half CPU, and the container is removed after this
 # one call anyway. Skipped with it: __del__ methods still pending, and files other
 # than the standard streams left unflushed, as after any os._exit.
-_status, _sigint = 0, False
+_status, _sigint = 1, False  # 1 (as python3's) should the stub itself fail uncaught
 _os_exit, _kill, _getpid = os._exit, os.kill, os.getpid  # before the tool can rebind them
 def _exit_status(e):
     # pythonrun.c _Py_HandleSystemExit: None 0, an int as a C long (-1 when it is
@@ -285,6 +285,7 @@ try:
             _code = compile(_target if _mode == 'code' else _f.read(), _m.__dict__.get(
                 '__file__', '<string>'), 'exec')
         exec(_code, _m.__dict__)
+    _status = 0
 except SystemExit as _e:
     _status = _exit_status(_e)
     raise
