@@ -82,6 +82,8 @@ def _cases() -> list[tuple[str, str, Callable[[str], dict[str, Any]] | dict[str,
     """(what, expression, arguments: from a text, or fixed)."""
     short = ["a"] * (SIZE // 4)  # '"a",': the most elements 1 MiB of JSON holds, near enough
     long = ["a" * 96] * LIST_ITEMS  # as many as the budget visits, 1 MiB in all
+    ints = [1] * (SIZE // 4)  # two lists of "1,": 1 MiB together
+    keys = {f"k{i:05d}": 0 for i in range(SIZE // 22)}  # two maps of '"k00000":0,'
     return [
         _string_case("matches: literal", r'!args.q.matches("drop\\s+table")'),
         _string_case("matches: ASCII class, bounded repeat", r'!args.q.matches("[a-z]{0,7}ж")'),
@@ -117,6 +119,9 @@ def _cases() -> list[tuple[str, str, Callable[[str], dict[str, Any]] | dict[str,
         (f"filter over {len(long):,} strings of 96 bytes",
          'size(args.t.filter(x, x.startsWith("a"))) > 0', {"t": long}),
         (f"`in` over {len(short):,} strings", '"ж" in args.t', {"t": short}),
+        (f"== of two lists of {len(ints):,} numbers", "args.a == args.b", {"a": ints, "b": ints}),
+        (f"== of two maps of {len(keys):,} keys", "args.a == args.b", {"a": keys, "b": keys}),
+        ("has() of one field: what any evaluation costs", "has(args.q)", {"q": ""}),
     ]  # fmt: skip
 
 
