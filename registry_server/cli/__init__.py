@@ -8,6 +8,16 @@ and exit non-zero; tracebacks are for bugs only.
 from __future__ import annotations
 
 import sys
+
+# Before anything imports jsonschema: when rfc3987-syntax is installed (cyclonedx-bom,
+# which `toolreg images build --server` needs beside toolreg, brings it), jsonschema
+# imports it for its "iri" format checks, and it builds a Lark grammar at import:
+# 1.3 s of CPU at every start of every toolreg command (4x the rest of the start-up).
+# toolreg checks no format but "regex" (domain/schema_safety.py), so its own program
+# does without; a library user's process, which never imports this package, is
+# left alone. tests/unit/test_cli_startup.py holds it.
+sys.modules.setdefault("rfc3987_syntax", None)  # type: ignore[arg-type]
+
 from pathlib import Path
 from typing import Annotated
 
