@@ -135,8 +135,11 @@ conformance-deps: ## Install the MCP conformance suite (tests/conformance, from 
 unit: install ## The unit tier alone: decision logic, no engine, in seconds
 	PYTHONDONTWRITEBYTECODE= $(BIN)/pytest tests/unit -q -p no:hypothesispytest -p no:anyio $(PYTEST_ARGS)
 
+# Two parts (scripts/run_tests.py): the tests in parallel (TEST_WORKERS, pytest-xdist,
+# whole files per worker), then the `serial` ones alone; one summary with the counts
+# and the 25 slowest tests. PYTEST_ARGS go to both parts (paths, -k, -x).
 test: install init check-proto images ts-client interop-deps identity-deps conformance-deps postgres haproxy chromium rsyslog ## Set up everything, then run the whole test suite
-	$(BIN)/pytest $(PYTEST_ARGS)
+	$(BIN)/python scripts/run_tests.py $(PYTEST_ARGS)
 
 run: install init images ## Set up everything, then serve the example tools on 127.0.0.1:50051
 	$(BIN)/toolreg serve --tools examples/tools --data-dir $(DATA_DIR)

@@ -2,6 +2,14 @@
 docker, security, robustness, cluster, browser, identity, install), so `-m` and the
 folders always agree. Files add only finer markers (load, fault).
 
+`make test` runs in two parts (scripts/run_tests.py): first every test not marked
+``serial``, in parallel (pytest-xdist, one test file per worker at a time: each
+worker has its own session fixtures, base temp dir, container run label and
+databases), then the ``serial`` ones alone: those that stop something every test
+shares (the Docker engine, the tests' PostgreSQL) or measure time under load, which
+other tests' work would distort. ``load`` and ``fault`` tests are serial; a test
+marks itself ``serial`` for the same reasons.
+
 What collection imports (the server's modules and the libraries under them)
 lives to the end of the run: the garbage collector is off while it is
 imported, and it is then frozen out of the collector's passes, which would
@@ -28,15 +36,34 @@ TIERS = (
     "install",
     "docs",
 )
+SERIAL_MARKERS = ("load", "fault")  # markers that make a test serial on their own
+# The parallel part hands files to workers in this order of tiers, the slowest
+# first, so that no long file starts last; within a tier, files keep their order.
+SLOWEST_FIRST = (
+    "install", "cluster", "integration", "security", "browser", "docs", "identity",
+    "robustness", "docker", "adapters", "unit",
+)  # fmt: skip
 HERE = Path(__file__).resolve().parent
 GC_YOUNG_THRESHOLD = 50_000  # allocations between young collections (Python's default: 700)
 
 
+def _tier(item: pytest.Item) -> str:
+    return item.path.resolve().relative_to(HERE).parts[0]
+
+
+# First, so that xdist's own hook (loadgroup) sees the groups given here.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        folder = item.path.resolve().relative_to(HERE).parts[0]
+        folder = _tier(item)
         if folder in TIERS:
             item.add_marker(getattr(pytest.mark, folder))
+        if any(item.get_closest_marker(name) for name in SERIAL_MARKERS):
+            item.add_marker(pytest.mark.serial)
+        # One file is one unit of work for a worker: its module fixtures are made once.
+        item.add_marker(pytest.mark.xdist_group(item.path.resolve().relative_to(HERE).as_posix()))
+    rank = {tier: index for index, tier in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(_tier(item), len(rank)))
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

@@ -319,6 +319,7 @@ def test_a_server_killed_loses_nothing_it_acknowledged(start_cluster: StartClust
     assert ran.status == pb.EXECUTION_STATUS_OK, ran.error
 
 
+@pytest.mark.serial  # it stops the PostgreSQL every other cluster test uses
 def test_the_database_stopped_and_back(start_cluster: StartCluster) -> None:
     cluster = start_cluster(2)
     request_id = request_for_write(cluster, 0)

@@ -130,6 +130,7 @@ def balanced(
             server.stop(STOP_TIMEOUT_S)
 
 
+@pytest.mark.serial  # timed: HAProxy's checks against a server's drain window, under load
 def test_a_server_leaving_under_load_behind_the_load_balancer_fails_no_call(
     balanced: tuple[Balanced, bytes],
 ) -> None:
