@@ -33,6 +33,8 @@ from registry_server.execution.admission import Admission
 from registry_server.execution.call_log import CallLog
 from registry_server.execution.call_relay import CallRelay
 from registry_server.execution.executor import Executor
+from registry_server.execution.heavy_gate import HeavyGate
+from registry_server.execution.heavy_work import HeavyWork, Workers
 from registry_server.execution.quotas import RateLimits, Shares
 from registry_server.execution.refusal_log import RefusalLog
 from registry_server.execution.sandbox_plan import SandboxPolicy, runsc_net_problem
@@ -145,6 +147,14 @@ def build_app(config: ServerConfig) -> App:
     shares = Shares(live, config.max_sandboxes, config.max_queued)
     sandboxes = _SandboxPolicies(config, require_gvisor, dev_mode)
     rates = RateLimits(shares.rate)
+    heavy = HeavyWork(
+        HeavyGate(
+            config.heavy_turns, config.heavy_max_queued, config.heavy_queue_per_client,
+            config.heavy_wait_s,
+        ),
+        Workers(config.heavy_turns),
+        config.heavy_arguments_bytes,
+    )  # fmt: skip
     executor = Executor(
         registry,
         backend,
@@ -158,6 +168,7 @@ def build_app(config: ServerConfig) -> App:
         store=store,
         approvals=approvals,
         rates=rates,
+        heavy=heavy,
     )
     app = App(config, store, registry, executor, ServerHealth(), backend, approvals)
     app.dev_mode = dev_mode
@@ -170,6 +181,7 @@ def build_app(config: ServerConfig) -> App:
     live.on_reload(lambda _new: watches.end_all("the policy was reloaded; watch again"))
     app.reloads = PolicyReloads(live, store)
     app.closers.append(backend.close)
+    app.closers.insert(0, heavy.close)
     executor.observe(app.metrics.observe_execution)
     if config.max_warm > 0:
         pools = WarmPools(
@@ -191,6 +203,7 @@ def build_app(config: ServerConfig) -> App:
     _keep_calls(app, config)
     _record_refusals(app, config)
     app.metrics.watch(executor.admission, app.pools.stats if app.pools else None, rates)
+    app.metrics.watch_heavy(heavy.gate)
     # Tools stored by other servers on the same database: served here at once.
     store.watch_tools(registry.reload)
     # Approval events from every server reach this server's watches.

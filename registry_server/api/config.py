@@ -16,6 +16,7 @@ from registry_server.approvals.watch import DEFAULT_MAX_WATCHES
 from registry_server.domain.refusals import DEFAULT_FOLD_S, MAX_FOLD_S
 from registry_server.execution.call_log import DEFAULT_GRACE_S, DEFAULT_MAX_ENDED, MAX_GRACE_S
 from registry_server.execution.call_relay import MAX_ATTACHED
+from registry_server.execution.heavy_work import DEFAULT_THRESHOLD_BYTES, default_workers
 from registry_server.execution.warm_pool import (
     DEFAULT_MAX_AGE_S,
     DEFAULT_MAX_WARM,
@@ -52,6 +53,9 @@ DEFAULT_SANDBOX_MEMORY_MB = 4096  # MiB: the memory limits of all sandboxes, run
 # Bytes of one request message: 1 MiB of arguments plus approval tokens and
 # framing fit; a bigger message is refused by gRPC before it is parsed.
 MAX_MESSAGE_BYTES = 2 * 1024 * 1024
+DEFAULT_HEAVY_MAX_QUEUED = 16  # calls with large arguments waiting for a turn, server-wide
+DEFAULT_HEAVY_QUEUE_PER_CLIENT = 2  # of one client's calls with large arguments, waiting
+DEFAULT_HEAVY_WAIT_S = 10.0  # seconds a call with large arguments waits for its turn at most
 
 
 class ServerConfig(BaseSettings):
@@ -67,6 +71,18 @@ class ServerConfig(BaseSettings):
     policy_file: Path | None = None
     max_sandboxes: int = Field(DEFAULT_MAX_SANDBOXES, ge=1, le=256)
     max_queued: int = Field(DEFAULT_MAX_QUEUED, ge=0, le=4096)
+    # Calls with large arguments (docs/explanation/speed.md, "Large arguments share
+    # the CPU"): above heavy_arguments_bytes of arguments JSON, a call's parsing,
+    # validation and guards run in one of heavy_workers worker processes (default:
+    # one fewer than the CPUs, at least 1), in turns
+    # shared round robin between clients (one call of a client at a time); a call
+    # waits at most heavy_wait_s for its turn, and at most heavy_queue_per_client
+    # calls of a client and heavy_max_queued in all wait (more: RESOURCE_EXHAUSTED).
+    heavy_arguments_bytes: int = Field(DEFAULT_THRESHOLD_BYTES, ge=1024, le=1024 * 1024)
+    heavy_workers: int | None = Field(None, ge=1, le=64)
+    heavy_max_queued: int = Field(DEFAULT_HEAVY_MAX_QUEUED, ge=0, le=1024)
+    heavy_queue_per_client: int = Field(DEFAULT_HEAVY_QUEUE_PER_CLIENT, ge=0, le=1024)
+    heavy_wait_s: float = Field(DEFAULT_HEAVY_WAIT_S, gt=0, le=600)
     # approval watches open at once (each holds a gRPC thread while open)
     max_watches: int = Field(DEFAULT_MAX_WATCHES, ge=0, le=1024)
     # MiB: running and warm sandboxes' memory limits add up to at most this.
@@ -192,11 +208,17 @@ class ServerConfig(BaseSettings):
         # Every admitted or queued execution holds a thread while it waits,
         # and registry RPCs must still be served when all of those are busy.
         # Each open approval watch holds one too, for as long as it is open,
-        # and so does each open AttachExecution (capped: call_relay.Attachments).
+        # and so does each open AttachExecution (capped: call_relay.Attachments),
+        # and each call with large arguments at its turn or waiting for one.
         return (
             self.max_sandboxes + self.max_queued + EXTRA_GRPC_THREADS + self.max_watches
-            + MAX_ATTACHED
+            + MAX_ATTACHED + self.heavy_turns + self.heavy_max_queued
         )  # fmt: skip
+
+    @property
+    def heavy_turns(self) -> int:
+        """Worker processes for calls with large arguments: calls checked at once."""
+        return self.heavy_workers or default_workers()
 
     @property
     def store(self) -> str:

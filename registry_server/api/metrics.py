@@ -15,6 +15,7 @@ from prometheus_client.registry import Collector
 from registry_server.api.handlers import rewrap
 from registry_server.domain.outcome import Outcome
 from registry_server.execution.admission import Admission
+from registry_server.execution.heavy_gate import CLIENT_QUEUE, SERVER_QUEUE, WAIT, HeavyGate
 from registry_server.execution.quotas import RateLimits
 
 # Seconds: from a cached listing (~1 ms) to a slow tool under gVisor (~minutes).
@@ -71,6 +72,7 @@ class Metrics:
             "Webhook delivery attempts by endpoint and outcome (delivered, retried, failed)",
             ["endpoint", "outcome"], registry=r,
         )  # fmt: skip
+        self._heavy: HeavyGate | None = None
         self.webhook_backlog = Gauge(
             "toolreg_webhook_backlog", "Webhook deliveries not yet delivered nor given up",
             registry=r,
@@ -82,11 +84,28 @@ class Metrics:
     ) -> None:  # fmt: skip
         self.live.set_function(lambda: admission.running)
         self.queued.set_function(lambda: admission.waiting)
-        self.registry.register(_ClientShares(admission, rates))
+        self.registry.register(_ClientShares(admission, rates, lambda: self._heavy))
         if pool_stats is not None:
             self.warm.set_function(lambda: sum(pool_stats().warm.values()))
             self.pool_misses.set_function(lambda: pool_stats().misses)
             self.pool_refill_failures.set_function(lambda: pool_stats().refill_failures)
+
+    def watch_heavy(self, gate: HeavyGate) -> None:
+        """Calls with large arguments: at their turn, waiting for one, how long
+        they waited, and refusals by reason (a fixed set). Per client, the
+        refusals join toolreg_client_refused_calls (limit heavy_*)."""
+        r = self.registry
+        Gauge("toolreg_heavy_calls_working", "Calls with large arguments being checked",
+              registry=r).set_function(lambda: gate.working)  # fmt: skip
+        Gauge("toolreg_heavy_calls_waiting", "Calls with large arguments waiting for a turn",
+              registry=r).set_function(lambda: gate.waiting)  # fmt: skip
+        waits = Histogram(
+            "toolreg_heavy_wait_seconds", "Time calls with large arguments waited for their turn",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        gate.on_wait = waits.observe
+        self.registry.register(_HeavyRefusals(gate))
+        self._heavy = gate
 
     def observe_execution(self, record: Mapping[str, Any], outcome: Outcome) -> None:
         """An Executor observer: one finished execution attempt."""
@@ -123,9 +142,13 @@ class _ClientShares(Collector):
     when scraped. Client ids come from the policy (an unknown caller never
     gets this far), so the label sets stay bounded."""
 
-    def __init__(self, admission: Admission, rates: RateLimits | None) -> None:
+    def __init__(
+        self, admission: Admission, rates: RateLimits | None,
+        heavy: Callable[[], HeavyGate | None] = lambda: None,
+    ) -> None:  # fmt: skip
         self._admission = admission
         self._rates = rates
+        self._heavy = heavy
 
     def collect(self) -> Iterator[Metric]:
         running = GaugeMetricFamily(
@@ -146,9 +169,29 @@ class _ClientShares(Collector):
         counts = dict(self._admission.refused_by)
         if self._rates is not None:
             counts.update({(c, "rate"): n for c, n in self._rates.refused.items()})
+        heavy = self._heavy()
+        if heavy is not None:
+            counts.update(heavy.refused_by)
         for (client, limit), count in sorted(counts.items()):
             refused.add_metric([client, limit], count)
         yield from (running, queued, refused)
+
+
+class _HeavyRefusals(Collector):
+    """Calls with large arguments refused, by reason: client_queue (its own
+    waiting calls), server_queue (everyone's), wait (no turn in time)."""
+
+    def __init__(self, gate: HeavyGate) -> None:
+        self._gate = gate
+
+    def collect(self) -> Iterator[Metric]:
+        refused = CounterMetricFamily(
+            "toolreg_heavy_calls_refused", "Calls with large arguments refused, by reason",
+            labels=["reason"],
+        )  # fmt: skip
+        for reason in (CLIENT_QUEUE, SERVER_QUEUE, WAIT):
+            refused.add_metric([reason], self._gate.refused[reason])
+        yield refused
 
 
 class MetricsInterceptor(grpc.ServerInterceptor):

@@ -1,6 +1,7 @@
 """Executing one tool call, as a pipeline of named steps:
 
-    look up -> check arguments -> guards, deny rules -> choose the runtime -> approval gate
+    look up -> [a turn, when the arguments are large] -> check arguments -> guards, deny rules
+            -> choose the runtime -> approval gate
             -> plan the sandbox
             -> run (admission, a warm or cold sandbox, spend the approval, start)
             -> record (the audit log, the execution log, observers)
@@ -43,6 +44,7 @@ from registry_server.execution.admission import Admission, Cancelled
 from registry_server.execution.audit_record import AuditRecord, decision_of
 from registry_server.execution.call_log import CallCancel
 from registry_server.execution.call_request import CallRequest
+from registry_server.execution.heavy_work import Checked, HeavyWork
 from registry_server.execution.quotas import RateLimits
 from registry_server.execution.redaction import Redactor
 from registry_server.execution.results import outcome_of
@@ -98,8 +100,12 @@ class Executor:
         store: Store,
         approvals: Approvals,
         rates: RateLimits | None = None,
+        heavy: HeavyWork | None = None,
     ) -> None:
         self._registry = registry
+        # Large arguments: checked in a worker process, in turns fair across
+        # clients (heavy_work.py); None: every call is checked here.
+        self._heavy = heavy
         self._backend = backend
         self._admission = admission
         self._rates = rates
@@ -157,13 +163,17 @@ class Executor:
             try:
                 with tracing.step(tracing.VALIDATE):
                     tool = self._look_up(record)
-                    arguments = self._check_arguments(record, tool)
-                    facts = self._check_policy(record, tool, arguments)
+                    arguments, facts = self._check(record, tool, cancel)
                 runtime = self._choose_runtime(record, tool)
                 self._approval_gate(record, tool, arguments, facts)
                 spec = self._plan_sandbox(record, tool, arguments, runtime)
             except _Refused as refused:
                 return self._record(record, refused.outcome)
+            except Cancelled:  # its client went away while waiting for a turn
+                return self._record(record, _asked_to_stop(record, cancel) or Outcome(
+                    Status.SANDBOX_ERROR, error="call cancelled before its arguments were checked",
+                    execution_id=record.execution_id,
+                ))  # fmt: skip
             if on_started is not None:
                 on_started(record.execution_id)
             return self._record(record, self._run(record, tool, spec, on_output, cancel))
@@ -186,6 +196,34 @@ class Executor:
             raise _refusal(record, Status.TOOL_DISABLED, _disabled(tool))
         return tool
 
+    def _check(
+        self, record: AuditRecord, tool: ToolDefinition, cancel: threading.Event | None
+    ) -> tuple[ParsedArguments, CallFacts]:
+        """The arguments, the tool's guards, the policy's deny rules. A heavy
+        call waits for its turn, has its arguments and guards checked by a
+        worker, and keeps the turn through the deny rules (they read the same
+        large arguments): all of it counts against its caller."""
+        call = record.call
+        heavy = self._heavy
+        if heavy is None or not heavy.is_heavy(call.arguments_json):
+            arguments = self._check_arguments(record, tool)
+            return arguments, self._check_policy(record, tool, arguments)
+        with heavy.gate.turn(call.caller, cancel, call.deadline):
+            checked = heavy.workers.check(tool, call.arguments_json)
+            arguments = self._checked_arguments(record, checked)
+            return arguments, self._check_policy(record, tool, arguments, guards_checked=True)
+
+    def _checked_arguments(self, record: AuditRecord, checked: Checked) -> ParsedArguments:
+        """A worker's findings, refused as the same checks here refuse them."""
+        if checked.arguments is None:
+            raise _refusal(record, Status.INVALID_ARGUMENTS, checked.invalid)
+        record.args_digest = checked.arguments.digest
+        if checked.guard_failed is not None:
+            raise _refusal(
+                record, Status.INVALID_ARGUMENTS, f"guard failed: {checked.guard_failed}"
+            )
+        return checked.arguments
+
     def _check_arguments(self, record: AuditRecord, tool: ToolDefinition) -> ParsedArguments:
         try:
             arguments = parse_arguments(tool, record.call.arguments_json)
@@ -195,7 +233,11 @@ class Executor:
         return arguments
 
     def _check_policy(
-        self, record: AuditRecord, tool: ToolDefinition, arguments: ParsedArguments
+        self,
+        record: AuditRecord,
+        tool: ToolDefinition,
+        arguments: ParsedArguments,
+        guards_checked: bool = False,
     ) -> CallFacts:
         """The tool's guards (its registrant's preconditions on the arguments),
         then the policy's deny rules: both before any approval request or
@@ -203,7 +245,7 @@ class Executor:
         call = record.call
         policy = self._approvals.policy
         facts = call_facts(policy, tool, arguments.value, call.caller, time.time(), call.claims)
-        if tool.guards:
+        if tool.guards and not guards_checked:
             guards = [(compile_condition(g.condition, Scope.GUARD), g.message) for g in tool.guards]
             failed = first_failing(guards, facts)
             if failed is not None:
