@@ -23,6 +23,7 @@ from typing import Any
 from bench import (
     cluster,
     conditions_cost,
+    cpu_share,
     egress_cost,
     export_cost,
     fairness,
@@ -64,6 +65,7 @@ SECTIONS = (
     "tracing",
     "webhooks",
     "fairness",
+    "cpu_share",
     "egress",
     "conditions",
     "export",
@@ -157,6 +159,8 @@ def main() -> None:
             section("webhooks", webhooks.run)
         if "fairness" in args.sections:
             section("fairness", lambda: fairness.run(max(5, args.runs // 3)))
+        if "cpu_share" in args.sections:
+            section("cpu_share", lambda: cpu_share.run(2 if args.quick else 5))
         if "egress" in args.sections:
             runs = min(args.runs, egress_cost.RUNS)
             section("egress", lambda: egress_cost.run(runs, run_id, engine))

@@ -9,6 +9,7 @@ from typing import Any
 from bench import (
     conditions_calibration,
     conditions_cost,
+    cpu_share,
     egress_cost,
     export_cost,
     fairness,
@@ -393,6 +394,15 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     if proj:
         ratio("a one-field guard over 1 MiB of other arguments, p50: only the fields read / all",
               proj["projected_p50_ms"], proj["whole_p50_ms"], 0.1)  # fmt: skip
+    cpu = res.get("cpu_share") or {}
+    for key, label, limit in (
+        ("one_over_idle", "one-guard load / idle", cpu_share.IDLE_TARGET),
+        ("sixteen_over_one", "sixteen guards' load / one guard's", cpu_share.GUARDS_TARGET),
+    ):
+        got = cpu.get(key)
+        add(f"a quiet client's cheap call p50 while six send 1 MiB arguments, {label} (issue 37)",
+            "not measured" if got is None else f"{got:.2f}", f"<= {limit:g}",
+            None if got is None else got <= limit)  # fmt: skip
     ex = res.get("export") or {}
     both, neither = export_cost.p50(ex, export_cost.BOTH), export_cost.p50(ex, export_cost.OFF)
     ratio("warm p50 with audit checkpoints and SIEM export / without", both, neither, 1.05)
@@ -447,6 +457,8 @@ def markdown(res: dict[str, Any]) -> str:
         lines += webhooks_md(res["webhooks"])
     if "fairness" in res:
         lines += fairness.report_md(res["fairness"])
+    if "cpu_share" in res:
+        lines += cpu_share.report_md(res["cpu_share"])
     if "egress" in res:
         lines += egress_cost.report_md(res["egress"])
     if "conditions" in res:
