@@ -65,11 +65,29 @@ def arguments_digest(arguments: dict[str, Any]) -> str:
     return hashlib.sha256(rfc8785.dumps(arguments)).hexdigest()
 
 
+def utf8_size_over(text: str, limit: int) -> bool:
+    """Whether ``text`` is more than ``limit`` bytes of UTF-8, without encoding
+    a large text to find out: an ASCII text's length is its size (isascii is
+    a flag CPython keeps), and any text is at least as many bytes as
+    characters and at most four times as many."""
+    chars = len(text)
+    if chars > limit or text.isascii():
+        return chars > limit
+    if 4 * chars <= limit:
+        return False
+    return len(text.encode("utf-8", "surrogatepass")) > limit
+
+
+def check_size(text: str) -> None:
+    """InvalidArgument when the arguments' text is over MAX_ARGUMENTS_BYTES."""
+    if utf8_size_over(text, MAX_ARGUMENTS_BYTES):
+        _reject(f"larger than {MAX_ARGUMENTS_BYTES} bytes")
+
+
 def parse_arguments(tool: ToolDefinition, text: str) -> ParsedArguments:
     """The checked arguments, or InvalidArgument naming every problem by its
     JSON path. Shape first (size, nesting, lone surrogates), then the schema."""
-    if len(text.encode("utf-8", "surrogatepass")) > MAX_ARGUMENTS_BYTES:
-        _reject(f"larger than {MAX_ARGUMENTS_BYTES} bytes")
+    check_size(text)
     arguments = strict_json.loads_object(text, FIELD, empty_is={})
     problem = strict_json.structure_problem(arguments)
     if problem:

@@ -27,7 +27,7 @@ from contextlib import ExitStack
 
 from registry_server.approvals.service import Approvals, Call, Denied, Required
 from registry_server.catalog.registry import Registry
-from registry_server.domain.arguments import ParsedArguments, parse_arguments
+from registry_server.domain.arguments import ParsedArguments, check_size, parse_arguments
 from registry_server.domain.errors import (
     EngineUnavailable,
     InvalidArgument,
@@ -208,6 +208,10 @@ class Executor:
         if heavy is None or not heavy.is_heavy(call.arguments_json):
             arguments = self._check_arguments(record, tool)
             return arguments, self._check_policy(record, tool, arguments)
+        try:
+            check_size(call.arguments_json)  # over the cap: refused before it takes a turn
+        except InvalidArgument as exc:
+            raise _refusal(record, Status.INVALID_ARGUMENTS, exc.message) from None
         with heavy.gate.turn(call.caller, cancel, call.deadline):
             checked = heavy.workers.check(tool, call.arguments_json)
             arguments = self._checked_arguments(record, checked)

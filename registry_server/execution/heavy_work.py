@@ -30,7 +30,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any
 
-from registry_server.domain.arguments import ParsedArguments, parse_arguments
+from registry_server.domain.arguments import ParsedArguments, parse_arguments, utf8_size_over
 from registry_server.domain.errors import ErrorCode, InvalidArgument, ToolregError
 from registry_server.domain.models import ToolDefinition
 from registry_server.execution.heavy_gate import HeavyGate
@@ -171,15 +171,9 @@ class HeavyWork:
         self.threshold_bytes = threshold_bytes
 
     def is_heavy(self, arguments_json: str) -> bool:
-        """Whether the arguments' UTF-8 exceeds the threshold, without encoding
-        a large text to find out: an ASCII text's length is its size, and a
-        text is at least as many bytes as characters and at most four times."""
-        chars = len(arguments_json)
-        if arguments_json.isascii() or chars > self.threshold_bytes:
-            return chars > self.threshold_bytes
-        if 4 * chars <= self.threshold_bytes:
-            return False
-        return len(arguments_json.encode("utf-8", "surrogatepass")) > self.threshold_bytes
+        """Whether the arguments' UTF-8 exceeds the threshold (found in O(1)
+        for ASCII and for texts far from it)."""
+        return utf8_size_over(arguments_json, self.threshold_bytes)
 
     def close(self) -> None:
         self.workers.close()

@@ -143,3 +143,14 @@ def test_unparseable_heavy_arguments_get_the_same_error(
         assert result.error.startswith("arguments_json: not valid JSON")
     dup = call(stub, '{"q": "a", "q": "' + PAD + '"}')
     assert dup.error == "arguments_json: duplicate key 'q'"
+
+
+def test_arguments_over_the_cap_are_refused_before_any_turn(
+    served: tuple[Running, pb_grpc.ToolRegistryStub],
+) -> None:
+    running, stub = served
+    for text in ('{"q": "' + "a" * (1024 * 1024) + '"}', '{"q": "' + "é" * 600_000 + '"}'):
+        result = call(stub, text)
+        assert result.status == S.EXECUTION_STATUS_INVALID_ARGUMENTS
+        assert result.error == "arguments_json: larger than 1048576 bytes"
+    assert turns(running) == 0
