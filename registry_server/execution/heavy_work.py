@@ -24,7 +24,7 @@ import multiprocessing
 import os
 import signal
 import threading
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -123,11 +123,11 @@ class Workers:
             return self._pool
 
     def check(self, tool: ToolDefinition, arguments_json: str) -> Checked:
-        pool = self._current()
+        pool, future = self._submit(tool, arguments_json)
         try:
-            future = pool.submit(check_call, tool, arguments_json)
             return future.result(timeout=WORK_TIMEOUT_S)
         except BrokenProcessPool:
+            # It died with this call's checks in hand, maybe of them: fail closed.
             self._replace(pool, kill=False)
             log.warning("a worker checking large arguments died; the pool is restarted")
             raise HeavyWorkFailed(
@@ -140,10 +140,28 @@ class Workers:
                 f"checking this call's arguments took over {WORK_TIMEOUT_S:g} s"
             ) from None
 
+    def _submit(
+        self, tool: ToolDefinition, arguments_json: str
+    ) -> tuple[ProcessPoolExecutor, Future[Checked]]:
+        """The call's checks handed to a worker; a pool found broken before
+        (a worker killed while idle) is replaced once, the call unharmed."""
+        for attempt in range(2):
+            pool = self._current()
+            try:
+                future = pool.submit(check_call, tool, arguments_json)
+            except BrokenProcessPool:
+                self._replace(pool, kill=False)
+                if attempt:
+                    raise HeavyWorkFailed("no worker could be started for this call") from None
+                continue
+            return pool, future
+        raise AssertionError("unreachable")
+
     def _replace(self, pool: ProcessPoolExecutor, kill: bool) -> None:
         with self._lock:
-            if self._pool is pool:
-                self._pool = None
+            if self._pool is not pool:
+                return  # another call replaced it already
+            self._pool = None
         _stop(pool, kill)
 
     def close(self) -> None:

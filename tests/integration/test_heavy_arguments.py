@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -154,3 +157,42 @@ def test_arguments_over_the_cap_are_refused_before_any_turn(
         assert result.status == S.EXECUTION_STATUS_INVALID_ARGUMENTS
         assert result.error == "arguments_json: larger than 1048576 bytes"
     assert turns(running) == 0
+
+
+def spawned_workers() -> set[int]:
+    """This process's children started by multiprocessing's spawn."""
+    found = set()
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            fields = dict(
+                line.split(":\t", 1) for line in status.read_text().splitlines() if ":\t" in line
+            )
+            cmdline = (status.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields.get("PPid", "0")) == os.getpid() and b"spawn_main" in cmdline:
+            found.add(int(status.parent.name))
+    return found
+
+
+def test_a_worker_killed_between_calls_is_replaced_and_no_call_fails(
+    served: tuple[Running, pb_grpc.ToolRegistryStub],
+) -> None:
+    running, stub = served
+    before = spawned_workers()
+    heavy = json.dumps({"q": "hello", "pad": PAD})
+    assert call(stub, heavy).status == S.EXECUTION_STATUS_OK
+    workers = spawned_workers() - before
+    assert len(workers) == 1  # heavy_workers=1
+    (worker,) = workers
+    os.kill(worker, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while worker in spawned_workers():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    result = call(stub, heavy)
+    assert result.status == S.EXECUTION_STATUS_OK, result.error
+    replaced = spawned_workers() - before
+    assert len(replaced) == 1 and worker not in replaced
+    running.stop()  # the pool is shut down with the server: no worker is left
+    assert spawned_workers() - before == set()
