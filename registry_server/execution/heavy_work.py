@@ -24,7 +24,7 @@ import multiprocessing
 import os
 import signal
 import threading
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -123,38 +123,27 @@ class Workers:
             return self._pool
 
     def check(self, tool: ToolDefinition, arguments_json: str) -> Checked:
-        pool, future = self._submit(tool, arguments_json)
-        try:
-            return future.result(timeout=WORK_TIMEOUT_S)
-        except BrokenProcessPool:
-            # It died with this call's checks in hand, maybe of them: fail closed.
-            self._replace(pool, kill=False)
-            log.warning("a worker checking large arguments died; the pool is restarted")
-            raise HeavyWorkFailed(
-                "the worker checking this call's arguments stopped; retry the call"
-            ) from None
-        except FutureTimeout:
-            self._replace(pool, kill=True)
-            log.warning("a worker checking large arguments hung; the pool is restarted")
-            raise HeavyWorkFailed(
-                f"checking this call's arguments took over {WORK_TIMEOUT_S:g} s"
-            ) from None
-
-    def _submit(
-        self, tool: ToolDefinition, arguments_json: str
-    ) -> tuple[ProcessPoolExecutor, Future[Checked]]:
-        """The call's checks handed to a worker; a pool found broken before
-        (a worker killed while idle) is replaced once, the call unharmed."""
+        """The call's checks, by a worker. A pool that breaks (a worker died:
+        killed, out of memory, or crashed by what it was checking) is replaced
+        and the call tried once more on the new one; broken again, the call
+        fails closed (UNAVAILABLE), its checks never passed."""
         for attempt in range(2):
             pool = self._current()
             try:
-                future = pool.submit(check_call, tool, arguments_json)
+                return pool.submit(check_call, tool, arguments_json).result(WORK_TIMEOUT_S)
             except BrokenProcessPool:
                 self._replace(pool, kill=False)
+                log.warning("a worker checking large arguments died; the pool is restarted")
                 if attempt:
-                    raise HeavyWorkFailed("no worker could be started for this call") from None
-                continue
-            return pool, future
+                    raise HeavyWorkFailed(
+                        "the worker checking this call's arguments stopped; retry the call"
+                    ) from None
+            except FutureTimeout:
+                self._replace(pool, kill=True)
+                log.warning("a worker checking large arguments hung; the pool is restarted")
+                raise HeavyWorkFailed(
+                    f"checking this call's arguments took over {WORK_TIMEOUT_S:g} s"
+                ) from None
         raise AssertionError("unreachable")
 
     def _replace(self, pool: ProcessPoolExecutor, kill: bool) -> None:
