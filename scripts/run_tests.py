@@ -85,7 +85,7 @@ def main(args: list[str]) -> int:
         parts = [
             Part(
                 f"parallel part ({workers} workers)",
-                [*pytest, "-n", workers, "--dist", "loadgroup", "--no-loadscope-reorder",
+                [*pytest, "-n", workers, "--dist", "loadscope", "--no-loadscope-reorder",
                  "-m", "not serial", *args],
                 Path(tmp) / "parallel.xml",
             ),

@@ -43,6 +43,9 @@ SLOWEST_FIRST = (
     "install", "cluster", "integration", "security", "browser", "docs", "identity",
     "robustness", "docker", "adapters", "unit",
 )  # fmt: skip
+# Tiers whose files run on one worker: the install tier's session builds the sdist
+# and the wheel in the checkout once (two builds at once would race in its egg-info).
+ONE_GROUP = ("install",)
 HERE = Path(__file__).resolve().parent
 GC_YOUNG_THRESHOLD = 50_000  # allocations between young collections (Python's default: 700)
 
@@ -51,19 +54,38 @@ def _tier(item: pytest.Item) -> str:
     return item.path.resolve().relative_to(HERE).parts[0]
 
 
-# First, so that xdist's own hook (loadgroup) sees the groups given here.
-@pytest.hookimpl(tryfirst=True)
+def pytest_itemcollected(item: pytest.Item) -> None:
+    folder = _tier(item)
+    if folder in TIERS:
+        item.add_marker(getattr(pytest.mark, folder))
+    if any(item.get_closest_marker(name) for name in SERIAL_MARKERS):
+        item.add_marker(pytest.mark.serial)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        folder = _tier(item)
-        if folder in TIERS:
-            item.add_marker(getattr(pytest.mark, folder))
-        if any(item.get_closest_marker(name) for name in SERIAL_MARKERS):
-            item.add_marker(pytest.mark.serial)
-        # One file is one unit of work for a worker: its module fixtures are made once.
-        item.add_marker(pytest.mark.xdist_group(item.path.resolve().relative_to(HERE).as_posix()))
     rank = {tier: index for index, tier in enumerate(SLOWEST_FIRST)}
     items.sort(key=lambda item: rank.get(_tier(item), len(rank)))
+
+
+def work_unit(nodeid: str) -> str:
+    """What one xdist worker runs as a whole: a test file (its module fixtures are
+    made once), or a whole tier of ONE_GROUP."""
+    path = nodeid.split("::", 1)[0]
+    parts = path.split("/")
+    return "/".join(parts[:2]) if len(parts) > 2 and parts[1] in ONE_GROUP else path
+
+
+# xdist's own loadgroup cannot be used: it renames items (item._nodeid), which
+# pytest 9.2's nodes no longer read, so its groups are silently ignored.
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByWorkUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return ByWorkUnit(config, log)  # type: ignore[arg-type]
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

@@ -46,6 +46,8 @@ FIXED_RUNSC = "release-20240807.0"  # a gVisor release after release-20240801
 REAL_DAEMON_JSON = Path("/etc/docker/daemon.json")
 REAL_DOCKER_PIDFILE = Path("/var/run/docker.pid")
 
+FAKE_START_S = 30  # seconds for the fake dockerd (a bash script) to start, on a busy machine
+
 
 def _digest(path: Path) -> str | None:
     return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else None
@@ -274,7 +276,7 @@ def engine_with(tmp_path: Path) -> Iterator[Any]:
             [str(bin_dir / "dockerd")], env=env, preexec_fn=_hangup_at_default
         )
         started.append(dockerd)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + FAKE_START_S
         while not (state / "started").exists():
             assert time.monotonic() < deadline, "the fake dockerd did not start"
             time.sleep(0.05)
