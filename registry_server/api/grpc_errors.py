@@ -33,25 +33,51 @@ CODES: dict[ErrorCode, grpc.StatusCode] = {
 }
 
 
+# An error travels in response headers (grpc-message, and grpc-status-details-bin:
+# the google.rpc.Status below, base64), and gRPC refuses headers over 16 KiB, or
+# 8 KiB by a client's default: a refusal listing many long problems (sixteen guards
+# over the cost cap, say) would reach the client as RESOURCE_EXHAUSTED "metadata size
+# exceeds hard limit" instead of itself. So what an error carries is capped.
+MAX_MESSAGE_CHARS = 1_024  # characters of an error's message on the wire
+MAX_DETAILS_BYTES = 4_096  # bytes of the serialized Status, message and details (base64: 4/3)
+MORE = "more violations not shown; fix these and ask again"
+
+
+def _clipped(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 def to_status(exc: ToolregError) -> grpc.Status:
     code = CODES[exc.code]
-    status = status_pb2.Status(code=getattr(code_pb2, code.name), message=exc.message)
+    status = status_pb2.Status(
+        code=getattr(code_pb2, code.name), message=_clipped(exc.message, MAX_MESSAGE_CHARS)
+    )
     if isinstance(exc, InvalidArgument) and exc.violations:
-        detail = error_details_pb2.BadRequest(
-            field_violations=[
-                error_details_pb2.BadRequest.FieldViolation(
-                    field=v.field, description=v.description
-                )
-                for v in exc.violations
-            ]
-        )
-        packed = any_pb2.Any()
-        packed.Pack(detail)
-        status.details.append(packed)
+        _bad_request(status, exc)
     if isinstance(exc, QuotaExceeded):
         _quota_details(status, exc)
     result: grpc.Status = rpc_status.to_status(status)
     return result
+
+
+def _bad_request(status: status_pb2.Status, exc: InvalidArgument) -> None:
+    """google.rpc.BadRequest with as many of the violations, in order, as fit within
+    MAX_DETAILS_BYTES; then one that says how many more there were."""
+    detail = error_details_pb2.BadRequest()
+    budget = MAX_DETAILS_BYTES - status.ByteSize() - 64  # the Any's type URL and framing
+    for index, violation in enumerate(exc.violations):
+        one = error_details_pb2.BadRequest.FieldViolation(
+            field=_clipped(violation.field, MAX_MESSAGE_CHARS),
+            description=_clipped(violation.description, MAX_MESSAGE_CHARS),
+        )
+        if detail.ByteSize() + one.ByteSize() + 8 > budget - 96:  # room for the last one
+            rest = len(exc.violations) - index
+            detail.field_violations.add(field="", description=f"{rest} {MORE}")
+            break
+        detail.field_violations.append(one)
+    packed = any_pb2.Any()
+    packed.Pack(detail)
+    status.details.append(packed)
 
 
 def _quota_details(status: status_pb2.Status, exc: QuotaExceeded) -> None:

@@ -287,6 +287,26 @@ def test_a_guard_that_does_not_compile_is_refused_naming_its_field(
     assert [t.name for t in listed.tools] == []
 
 
+def test_sixteen_refused_guards_come_back_as_invalid_argument_not_a_header_error(
+    deployment: Deployment,
+) -> None:
+    """The issue's own costly guard sixteen times over: each refused with a long
+    reason. The answer, listing them, must still reach the client as itself (gRPC
+    refuses response headers over 8 to 16 KiB), with the first violations and a
+    count of the rest."""
+    costly = {"condition": '!args.path.matches("[\\\\p{L}]{0,7}b")', "message": "no"}
+    bad = tool_pb("reader", guard=[costly] * 16)
+    with pytest.raises(grpc.RpcError) as info:
+        deployment.register("team", bad)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    found = field_violations(info.value)
+    assert "guards.0.condition" in found and "cost" in found["guards.0.condition"]
+    assert len(found) < 17 and "" in found and "more violations not shown" in found[""]
+    assert len(info.value.details() or "") <= 1_024
+    listed = deployment.stub("admin").ListTools(pb.ListToolsRequest())
+    assert [t.name for t in listed.tools] == []
+
+
 def test_a_bad_guard_message_is_refused_naming_its_field(deployment: Deployment) -> None:
     msg = tool_pb("reader")
     msg.guards.add(condition="true", message="two\nlines")
