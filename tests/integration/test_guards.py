@@ -6,8 +6,8 @@ way for a registrant to loosen what the policy's approval rules ask."""
 
 from __future__ import annotations
 
+import functools
 import json
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +28,7 @@ from registry_server.domain.models import Guard, parse_definition
 from registry_server.domain.outcome import AppliedRule
 from registry_server.signing.keys import generate_keypair
 from registry_server.wire import convert
+from tests.engine_events import Recording, of_label, recorded
 from tests.factories import sha
 from tests.integration.conftest import Running, StartServer
 
@@ -76,6 +77,10 @@ class Deployment:
     running: Running
     channels: list[grpc.Channel] = field(default_factory=list)
     started: list[str] = field(default_factory=list)  # the backend's container starts
+
+    @functools.cached_property
+    def engine(self) -> docker.DockerClient:
+        return docker.from_env()
 
     def stub(self, who: str) -> pb_grpc.ToolRegistryStub:
         channel = open_channel(self.running.address, token=token_of(who))
@@ -151,18 +156,11 @@ def field_violations(err: grpc.RpcError) -> dict[str, str]:
     return out
 
 
-def engine_events(running: Running, since: float, until: float) -> list[dict[str, Any]]:
-    """What the Docker engine did to this server's containers between the two times."""
-    client = docker.from_env()
-    try:
-        label = f"io.toolreg.instance={running.app.backend.instance_id}"  # type: ignore[attr-defined]
-        found = client.events(
-            since=int(since), until=int(until) + 1, decode=True,
-            filters={"type": "container", "label": label},
-        )  # fmt: skip
-        return list(found)
-    finally:
-        client.close()
+def this_servers(running: Running, recording: Recording) -> list[dict[str, Any]]:
+    """What the Docker engine did to this server's containers while recording."""
+    instance = running.app.backend.instance_id  # type: ignore[attr-defined]
+    containers = [e for e in recording.events if e.get("Type") == "container"]
+    return of_label(containers, "io.toolreg.instance", instance)
 
 
 # ------------------------------------------------------------------ calls
@@ -176,25 +174,23 @@ def test_a_call_that_fails_a_guard_is_invalid_arguments_and_starts_no_container(
         (UNDER_WORK["condition"], UNDER_WORK["message"])
     ]
 
-    since = time.time()
-    refused = deployment.call("reader", {"path": "/etc/passwd"})
-    until = time.time()
+    with recorded(deployment.engine) as recording:
+        refused = deployment.call("reader", {"path": "/etc/passwd"})
     assert refused.status == S.Value("EXECUTION_STATUS_INVALID_ARGUMENTS"), refused
     assert not refused.success
     assert refused.error == "guard failed: path must be under /work/"
     assert refused.execution_id  # audited
     assert deployment.started == [], "the backend was asked for a container"
-    assert engine_events(deployment.running, since, until) == []
+    assert this_servers(deployment.running, recording) == []
 
     # The same tool, a call its guard lets through: it runs, in a container
     # (which both witnesses above would have seen).
-    since = time.time()
-    ran = deployment.call("reader", {"path": "/work/notes.txt"})
-    until = time.time()
+    with recorded(deployment.engine) as recording:
+        ran = deployment.call("reader", {"path": "/work/notes.txt"})
     assert ran.status == S.Value("EXECUTION_STATUS_OK"), ran.error
     assert json.loads(ran.data_json) == {"path": "/work/notes.txt"}
     assert deployment.started == ["prepare"]
-    actions = {e.get("Action") for e in engine_events(deployment.running, since, until)}
+    actions = {e.get("Action") for e in this_servers(deployment.running, recording)}
     assert {"create", "start"} <= actions, actions
 
 

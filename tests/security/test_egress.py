@@ -47,6 +47,7 @@ from registry_server.store import audit_chain
 from registry_server.wire import convert
 from sandbox_runner.profiles import GVISOR, GVISOR_NET, HOSTINET, NETSTACK
 from tests.egress_world import UpstreamWorld
+from tests.engine_events import recorded
 from tests.factories import sha
 from tests.gvisor_netstack import runsc_net_mode
 
@@ -847,21 +848,20 @@ def test_calls_never_share_a_network_and_each_is_removed_after_its_call(
     was connected to exactly one network, no two calls to the same one,
     nothing but the proxy joined it, and it is gone after the call."""
     engine = deployment.engine
-    since = int(time.time()) - 1  # before the warm containers are made (and joined)
-    register_warm_fetcher(deployment, 2)
-    wait_warm(deployment, WARM_FETCHER, 2)
-    op = {"kind": "fetch", "url": "http://plain.world.test/shared"}
-    with ThreadPoolExecutor(3) as pool:
-        done = [pool.submit(deployment.run, name, op) for name in [WARM_FETCHER, fetcher] * 3]
-        calls = [f.result() for f in done]
-    deployment.app.backend.flush()
-    until = int(time.time()) + 1
+    # from before the warm containers are made (and joined) until every call's clean-up
+    with recorded(engine) as recording:
+        register_warm_fetcher(deployment, 2)
+        wait_warm(deployment, WARM_FETCHER, 2)
+        op = {"kind": "fetch", "url": "http://plain.world.test/shared"}
+        with ThreadPoolExecutor(3) as pool:
+            done = [pool.submit(deployment.run, name, op) for name in [WARM_FETCHER, fetcher] * 3]
+            calls = [f.result() for f in done]
+        deployment.app.backend.flush()
     register_warm_fetcher(deployment, 0)
     records = [deployment.audit(r.execution_id) for r in calls]
     assert all(results(r)[0]["ok"] for r in calls)
     assert any(rec["warm"] for rec in records) and not all(rec["warm"] for rec in records)
-    events = list(engine.api.events(since=since, until=until, decode=True,
-                                    filters={"type": ["network", "container"]}))  # fmt: skip
+    events = recording.events
     network_of = {  # call container -> its network, as labelled at create
         e["Actor"]["ID"]: e["Actor"]["Attributes"].get("io.toolreg.egress-network")
         for e in events

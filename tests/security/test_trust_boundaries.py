@@ -241,7 +241,8 @@ def test_attack1_pooled_workspace_tool_never_runs_before_approval(
     )  # fmt: skip
     time.sleep(4)  # a pool would have started by now
     assert not (workspace / "pwned").exists()
-    for cid in labelled(engine, "io.toolreg.managed=true"):
+    # This server's containers (other tests' servers run beside it, and come and go).
+    for cid in labelled(engine, f"io.toolreg.owner-pid={deployment.server.pid}"):
         mounts = engine.api.inspect_container(cid)["Mounts"]
         assert not any(m.get("Destination") == "/workspace" for m in mounts), mounts
 
@@ -252,8 +253,8 @@ def test_attack1_warm_container_runs_only_the_init(
     deployment.register(
         "team_b", name="pooled_sleeper", warm_pool=1, script="touch /tmp/ran; sleep 600"
     )
-    assert wait_for(lambda: warm_of(engine, "pooled_sleeper")), "no warm container appeared"
-    (cid,) = warm_of(engine, "pooled_sleeper")[:1]
+    assert wait_for(lambda: warm_of(engine, deployment)), "no warm container appeared"
+    (cid,) = warm_of(engine, deployment)[:1]
     processes = engine.api.top(cid)["Processes"]
     # the init, holding the tool's command as its arguments, and the process it forked
     # ahead of the call, still the init's own code until the go byte: nothing else
@@ -264,10 +265,11 @@ def test_attack1_warm_container_runs_only_the_init(
     assert result.status == pb.EXECUTION_STATUS_TIMEOUT, result
 
 
-def warm_of(engine: docker.DockerClient, tool: str) -> list[str]:
-    """Warm containers (named toolreg-warm-...) whose command mentions ``tool``'s script."""
+def warm_of(engine: docker.DockerClient, d: Deployment) -> list[str]:
+    """The server's warm containers (named toolreg-warm-...) whose command is the
+    pooled tool's script."""
     out = []
-    for c in engine.api.containers(filters={"label": "io.toolreg.managed=true"}):
+    for c in engine.api.containers(filters={"label": f"io.toolreg.owner-pid={d.server.pid}"}):
         if "warm-" in c["Names"][0] and "sleep 600" in c["Command"]:
             out.append(c["Id"])
     return out
