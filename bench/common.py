@@ -3,7 +3,9 @@ baselines get, statistics, and a toolreg server process to measure against."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import json
 import os
 import platform
 import shutil
@@ -493,3 +495,24 @@ class TraceCollector:
     def finish(self) -> list[str]:
         out, _ = self._proc.communicate(timeout=60)
         return out.splitlines()
+
+
+def standalone(
+    prog: str,
+    description: str | None,
+    run: Callable[[int], dict[str, Any]],
+    report_md: Callable[[dict[str, Any]], list[str]],
+    *,
+    runs: int,
+    runs_help: str,
+    argv: Sequence[str] | None = None,
+) -> None:
+    """``python -m bench.<section>``: one section alone, ``--runs`` and ``--json``."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--runs", type=int, default=runs, help=runs_help)
+    parser.add_argument("--json", type=Path, help="also write the result here")
+    args = parser.parse_args(argv)
+    result = run(args.runs)
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    print("\n".join(report_md(result)))

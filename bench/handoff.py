@@ -32,8 +32,6 @@ Runs alone: ``python -m bench.handoff [--runs N] [--json PATH]``.
 
 from __future__ import annotations
 
-import argparse
-import json
 import re
 import shutil
 import statistics
@@ -46,7 +44,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from bench.common import BENCH_LABEL, IMAGE, PAYLOAD, Unavailable, summary
+from bench.common import BENCH_LABEL, IMAGE, PAYLOAD, Unavailable, standalone, summary
 from sandbox_runner import SAFE_LIMITS, SandboxSpec
 from sandbox_runner.docker_backend import (
     EXIT_FRAME,
@@ -226,14 +224,15 @@ def report_md(sec: Mapping[str, Any]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.handoff", description=__doc__)
-    parser.add_argument("--runs", type=int, default=RUNS, help="hand-offs per runtime")
-    parser.add_argument("--json", type=Path, help="also write the result here")
-    args = parser.parse_args(argv)
-    result = run(args.runs)
-    if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    print("\n".join(report_md(result)))
+    standalone(
+        "python -m bench.handoff",
+        __doc__,
+        run,
+        report_md,
+        runs=RUNS,
+        runs_help="hand-offs per runtime",
+        argv=argv,
+    )
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ Runs alone: ``python -m bench.interpreter_exit [--runs N] [--json PATH]``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import statistics
@@ -31,7 +30,7 @@ from typing import Any
 import yaml
 
 import sandbox_runner.warm_interpreter as wi
-from bench.common import BENCH_LABEL, Unavailable
+from bench.common import BENCH_LABEL, Unavailable, standalone
 from bench.handoff import TIMING_LINE, timing_init
 from registry_server.domain.models import parse_definition
 from sandbox_runner import SandboxSpec
@@ -172,14 +171,15 @@ def report_md(sec: Mapping[str, Any]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.interpreter_exit", description=__doc__)
-    parser.add_argument("--runs", type=int, default=RUNS, help="calls per row")
-    parser.add_argument("--json", type=Path, help="also write the result here")
-    args = parser.parse_args(argv)
-    result = run(args.runs)
-    if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    print("\n".join(report_md(result)))
+    standalone(
+        "python -m bench.interpreter_exit",
+        __doc__,
+        run,
+        report_md,
+        runs=RUNS,
+        runs_help="calls per row",
+        argv=argv,
+    )
 
 
 if __name__ == "__main__":
