@@ -102,6 +102,7 @@ def wait_out(answer: httpx.Response) -> None:
     time.sleep(int(answer.headers["retry-after"]) + 0.2)
 
 
+@pytest.mark.serial  # timed: the flood must fit in the 4 s window (WINDOW_S)
 def test_a_flood_of_wrong_sign_ins_is_throttled_and_the_right_token_waits_too(
     console: ConsoleProcess,
 ) -> None:

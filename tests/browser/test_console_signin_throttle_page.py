@@ -45,6 +45,9 @@ def submit(page: Page, token: str) -> str:
     return "signed in" if page.by_id("console").is_displayed() else page.by_id("sign-in-error").text
 
 
+# Timed against the console's 4 s window: the flood and the right token must both fall
+# in it, which a machine busy with other tests' work cannot promise (it once took longer).
+@pytest.mark.serial
 def test_a_browser_meets_the_throttle_and_waits_it_out(browser: Callable[[], Page]) -> None:
     page = browser()
     page.driver.get(page.console.url)
