@@ -186,9 +186,15 @@ def test_a_missing_preload_fails_with_its_module_named(running: Running) -> None
         assert "prestart: preload 'nope_not_here' failed: No module named 'nope_not_here'" in (
             result.error
         )
-    assert running.app.pools is not None
+    pools = running.app.pools
+    assert pools is not None
+    # The pool's worker tries in the background (after calls, which go first):
+    # its failure may be counted after the calls above have answered.
+    deadline = time.monotonic() + WAIT_FOR_POOL_S
+    while pools.stats().refill_failures < 1:
+        assert time.monotonic() < deadline, "the failing pool never counted a failure"
+        time.sleep(0.05)
     assert warm_count(running, "warm_nope") == 0  # its pool fails, never a held container
-    assert running.app.pools.stats().refill_failures >= 1
 
 
 def test_a_dangerous_tool_cannot_be_prestarted(running: Running) -> None:
