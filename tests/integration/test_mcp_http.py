@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TOOLS = ROOT / "examples" / "tools"
 CALL_TIMEOUT_S = 120  # seconds: a cold container start plus the call, generously
 START_TIMEOUT_S = 30  # seconds for the bridge to say where it listens
+LOG_WAIT_S = 30  # seconds for a line the bridge wrote to reach its log reader thread
 SERVING = re.compile(r"serving MCP on (\S+)")
 # Each MCP client of the policy has its own token; none is ever logged.
 TOKENS = {
@@ -112,6 +113,21 @@ def spawn_bridge(address: str, *args: str, listen: str = "127.0.0.1:0") -> Bridg
         argv, SERVING, what="toolreg mcp --http", cwd=ROOT, env=bridge_env()
     )
     return BridgeProcess(proc, url, log)
+
+
+def wait_for_log(bridge: BridgeProcess, *lines: str) -> str:
+    """The bridge's log once it holds every one of ``lines``: a thread reads its
+    stderr, so a line it wrote reaches ``bridge.log`` a moment later."""
+    deadline = time.monotonic() + LOG_WAIT_S
+    while True:
+        log = "".join(bridge.log)
+        missing = [line for line in lines if line not in log]
+        if not missing:
+            return log
+        assert time.monotonic() < deadline, (
+            f"not in the bridge's log after {LOG_WAIT_S} s: {missing}"
+        )
+        time.sleep(0.05)
 
 
 def run_bridge_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -470,9 +486,7 @@ def test_a_dropped_stream_resumes_with_last_event_id(bridge: BridgeProcess) -> N
             gone = client.get(bridge.url, headers={**agent, "Last-Event-ID": bad})
             assert gone.status_code == 410, (bad, gone.text)
             assert "not held" in gone.json()["error"]["message"]
-    time.sleep(0.2)  # the log reader thread catches up
-    log = "".join(bridge.log)
-    assert "resuming a stream" in log and "resume refused" in log
+    log = wait_for_log(bridge, "resuming a stream", "resume refused")
     for secret in [*TOKENS.values(), "resume-arg-marker-3c71", key]:
         assert secret not in log
 
@@ -624,9 +638,7 @@ def test_bad_input_leaves_the_bridge_serving(bridge: BridgeProcess) -> None:
 def test_log_names_no_token(bridge: BridgeProcess) -> None:
     raw(bridge.url, WRONG_TOKEN)
     assert raw(bridge.url, TOKENS["rival"]).status_code == 200
-    time.sleep(0.2)  # the log reader thread catches up
-    log = "".join(bridge.log)
-    assert "call echo -> OK" in log  # the log is the bridge's, and has calls in it
+    log = wait_for_log(bridge, "call echo -> OK")  # the log is the bridge's, with calls in it
     for token in [*TOKENS.values(), WRONG_TOKEN]:
         assert token not in log
         assert sha(token) not in log
