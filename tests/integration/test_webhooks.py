@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +45,7 @@ CANARY = "canary-env-5b1f0c"  # in the tool's env: must reach no receiver
 TOKENS = {"agent": "webhook-agent-secret", "alice": "webhook-alice-secret"}
 ALL_EVENTS = ["opened", "approval_added", "approved", "rejected", "consumed", "expired"]
 RETRY_BASE_S = 0.3  # seconds: retries come quickly in these tests
+WAIT_S = 30.0  # seconds for the dispatcher's thread to store what a delivery came to
 PROBE = {
     "name": "notify_probe",
     "description": "Echoes its arguments; dangerous, so each call needs an approval.",
@@ -162,6 +163,15 @@ def deploy(
             channel.close()
 
 
+def wait_until(what: str, check: Callable[[], bool], timeout_s: float = WAIT_S) -> None:
+    """For what the dispatcher's threads do after a receiver has answered
+    (store the outcome, count it, look at the backlog again)."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
+        time.sleep(0.05)
+
+
 def types_for(receiver: Receiver, request_id: str) -> list[str]:
     """The request's events as the receiver got them, in event order (deliveries
     may arrive in any order; data.event_seq is the order they happened in)."""
@@ -247,18 +257,22 @@ def test_a_receiver_down_at_first_gets_its_deliveries_when_back(deploy: Any) -> 
     while retried() < 3 and time.monotonic() < deadline:  # refused, and refused again
         time.sleep(0.05)
     assert retried() >= 3
+    # The gauge is the dispatcher's last look at the backlog, taken on its own thread.
+    wait_until("a backlog of 2", lambda: metrics.get_sample_value("toolreg_webhook_backlog") == 2)
     assert metrics.get_sample_value("toolreg_webhook_backlog") == 2
     receiver.up()
     receiver.wait_for("both deliveries", lambda r: len(r.received) == 2, timeout_s=20)
     assert types_for(receiver, first) == ["approval.opened", "approval.approved"]
     time.sleep(1)
     assert len(receiver.ids()) == len(set(receiver.ids())) == 2  # and nothing twice
-    assert (
-        metrics.get_sample_value(
-            "toolreg_webhook_deliveries_total", {"endpoint": "late", "outcome": "delivered"}
-        )
-        == 2
-    )
+
+    def delivered() -> float | None:
+        labels = {"endpoint": "late", "outcome": "delivered"}
+        return metrics.get_sample_value("toolreg_webhook_deliveries_total", labels)
+
+    # Counted by the sender once the receiver's answer is back: after it got the delivery.
+    wait_until("2 deliveries counted", lambda: delivered() == 2)
+    assert delivered() == 2
     receiver.down()
 
 
@@ -313,8 +327,14 @@ def test_deliveries_pending_at_a_restart_are_delivered_after_it(
     assert sorted(b["data"]["request_id"] for b in receiver.bodies()) == sorted(opened)
     time.sleep(1)
     assert len(receiver.ids()) == len(set(receiver.ids())) == 5  # none lost, none twice
-    with again.running.app.store.reading() as reads:
-        assert reads.webhook_backlog().pending == 0
+
+    def pending() -> int:
+        with again.running.app.store.reading() as reads:
+            return reads.webhook_backlog().pending
+
+    # Marked delivered by the sender once the receiver's answer is back: after it got it.
+    wait_until("an empty backlog", lambda: pending() == 0)
+    assert pending() == 0
     receiver.down()
 
 
