@@ -10,6 +10,7 @@ import json
 import os
 import sqlite3
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -36,6 +37,14 @@ PROBE = {
 }
 STALL_S = 120.0  # seconds the receiver holds the first attempt: past the whole test
 TAKEN_BACK_WITHIN_S = 15.0  # seconds from the kill to the delivery: far below the lease
+WAIT_S = 30.0  # seconds for what the second server does after the receiver got the delivery
+
+
+def _wait_until(what: str, check: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not check():
+        assert time.monotonic() < deadline, f"{what}: not within {WAIT_S} s"
+        time.sleep(0.05)
 
 
 def _claim(db: Path) -> str:
@@ -105,7 +114,14 @@ def test_a_delivery_claimed_by_a_killed_server_is_sent_at_once_after_its_restart
         time.sleep(1)  # a second attempt, were there one, would come now
         assert len([d for d in receiver.received if d.at >= killed_at]) == 1  # exactly once
         assert receiver.forged == 0
+        # A thread reads the server's stderr: its line reaches second.log a moment later.
+        _wait_until(
+            "the take-back in the log",
+            lambda: any("taken back before their claim lapsed" in line for line in second.log),
+        )
         assert any("taken back before their claim lapsed" in line for line in second.log)
+        # Released by the sender once the receiver's answer is back, after it got it.
+        _wait_until("the claim released", lambda: _claim(db) == "")
         assert _claim(db) == ""  # delivered: the claim is released
     finally:
         for server in servers:
