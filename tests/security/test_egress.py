@@ -691,6 +691,7 @@ def test_a_server_that_refuses_hostinet_runs_such_calls_only_with_the_netstack(
 
 WARM_FETCHER = "warm_fetcher"
 WAIT_FOR_POOL_S = 60.0  # seconds a pool may take to fill on this machine (gVisor is slower)
+PROXY_LOG_WAIT_S = 30.0  # seconds for a line the proxy wrote to reach the engine's log of it
 # The attacker: holds a warm sandbox's token (read from the engine) and asks the
 # proxy, from the upstream network, to fetch an allowed host with it.
 WITH_STOLEN_TOKEN = r"""
@@ -724,6 +725,17 @@ def proxy_token(deployment: Deployment, container_id: str) -> tuple[str, str]:
     url = next(v.partition("=")[2] for v in env if v.startswith("HTTPS_PROXY="))
     credentials, _, where = url.removeprefix("http://").partition("@")
     return credentials.partition(":")[2], where.partition(":")[0]
+
+
+def proxy_log_with(engine: docker.DockerClient, proxy_id: str, line: str) -> str:
+    """The proxy's log as the engine keeps it, once it holds ``line`` (or the
+    wait is over): the engine copies what the proxy writes a moment later."""
+    deadline = time.monotonic() + PROXY_LOG_WAIT_S
+    while True:
+        text = str(engine.api.logs(proxy_id).decode(errors="replace"))
+        if line in text or time.monotonic() >= deadline:
+            return text
+        time.sleep(0.1)
 
 
 def proxy_knows(deployment: Deployment, token: str) -> bool:
@@ -788,8 +800,9 @@ def test_a_warm_call_reaches_its_upstream_and_its_token_was_refused_before(
     assert [q["headers"]["Authorization"] for q in sent] == [f"Bearer {CANARY}"]
     assert not proxy_knows(deployment, token)  # closed with its call
     # The proxy knew the container by the call it served, not by the container.
-    proxy_log = engine.api.logs(proxies[0]["Id"]).decode(errors="replace")
-    assert f"refused forbidden.world.test:443 for  ({r.execution_id})" in proxy_log, proxy_log
+    refused = f"refused forbidden.world.test:443 for  ({r.execution_id})"
+    proxy_log = proxy_log_with(engine, proxies[0]["Id"], refused)
+    assert refused in proxy_log, proxy_log
     register_warm_fetcher(deployment, 0)  # drained: its replacement is never registered
 
 
@@ -837,8 +850,9 @@ def test_a_live_calls_token_opens_nothing_from_another_network(
     record = deployment.audit(result.execution_id)
     assert record["container_id"] == sandbox  # the token was this call's
     assert [(c["host"], c["allowed"]) for c in record["egress"]] == [("plain.world.test", True)]
-    proxy_log = engine.api.logs(proxies[0]["Id"]).decode(errors="replace")
-    assert f"the token of {result.execution_id} came from another network" in proxy_log
+    elsewhere = f"the token of {result.execution_id} came from another network"
+    proxy_log = proxy_log_with(engine, proxies[0]["Id"], elsewhere)
+    assert elsewhere in proxy_log, proxy_log
 
 
 def test_calls_never_share_a_network_and_each_is_removed_after_its_call(
