@@ -77,6 +77,8 @@ def test_two_servers_export_one_log_once_and_one_takes_over_from_the_other(
     calls(cluster, 1, CALLS, "b")
     first = head(cluster)
     wait_for("every record at rsyslog", lambda: len(arrived()) >= first, timeout_s=60)
+    # The holder's line reaches its log through a thread reading its stderr.
+    wait_for("a server to log taking the destination", lambda: exporting(cluster, sink) != [])
     assert exporting(cluster, sink) in ([0], [1])  # one of them, not both
     got = arrived()
     assert set(got) == set(range(1, first + 1)) and max(got.values()) == 1  # each once
