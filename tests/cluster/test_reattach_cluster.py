@@ -14,10 +14,12 @@ from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server.client.registry_client import RegistryClient
 from registry_server.domain.models import parse_definition
 from registry_server.execution.call_relay import DEAD_AFTER_S, SERVER_GONE
-from tests.cluster.conftest import CLIENTS, StartCluster
+from registry_server.store.postgres import PostgresStore
+from tests.cluster.conftest import CLIENTS, Cluster, StartCluster, wait_for
 from tests.factories import collect_events
 
 pytestmark = pytest.mark.timeout(120)
+WAIT_S = 30.0  # seconds for the relay's first publication of a call, on a busy machine
 
 TALKER = {
     "name": "cluster_talker",
@@ -30,6 +32,21 @@ TALKER = {
         "limits": {"timeout_ms": 30_000},
     },
 }
+
+
+def wait_published(cluster: Cluster, execution_id: str) -> None:
+    """Until the call's row is in the shared store: the running server's relay
+    thread publishes it, never the call's own path."""
+    store = PostgresStore(cluster.store_url, must_exist=True)
+
+    def published() -> bool:
+        with store.reading() as reads:
+            return reads.kept_call(execution_id) is not None
+
+    try:
+        wait_for(f"call {execution_id} published", published, WAIT_S)
+    finally:
+        store.close()
 
 
 def _client(address: str, who: str) -> RegistryClient:
@@ -60,7 +77,9 @@ def test_a_call_on_one_server_is_attached_through_another(start_cluster: StartCl
     with _client(a, "agent") as doomed:
         events = doomed.stream("cluster_talker", timeout=60)
         execution_id = next(events).started.execution_id
-        time.sleep(0.5)  # published at least once
+        # Killed before its first publication, the other server would have
+        # nothing of the call to follow.
+        wait_published(cluster, execution_id)
         pid = cluster.servers[0].pid
         cluster.servers[0].kill()  # SIGKILL: no result is ever written
     started = time.monotonic()
