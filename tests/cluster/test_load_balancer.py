@@ -33,6 +33,7 @@ from tests.integration.test_interop_node import TOKENS, run_node_suite, write_po
 # needs at most to take it out of the rotation (here 2 s; the default is 10 s).
 DRAIN_S = 2 * haproxy_config.out_of_rotation_s()
 SLOW_S = 2  # seconds the slow tool sleeps: it is still running when its server stops accepting
+LOAD_WAIT_S = 30.0  # seconds for the load's threads to get a first call and write through
 SLOW_TOOL = tool(
     name="slow_echo",
     description="Sleeps, then returns its arguments.",
@@ -173,6 +174,12 @@ def test_a_server_leaving_under_load_behind_the_load_balancer_fails_no_call(
     for thread in threads:
         thread.start()
     time.sleep(3)
+    # The load's threads make their first call and write as a busy machine lets
+    # them (a cold start alone can take seconds): wait for both, then go on.
+    deadline = time.monotonic() + LOAD_WAIT_S
+    while not (executed > 0 and acknowledged):
+        assert time.monotonic() < deadline, ("no call or no write within the wait", failed)
+        time.sleep(0.05)
     assert executed > 0 and acknowledged, failed
 
     leaving.proc.terminate()  # SIGTERM
@@ -200,6 +207,10 @@ def test_a_server_leaving_under_load_behind_the_load_balancer_fails_no_call(
     assert slow_ended > DRAIN_S, (slow_ended, DRAIN_S)  # it was in flight past the window
 
     assert leaving.proc.wait(STOP_TIMEOUT_S) == 0
+    # A thread reads its stderr: its last lines reach leaving.log after it exited.
+    wait_for("the leaving server's drain lines in its log", lambda: all(
+        line in "".join(leaving.log)
+        for line in ("still serving calls for", "no longer accepting calls")))  # fmt: skip
     log = "".join(leaving.log)
     assert "still serving calls for" in log and "no longer accepting calls" in log, log[-3000:]
     time.sleep(2)  # the load goes on, on the two servers left
