@@ -48,6 +48,7 @@ TOKENS = {
     "alice": "mcp-tasks-alice-07c2aa",
 }
 EXECUTION_LABEL = "io.toolreg.execution-id"
+CONTAINER_WAIT_S = 30.0  # seconds for a started call's container to appear on a busy machine
 RUNNING = re.compile(r"running as execution ([0-9a-f]{32})")
 TOOLS = {
     "slow": ["sh", "-c", "echo working; sleep 3; echo done"],
@@ -298,6 +299,11 @@ def test_cancelling_a_task_stops_its_sandbox(bridge: BridgeProcess, served: Serv
         assert found, task
         execution_id = found.group(1)
         await anyio.sleep(1.0)  # the tool runs
+        # Its id is told before it waits for a sandbox: the container comes after,
+        # later still on a busy machine.
+        deadline = time.monotonic() + CONTAINER_WAIT_S
+        while not containers_of(execution_id) and time.monotonic() < deadline:
+            await anyio.sleep(0.2)
         assert containers_of(execution_id), "the call's container runs"
         cancel = TasksCancel(params=TaskIdParams(task_id=created.task_id))
         ack = await session.send_request(cancel, types.EmptyResult)
