@@ -48,6 +48,7 @@ STEPS_OF_A_COLD_CALL = [
     "toolreg.sandbox.remove",
 ]
 CALL_TIMEOUT_S = 120  # a cold container plus the call, generously
+LOG_WAIT_S = 30  # seconds for a line the server wrote to reach its log reader thread
 
 
 @pytest.fixture(scope="module")
@@ -277,8 +278,18 @@ def test_json_log_lines_carry_the_execution_and_trace_ids(
         receiver, agent, EXECUTE, STEPS_OF_A_COLD_CALL,
         lambda: client.execute_tool("word_count", {"text": "logged"}),
     )  # fmt: skip
-    lines = [json.loads(line) for line in list(served.log) if line.startswith("{")]
-    mine = [line for line in lines if line.get("execution_id") == result.execution_id]
+
+    def mine_of() -> list[dict[str, Any]]:
+        lines = [json.loads(line) for line in list(served.log) if line.startswith("{")]
+        return [line for line in lines if line.get("execution_id") == result.execution_id]
+
+    # A thread reads the server's stderr: its lines reach served.log a moment later.
+    deadline = time.monotonic() + LOG_WAIT_S
+    mine = mine_of()
+    while not any(line["event"] == "execution" for line in mine):
+        assert time.monotonic() < deadline, f"no execution line names it: {mine}"
+        time.sleep(0.05)
+        mine = mine_of()
     assert mine, "no log line names the execution"
     assert {line["trace_id"] for line in mine} == {server.trace_id}
     assert any(line["event"] == "execution" for line in mine)
