@@ -33,6 +33,7 @@ pytestmark = pytest.mark.fault
 APPROVER = "crasher"
 WRITERS = 4  # client threads registering and executing at once
 KILL_AFTER_S = 4.0  # seconds of writes before SIGKILL
+FIRST_WRITES_S = 60.0  # seconds the writers may take to get one write of each kind through
 TMPFS_SIZE = "2m"  # the "disk" for the full-disk test
 
 
@@ -108,6 +109,12 @@ def test_sigkill_during_writes_keeps_store_audit_and_nonces(
         for t in threads:
             t.start()
         time.sleep(KILL_AFTER_S)
+        # The writers' first approved call (two RPCs and a sandbox under gVisor)
+        # can take longer than that on a busy machine: kill once there is one of
+        # each to check afterwards, while they go on writing.
+        deadline = time.monotonic() + FIRST_WRITES_S
+        while not (registered and used) and time.monotonic() < deadline:
+            time.sleep(0.05)
         proc.kill()  # SIGKILL, mid-write
         stop.set()
         for t in threads:
