@@ -37,6 +37,7 @@ from tests.identity.idp_world import OTHER_RESOURCE, RESOURCE, SCOPE, IdP, Signi
 ROOT = Path(__file__).resolve().parents[2]
 ADMIN_TOKEN = "identity-admin-secret"
 REFRESH_INTERVAL_S = 1  # the policy's min_refresh_interval_s here (seconds)
+LOG_WAIT_S = 30  # seconds for a line the server wrote to reach its log reader thread
 
 
 @dataclass
@@ -75,8 +76,17 @@ class Deployment:
         }  # fmt: skip
         self.policy_file.write_text(yaml.safe_dump(policy, sort_keys=False))
 
-    def log_text(self) -> str:
-        return "".join(self.server.log)
+    def log_text(self, *lines: str) -> str:
+        """The server's log once it holds every one of ``lines``: a thread reads
+        its stderr, so a line it wrote reaches the test a moment later."""
+        deadline = time.monotonic() + LOG_WAIT_S
+        while True:
+            log = "".join(self.server.log)
+            missing = [line for line in lines if line not in log]
+            if not missing:
+                return log
+            assert time.monotonic() < deadline, f"not in the server's log: {missing}"
+            time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -182,8 +192,10 @@ def test_every_bad_token_is_unauthenticated_and_logged_without_it(
         assert code is grpc.StatusCode.UNAUTHENTICATED, case
         assert details in ("invalid access token", "access token expired"), (case, details)
     assert list_tools(deployment, real)() is not None  # the real one works
-    time.sleep(0.5)  # the log is read as the server writes it
-    log = deployment.log_text()
+    time.sleep(0.5)  # its latest lines a moment, for what must not be in them
+    log = deployment.log_text(
+        "access token refused: provider testidp: expired", "audience not accepted"
+    )
     assert "access token refused: provider testidp: expired" in log
     assert "audience not accepted" in log
     assert "eyJ" not in log  # no JWT, nor any part of one that starts like one
