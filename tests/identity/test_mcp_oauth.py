@@ -55,6 +55,7 @@ HOST_CLIENT = "mcp-host"  # the MCP host's public client (as a host would regist
 MCP_SCOPE = "mcp:tools"
 SERVING = re.compile(r"serving MCP on (\S+)")
 CALL_TIMEOUT_S = 120
+LOG_WAIT_S = 30  # seconds for a line a process wrote to reach its log reader thread
 
 
 @dataclass
@@ -333,9 +334,14 @@ def test_a_refused_token_exchange_is_a_clear_call_error(world: World) -> None:
             await session.initialize()
             return await session.call_tool("echo_back", {"text": "never runs"})
 
+    refused = "token exchange at identity provider testidp failed: token endpoint refused"
     try:
         result = anyio.run(run)
-        time.sleep(0.5)  # the log is read as the process writes it
+        time.sleep(0.5)  # its latest lines a moment, for what must not be in them
+        # A thread reads its stderr: the refusal's line reaches `log` a moment later.
+        deadline = time.monotonic() + LOG_WAIT_S
+        while refused not in "".join(log) and time.monotonic() < deadline:
+            time.sleep(0.05)
     finally:
         proc.terminate()
         proc.wait(30)
@@ -344,9 +350,7 @@ def test_a_refused_token_exchange_is_a_clear_call_error(world: World) -> None:
     assert text.startswith("UNAUTHENTICATED: identity provider testidp refused the token exchange")
     assert "not made" in text
     bridge_log = "".join(log)
-    assert (
-        "token exchange at identity provider testidp failed: token endpoint refused" in bridge_log
-    )
+    assert refused in bridge_log, f"not in the bridge's log after {LOG_WAIT_S} s: {refused}"
     assert "Traceback" not in bridge_log
     assert host_token not in bridge_log and secret not in bridge_log and "eyJ" not in bridge_log
     audit = [json.loads(r) for _, k, r in store_file.audit_rows(world.data_dir)
