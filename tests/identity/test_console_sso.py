@@ -80,8 +80,14 @@ class World:
     def agent(self) -> RegistryClient:
         return RegistryClient.connect(self.server.address, token=AGENT_TOKEN)
 
-    def log(self) -> str:
-        time.sleep(0.3)  # the console's lines reach the test as it writes them
+    def log(self, *lines: str) -> str:
+        """The console's log once it holds every one of ``lines``: a thread reads
+        its stderr, so a line it wrote reaches the test a moment later."""
+        time.sleep(0.3)  # its latest lines a moment, for what must not be in them
+        wait_for(
+            f"{lines} in the console's log",
+            lambda: all(line in "".join(self.console.log) for line in lines),
+        )
         return "".join(self.console.log)
 
 
@@ -227,7 +233,9 @@ def test_a_group_mapped_person_signs_in_and_its_state_is_good_once(
     assert (who["client"], who["approver"], who["sso"]) == ("testidp.alice", "testidp.alice", True)
     # The same callback again: its state was used.
     refused_with(browser.callback(callback_url), "state")
-    log = world.log()
+    log = world.log(
+        "testidp.alice signed in to the console (SSO)", "SSO: unknown, used or expired state"
+    )
     assert "testidp.alice signed in to the console (SSO)" in log
     assert "SSO: unknown, used or expired state" in log
     for value in [*secrets_of(callback_url), world.secret]:
@@ -266,7 +274,7 @@ def test_forged_missing_and_other_browsers_states_are_refused(
     # ... and the state is gone for the browser that started it, too.
     refused_with(browser.callback(callback_url), "state")
     assert browser.whoami().status_code == 401
-    log = world.log()
+    log = world.log("SSO: no state in the callback", "SSO: state bound to another browser")
     assert "SSO: no state in the callback" in log
     assert "SSO: state bound to another browser" in log
     for value in [code, *secrets_of(callback_url), world.secret]:
@@ -279,7 +287,7 @@ def test_a_person_whose_groups_grant_no_approve_role_is_refused(
     answer, callback_url = browser.sign_in("dave")
     refused_with(answer, "not-approver")
     assert browser.whoami().status_code == 401
-    log = world.log()
+    log = world.log("SSO: not an approver (client testidp.dave)")
     assert "SSO: not an approver (client testidp.dave)" in log
     for value in secrets_of(callback_url):
         assert value not in log
@@ -296,7 +304,8 @@ def test_the_provider_saying_no_is_refused(world: World, browser: Browser) -> No
     url = browser.start()
     state = parse_qs(urlsplit(url).query)["state"][0]
     refused_with(browser.callback(f"/auth/callback?error=access_denied&state={state}"), "idp")
-    assert "SSO: the provider answered access_denied" in world.log()
+    denied = "SSO: the provider answered access_denied"
+    assert denied in world.log(denied)
 
 
 def test_failed_sso_sign_ins_are_throttled_and_logged_without_secrets(world: World) -> None:
@@ -313,8 +322,9 @@ def test_failed_sso_sign_ins_are_throttled_and_logged_without_secrets(world: Wor
         assert flood.whoami().status_code == 401
     finally:
         flood.close()
-    log = world.log()
-    assert "sign-in refused from 127.0.0.2: SSO: throttled (source)" in log
+    throttled = "sign-in refused from 127.0.0.2: SSO: throttled (source)"
+    log = world.log(throttled)
+    assert throttled in log
     for value in secrets_of(url):
         assert value not in log
 
@@ -442,7 +452,7 @@ def test_an_approver_signs_in_with_sso_and_approves_in_chromium(
         )  # fmt: skip
         assert done.success, done
         assert csp_violations(page) == []
-    log = world.log()
+    log = world.log("testidp.alice approved request")
     assert "testidp.alice approved request" in log
     assert world.secret not in log
 
