@@ -34,6 +34,7 @@ from tests.browser.conftest import (
     TOKENS,
     ConsoleProcess,
     console_env,
+    wait_for,
     write_policy,
 )
 from tests.browser.test_console_signin_throttle import client_from, wrong_token
@@ -74,6 +75,17 @@ def proxied(policy: Path) -> Iterator[ConsoleProcess]:
     assert console.stop() == 0
 
 
+def log_with(console: ConsoleProcess, *lines: str) -> str:
+    """The console's log once it holds every one of ``lines``: a thread reads its
+    stderr, so a line reaches ``console.log`` a moment after it is written (after
+    the process exited, for its last ones)."""
+    wait_for(
+        f"{lines} in the console's log",
+        lambda: all(line in "".join(console.log) for line in lines),
+    )
+    return "".join(console.log)
+
+
 def via(http: httpx.Client, token: str, forwarded: str) -> httpx.Response:
     return http.post(
         "/api/session",
@@ -93,7 +105,7 @@ def test_without_a_trusted_proxy_a_spoofed_header_does_not_escape_the_throttle(
         assert statuses == [401] * MAX_FAILURES_PER_SOURCE + [429], statuses
         # The right token, "from" yet another address: the same source, refused.
         assert via(attacker, TOKENS["alice"], "203.0.113.5").status_code == 429
-    text = "".join(direct.log)
+    text = log_with(direct, f"sign-in refused from {PROXY}: unknown token")
     assert f"sign-in refused from {PROXY}: unknown token" in text
     assert "198.51.100." not in text and "203.0.113.5" not in text  # the header, never read
 
@@ -121,7 +133,12 @@ def test_behind_a_trusted_proxy_clients_are_throttled_apart_and_a_forged_hop_buy
         assert via(stranger, wrong_token(), colleague_ip).status_code == 401
         assert via(stranger, TOKENS["alice"], attacker_ip).status_code == 200
     assert proxied.stop() == 0
-    text = "".join(proxied.log)
+    text = log_with(
+        proxied,
+        f"sign-in refused from {attacker_ip}: unknown token",
+        f"sign-in refused from {attacker_ip}: throttled (source)",
+        "sign-in refused from 127.0.0.1: unknown token",
+    )
     assert f"sign-in refused from {attacker_ip}: unknown token" in text, text
     assert f"sign-in refused from {attacker_ip}: throttled (source)" in text, text
     assert "sign-in refused from 127.0.0.1: unknown token" in text, text
@@ -210,7 +227,11 @@ def test_through_a_real_haproxy_each_client_is_its_own_source(
         )
         assert signed_in.status_code == 200, signed_in.text
     assert proxied.stop() == 0
-    text = "".join(proxied.log)
+    text = log_with(
+        proxied,
+        "sign-in refused from 127.0.0.1: unknown token",
+        "sign-in refused from 127.0.0.1: throttled (source)",
+    )
     assert "sign-in refused from 127.0.0.1: unknown token" in text, text
     assert "sign-in refused from 127.0.0.1: throttled (source)" in text, text
     assert "198.51.100." not in text and f"refused from {PROXY}" not in text
