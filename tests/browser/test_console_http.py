@@ -288,6 +288,11 @@ def test_the_stream_starts_from_what_is_open_then_follows(deployment: Deployment
 
 
 def test_the_log_names_no_token(deployment: Deployment) -> None:
+    # A thread reads the console's stderr: the last sign-in's line arrives a moment later.
+    wait_for(
+        "a sign-in in the console's log",
+        lambda: "signed in to the console" in "".join(deployment.console.log),
+    )
     log = "".join(deployment.console.log)
     assert "signed in to the console" in log
     for token in TOKENS.values():
