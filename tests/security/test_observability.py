@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from tests.integration.conftest import Running, StartServer
 from tests.security.conftest import execute
 
 ROOT = Path(__file__).resolve().parents[2]
+LOG_WAIT_S = 30  # seconds for a line the server wrote to reach its log reader thread
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -95,6 +97,15 @@ def test_json_logs_one_object_per_line(tmp_path: Path) -> None:
             assert result.success
     finally:
         assert server.stop() == 0
+    # A thread reads its stderr: lines it wrote reach server.log a moment later,
+    # even after it exited.
+    deadline = time.monotonic() + LOG_WAIT_S
+    while not any(
+        '"execution"' in line and json.loads(line).get("execution_id") == result.execution_id
+        for line in list(server.log)
+    ):
+        assert time.monotonic() < deadline, "the execution's line never reached the log"
+        time.sleep(0.05)
     lines = [json.loads(line) for line in server.log if line.strip()]
     assert all({"ts", "level", "logger", "event"} <= set(line) for line in lines)
     executions = [line for line in lines if line["event"] == "execution"]
