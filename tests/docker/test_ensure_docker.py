@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -237,10 +236,6 @@ class Engine:
         return len(hups.read_text().splitlines()) if hups.exists() else 0
 
 
-def _hangup_at_default() -> None:
-    signal.signal(signal.SIGHUP, signal.SIG_DFL)
-
-
 @pytest.fixture
 def engine_with(tmp_path: Path) -> Iterator[Any]:
     """Starts a fake engine whose daemon.json holds the given mapping."""
@@ -271,9 +266,12 @@ def engine_with(tmp_path: Path) -> Iterator[Any]:
             "DOCKER_HOST": f"unix://{tmp_path}/no-engine.sock",  # were a real docker called
         }
         # SIGHUP at its default first: dockerd (Go) hears it however it was started, but
-        # bash cannot trap a signal ignored on entry, as under `nohup make test`.
+        # bash cannot trap a signal ignored on entry, as under `nohup make test`. Reset
+        # by env(1), never by a preexec_fn: this process runs gRPC's threads (other test
+        # files' servers under xdist), and Python run between fork and exec can deadlock
+        # on a lock one of them held (seen: the fake engine never started).
         dockerd = subprocess.Popen(
-            [str(bin_dir / "dockerd")], env=env, preexec_fn=_hangup_at_default
+            ["/usr/bin/env", "--default-signal=HUP", str(bin_dir / "dockerd")], env=env
         )
         started.append(dockerd)
         deadline = time.monotonic() + FAKE_START_S
