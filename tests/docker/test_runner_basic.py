@@ -13,9 +13,11 @@ import pytest
 
 from sandbox_runner import EngineUnavailable, Mount, SandboxError, SandboxSpec
 from sandbox_runner.docker_backend import DockerBackend
+from sandbox_runner.ownership import LABEL_EXECUTION_ID
 
 Eid = Callable[[], str]
 SpecFactory = Callable[..., SandboxSpec]
+CREATED_WITHIN_S = 30.0  # seconds for a run's container to be created on a busy machine
 
 
 def test_cat_round_trip_delivers_stdin_and_eof(
@@ -123,7 +125,7 @@ def test_unknown_runtime_is_a_sandbox_error(
 
 
 def test_reused_execution_id_fails_without_touching_the_running_one(
-    runner: DockerBackend, make_spec: SpecFactory, eid: Eid
+    runner: DockerBackend, make_spec: SpecFactory, eid: Eid, docker_client: docker.DockerClient
 ) -> None:
     same = eid()
     results: list[object] = []
@@ -131,7 +133,14 @@ def test_reused_execution_id_fails_without_touching_the_running_one(
         target=lambda: results.append(runner.run(make_spec("sleep 2; echo ok"), execution_id=same))
     )
     first.start()
-    time.sleep(0.7)
+    # The first run's container exists once its thread has created it, later
+    # on a busy machine: only then can the second one clash with it.
+    deadline = time.monotonic() + CREATED_WITHIN_S
+    while not docker_client.api.containers(
+        all=True, filters={"label": f"{LABEL_EXECUTION_ID}={same}"}
+    ):
+        assert time.monotonic() < deadline, "the first run's container was never created"
+        time.sleep(0.05)
     with pytest.raises(SandboxError, match="create failed"):
         runner.run(make_spec("echo second"), execution_id=same)
     first.join(10)
