@@ -152,6 +152,14 @@ def test_pool_recovers_after_its_containers_are_killed(
     wait_warm(pooled, "fragile", 2)
     for container_id in containers_of(engine, pooled):
         engine.api.kill(container_id)
+    # What the pool checks before handing one out is its attach stream, which
+    # the engine ends a moment after the kill returned (later on a busy machine).
+    pools = pooled.app.pools
+    assert pools is not None
+    deadline = time.monotonic() + WAIT_FOR_POOL_S
+    while any(w.prepared.alive() for w in list(pools._pools["fragile"].ready)):
+        assert time.monotonic() < deadline, "a killed warm container still reads as alive"
+        time.sleep(0.1)
     result = execute(pooled, "fragile", '{"after": "kill"}')
     assert result.success and result.content == '{"after":"kill"}'
     wait_warm(pooled, "fragile", 2)
