@@ -40,6 +40,7 @@ from tests.browser.conftest import (
     Api,
     ConsoleProcess,
     console_env,
+    wait_for,
     write_policy,
 )
 
@@ -89,8 +90,15 @@ def wrong_token() -> str:
     return f"guess-{secrets.token_hex(16)}"
 
 
-def log_of(console: ConsoleProcess) -> str:
+def log_of(console: ConsoleProcess, *lines: str) -> str:
+    """Its whole log once stopped, holding every one of ``lines``: a thread reads
+    its stderr, and the last lines it wrote (the summaries, at shutdown) can reach
+    ``console.log`` after the process exited."""
     assert console.stop() == 0
+    wait_for(
+        f"{lines} in the console's log",
+        lambda: all(line in "".join(console.log) for line in lines),
+    )
     return "".join(console.log)
 
 
@@ -131,7 +139,7 @@ def test_a_flood_of_wrong_sign_ins_is_throttled_and_the_right_token_waits_too(
         assert signed_in.status_code == 200, signed_in.text
         assert signed_in.json()["approver"] == "alice"
 
-    text = log_of(console)
+    text = log_of(console, "more sign-in refusals in", "alice signed in", "bob signed in")
     lines = refusal_lines(text, "sign-in")
     assert any("from 127.0.0.1: unknown token" in line for line in lines), text
     assert any("from 127.0.0.1: throttled (source)" in line for line in lines), text
@@ -161,7 +169,7 @@ def test_failures_from_many_sources_past_the_overall_limit_refuse_every_source(
         assert "all sources" in refused.json()["error"]
         wait_out(refused)
         assert sign_in(newcomer, TOKENS["carol"]).status_code == 200
-    text = log_of(console)
+    text = log_of(console, "more sign-in refusals in")
     # The 100 failures used the log's budget; the refusal is in the summary, by reason.
     assert len(refusal_lines(text, "sign-in")) == LOG_LINES_PER_WINDOW
     assert re.search(r"more sign-in refusals in \d+ s not logged one by one: .*throttled"
@@ -194,7 +202,7 @@ def test_host_origin_and_csrf_refusals_are_logged_capped_escaped_and_bounded(
     finally:
         api.close()
 
-    text = log_of(console)
+    text = log_of(console, "more Host/Origin refusals in", "wrong CSRF token")
     guard = [line.split("refused from ")[1] for line in refusal_lines(text, "Host/Origin")]
     assert guard[:3] == [
         "127.0.0.1: Host not this console's (GET '/', Host 'evil.example\\x85\\x9b2J')",
