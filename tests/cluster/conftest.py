@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import subprocess
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
-import psycopg
 import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -29,6 +27,7 @@ from registry_server.store.memory import MemoryStore
 from registry_server.store.postgres import PostgresStore
 from registry_server.store.sqlite import SqliteStore
 from tests.factories import sha
+from tests.pg_databases import fresh_database
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "tools"
@@ -77,13 +76,9 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
 @pytest.fixture
 def database(pg_url: str) -> Iterator[str]:
     """A fresh, empty database for one test; dropped after it."""
-    name = f"toolreg_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(pg_url, autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {name}")
-    yield pg_url.rsplit("/", 1)[0] + f"/{name}"
-    postgres("start")  # a fault test may have stopped it
-    with psycopg.connect(pg_url, autocommit=True) as conn:
-        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    with fresh_database(pg_url) as made:
+        yield made
+        postgres("start")  # a fault test may have stopped it
 
 
 @dataclass

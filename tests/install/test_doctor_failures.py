@@ -36,6 +36,7 @@ from sandbox_runner import pieces
 from sandbox_runner.pieces import EM_AARCH64, EM_X86_64
 from sandbox_runner.spec import INIT_BINARY
 from tests.certs import CertificateAuthority
+from tests.pg_databases import fresh_database as new_database
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOLREG = ROOT / ".venv" / "bin" / "toolreg"
@@ -356,7 +357,6 @@ def test_an_unreachable_postgresql_fails_without_showing_its_password(tmp_path: 
 @pytest.fixture
 def fresh_database() -> Iterator[str]:
     """A database of its own on the tests' PostgreSQL, dropped after the test."""
-    import psycopg
 
     proc = subprocess.run(
         ["bash", str(ROOT / "scripts" / "ensure_postgres.sh"), "url"],
@@ -365,15 +365,8 @@ def fresh_database() -> Iterator[str]:
     if proc.returncode != 0:
         pytest.fail(f"the tests' PostgreSQL is not running (make postgres): {proc.stderr}")
     admin = proc.stdout.strip()
-    name = f"doctor_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {name}")
-    base, _, _ = admin.rpartition("/")
-    try:
-        yield f"{base}/{name}"
-    finally:
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    with new_database(admin, "doctor") as made:
+        yield made
 
 
 def test_the_tests_postgresql_is_reachable_and_at_this_version(

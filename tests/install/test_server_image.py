@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psycopg
 import pytest
 import yaml
 
@@ -46,6 +45,7 @@ from tests.certs import CertificateAuthority
 from tests.egress_world import UpstreamWorld
 from tests.factories import sha
 from tests.install.conftest import Dist
+from tests.pg_databases import fresh_database
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = uuid.uuid4().hex[:10]  # names and labels of what this run makes
@@ -97,12 +97,8 @@ def database() -> Iterator[str]:
         ["bash", str(ROOT / "scripts" / "ensure_postgres.sh"), "url"],
         capture_output=True, text=True, timeout=300, check=True,
     ).stdout.strip()  # fmt: skip
-    name = f"toolreg_image_{RUN}"
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {name}")
-    yield url.rsplit("/", 1)[0] + f"/{name}"
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    with fresh_database(url, f"toolreg_image_{RUN}") as made:
+        yield made
 
 
 @dataclass

@@ -26,7 +26,6 @@ import sqlite3
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +43,7 @@ from registry_server.signing.tokens import mint_for
 from registry_server.store.inspect import inspect_store
 from registry_server.version import version
 from tests.factories import sha
+from tests.pg_databases import fresh_database
 
 ROOT = Path(__file__).resolve().parents[2]
 OLD_RELEASE = "0.1.0"
@@ -199,12 +199,8 @@ def pg_database() -> Iterator[str]:
                           timeout=300, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     maintenance = done.stdout.strip()
-    name = f"toolreg_upgrade_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(maintenance, autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {name}")
-    yield maintenance.rsplit("/", 1)[0] + f"/{name}"
-    with psycopg.connect(maintenance, autocommit=True) as conn:
-        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    with fresh_database(maintenance, "toolreg_upgrade") as made:
+        yield made
 
 
 @pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
