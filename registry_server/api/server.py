@@ -120,6 +120,10 @@ def _start_health_monitor(app: App) -> None:
 # The health port's own threads, so probes never wait for the main pool; as many RPCs
 # at once as threads (a Watch holds one while open): more are refused, never queued.
 HEALTH_PORT_THREADS = 4
+# Seconds between the main thread's looks at the signals: Python runs a handler only on
+# the main thread, at its next step; a signal the kernel hands to another thread (one of
+# gRPC's) does not wake it, so it wakes on its own.
+SIGNAL_LOOK_S = 0.5
 
 
 def _start_health_port(app: App, host: str, port: int) -> None:
@@ -211,7 +215,8 @@ def serve(config: ServerConfig) -> None:
         config.data_dir,
         len(app.registry.names()),
     )
-    stopping.wait()
+    while not stopping.wait(SIGNAL_LOOK_S):
+        pass
     leave(server, app.health, config, hurry)
     app.close()
     log.info("toolreg stopped")

@@ -7,6 +7,7 @@ health and GetServerInfo name the digest, and SIGHUP reloads a real
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -191,6 +192,21 @@ def test_a_narrowed_grant_stops_the_tools_outside_it(live: tuple[Deployment, Any
     )
 
 
+def _signal_state(pid: int) -> str:
+    """Each thread's name and signal masks (pending, blocked, caught), to tell a lost
+    signal from a slow reload."""
+    lines = []
+    for task in sorted(Path(f"/proc/{pid}/task").glob("*")):
+        with contextlib.suppress(OSError):
+            status = (task / "status").read_text().splitlines()
+            name = (task / "comm").read_text().strip()
+            masks = [
+                line for line in status if line.startswith(("SigPnd", "ShdPnd", "SigBlk", "SigCgt"))
+            ]
+            lines.append(f"{task.name} {name}: {' '.join(masks)}")
+    return "\nthreads:\n" + "\n".join(lines)
+
+
 def test_sighup_reloads_a_serving_process(tmp_path: Path) -> None:
     public = {who: generate_keypair()[1] for who in ("alice", "bob", "carol")}
     policy_file = tmp_path / "policy.yaml"
@@ -204,7 +220,9 @@ def test_sighup_reloads_a_serving_process(tmp_path: Path) -> None:
         os.kill(server.pid, signal.SIGHUP)
         deadline = time.monotonic() + 10
         while stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10).policy_digest == first:
-            assert time.monotonic() < deadline, "SIGHUP did not reload:\n" + "".join(server.log)
+            assert time.monotonic() < deadline, (
+                "SIGHUP did not reload:\n" + "".join(server.log) + _signal_state(server.pid)
+            )
             time.sleep(0.1)
         assert health_digest(server.address) == digest_of(policy_file)
         # A broken file on SIGHUP: refused, logged with line and rule, still serving.
