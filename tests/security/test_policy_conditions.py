@@ -23,6 +23,7 @@ for containers labelled with the call's execution id."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -49,6 +50,7 @@ from registry_server.signing.keys import generate_keypair, load_private_key
 from registry_server.signing.tokens import mint_for
 from registry_server.wire import convert
 from tests import store_file
+from tests.engine_events import Recording, of_label, recorded
 from tests.factories import sha
 from tests.security.conftest import rpc_code
 
@@ -256,28 +258,52 @@ def deployment(
 
 
 class Window:
-    """What the engine did between its start and ``containers_for``."""
+    """What the engine did from the window's start to each ``containers_for``,
+    recorded live: asking the engine afterwards (events --since --until) replays
+    only its last 256 events, which other test files' containers push out when
+    files run in parallel (tests/engine_events.py), and a run's ``create`` would
+    then be missing, or a refused call's pass on nothing."""
 
     def __init__(self, engine: docker.DockerClient) -> None:
         self.engine = engine
-        self.since = time.time() - 1
+        self.events: list[dict[str, Any]] = []
+        self._start()
+
+    def _start(self) -> None:
+        self._stack = contextlib.ExitStack()
+        self._recording = self._stack.enter_context(recorded(self.engine))
+
+    def close(self) -> None:
+        """Ends the recording at its marker: every event before now is in ``events``."""
+        self._stack.close()
+        self.events += self._recording.events
+        self._recording = Recording()
 
     def containers_for(self, execution_id: str) -> list[str]:
         """The containers the engine created for this execution (by its label)."""
         assert execution_id
-        events = self.engine.api.events(  # type: ignore[call-overload]  # fractions of seconds
-            since=f"{self.since:.9f}", until=f"{time.time():.9f}", decode=True,
-            filters={"type": "container", "event": "create",
-                     "label": f"{EXECUTION_LABEL}={execution_id}"},
-        )  # fmt: skip
-        return [e["id"] for e in events]
+        self.close()
+        self._start()
+        created = [
+            e for e in self.events if e.get("Type") == "container" and e.get("Action") == "create"
+        ]
+        return [e["Actor"]["ID"] for e in of_label(created, EXECUTION_LABEL, execution_id)]
+
+
+@pytest.fixture
+def window(engine: docker.DockerClient) -> Iterator[Window]:
+    recording = Window(engine)
+    try:
+        yield recording
+    finally:
+        recording.close()
 
 
 # ------------------------------------------------------------------ 1. prod and staging
 
 
 def test_prod_needs_two_from_sre_and_staging_one_from_anyone(
-    deployment: Deployment, engine: docker.DockerClient
+    deployment: Deployment, window: Window
 ) -> None:
     d = deployment
     prod = {"env": "prod", "version": "1.2.0"}
@@ -309,7 +335,6 @@ def test_prod_needs_two_from_sre_and_staging_one_from_anyone(
     # One from sre is not enough; two are.
     one = d.call("deploy", prod, approval_tokens=[d.sign("alice", request)])
     assert one.status == pb.EXECUTION_STATUS_APPROVAL_REQUIRED and "1 valid so far" in one.error
-    window = Window(engine)
     two = d.call("deploy", prod, approval_tokens=[d.sign("alice", request), d.sign("bob", request)])
     assert two.status == pb.EXECUTION_STATUS_OK, two.error
     assert json.loads(two.content) == prod  # the tool ran, with the call's arguments
@@ -385,10 +410,9 @@ def applied(request: pb.ApprovalRequest) -> list[tuple[str, str, str, int, list[
 
 
 def test_a_deny_rule_refuses_drop_table_before_any_request_or_container(
-    deployment: Deployment, engine: docker.DockerClient
+    deployment: Deployment, window: Window
 ) -> None:
     d = deployment
-    window = Window(engine)
     drop = {"sql": "select 1; Drop  TABLE users"}
     denied = d.call("run_sql", drop)
     assert denied.status == pb.EXECUTION_STATUS_POLICY_DENIED
@@ -509,10 +533,9 @@ def test_expressions_that_could_loop_or_build_huge_strings_are_refused_at_load(
 
 
 def test_an_expression_over_the_iteration_budget_at_run_time_fails_closed(
-    deployment: Deployment, engine: docker.DockerClient
+    deployment: Deployment, window: Window
 ) -> None:
     d = deployment
-    window = Window(engine)
     deep = d.call("lookup", {"q": "deep"})
     assert deep.status == pb.EXECUTION_STATUS_POLICY_DENIED
     assert deep.error.startswith(
