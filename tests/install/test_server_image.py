@@ -321,12 +321,20 @@ def _egress_tool() -> pb.Tool:
 
 
 def _proxy_of(served: Served) -> dict[str, Any]:
-    """The egress proxy container this server started (it mounts its control dir)."""
+    """The egress proxy container this server started (it mounts its control dir).
+
+    Listed by that mount, not by name alone: other test files' servers start and
+    remove their own proxies on this engine meanwhile, and one removed between the
+    listing and its inspect answers `[]` (exit 1), not a container."""
     control = str(served.data_dir / "egress" / "control")
-    for cid in docker("ps", "--quiet", "--no-trunc", "--filter", "name=egress-proxy").split():
-        data = json.loads(docker("container", "inspect", cid, check=False) or "[{}]")[0]
-        if any(m.get("Source") == control for m in data.get("Mounts") or []):
-            return dict(data)
+    listed = docker(
+        "ps", "--quiet", "--no-trunc", "--filter", "name=egress-proxy",
+        "--filter", f"volume={control}",
+    )  # fmt: skip
+    for cid in listed.split():
+        found = json.loads(docker("container", "inspect", cid, check=False) or "[]")
+        if found and any(m.get("Source") == control for m in found[0].get("Mounts") or []):
+            return dict(found[0])
     pytest.fail(f"no egress proxy mounts {control}: {served.logs()}")
 
 
