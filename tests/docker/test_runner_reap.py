@@ -23,6 +23,13 @@ from sandbox_runner.ownership import (
 
 RUN_LABEL = "io.toolreg.test-run"
 
+# Serial: the orphans these tests make (managed, their owner provably gone, or past their
+# deadline) are every reaper's to remove, and each toolreg server starting on this engine
+# reaps at start (reap_on_start), whatever its test: one started by another test file
+# between a create and this runner's reap() takes some of them, and then the count of
+# what this reaper removed is short (the 'removed' and '== 1' checks).
+pytestmark = pytest.mark.serial
+
 
 @pytest.fixture
 def live_process() -> Iterator[subprocess.Popen[bytes]]:
