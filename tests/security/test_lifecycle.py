@@ -115,6 +115,10 @@ def _owned_by(engine: docker.DockerClient, pid: int) -> list[str]:
     return labelled(engine, f"io.toolreg.owner-pid={pid}")
 
 
+# Serial: what a SIGKILLed server leaves (owner provably gone) is every reaper's to remove,
+# and each toolreg server starting on this engine reaps at start, whatever its test: one
+# that another test file starts between the kill and the look at the leftovers takes them.
+@pytest.mark.serial
 def test_sigkilled_server_leaves_containers_the_next_start_removes(
     engine: docker.DockerClient, tmp_path: Path
 ) -> None:
@@ -159,6 +163,7 @@ def _networks_owned_by(engine: docker.DockerClient, pid: int) -> list[str]:
     ]
 
 
+@pytest.mark.serial  # as the test above: another file's server would reap what is left
 def test_sigkilled_server_leaves_egress_networks_the_next_start_removes(
     engine: docker.DockerClient, tmp_path: Path
 ) -> None:
