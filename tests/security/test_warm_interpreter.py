@@ -189,11 +189,14 @@ def test_a_missing_preload_fails_with_its_module_named(running: Running) -> None
     pools = running.app.pools
     assert pools is not None
     # The pool's worker tries in the background (after calls, which go first):
-    # its failure may be counted after the calls above have answered.
+    # its failure may be counted after the calls above have answered. The count is
+    # every pool's (the module's other pools refill beside it): wait for this pool's.
     deadline = time.monotonic() + WAIT_FOR_POOL_S
-    while pools.stats().refill_failures < 1:
+    while not pools._pools["warm_nope"].last_failure:
         assert time.monotonic() < deadline, "the failing pool never counted a failure"
         time.sleep(0.05)
+    assert "nope_not_here" in pools._pools["warm_nope"].last_failure
+    assert pools.stats().refill_failures >= 1
     assert warm_count(running, "warm_nope") == 0  # its pool fails, never a held container
 
 
