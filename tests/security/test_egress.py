@@ -552,24 +552,30 @@ def test_clients_grant_only_the_hosts_and_secrets_the_policy_gives_them(
 
 def sandbox_during(deployment: Deployment, name: str) -> tuple[dict[str, Any], pb.ToolResult]:
     """The engine's HostConfig of the call's container, inspected while the tool
-    sleeps, and the call's result."""
-    deployment.app.backend.flush()  # earlier calls' containers are gone: this one is the call's
+    sleeps, and the call's result. The call's container is the one its audit record
+    names: every container of this server is inspected while the call runs, and
+    none is taken for the call's by what it is not (the proxy, a network's holder,
+    a pool's container or an earlier call's would otherwise do)."""
+    deployment.app.backend.flush()  # earlier calls' containers are gone
     done: list[pb.ToolResult] = []
     call = threading.Thread(
         target=lambda: done.append(deployment.run(name, {"kind": "sleep", "s": 2}))
     )
     call.start()
     instance = f"io.toolreg.instance={deployment.app.backend.instance_id}"  # type: ignore[attr-defined]
-    host_config: dict[str, Any] = {}
+    seen: dict[str, dict[str, Any]] = {}  # container id -> its HostConfig, while it ran
     deadline = time.monotonic() + 30
-    while not host_config and call.is_alive() and time.monotonic() < deadline:
+    while call.is_alive() and time.monotonic() < deadline:
         for c in deployment.engine.api.containers(filters={"label": instance}):
-            if not any("egress-proxy" in n or n.endswith("-holder") for n in c["Names"]):
-                host_config = deployment.engine.api.inspect_container(c["Id"])["HostConfig"]
+            if c["Id"] not in seen:
+                with contextlib.suppress(docker.errors.NotFound):  # removed since the list
+                    seen[c["Id"]] = deployment.engine.api.inspect_container(c["Id"])["HostConfig"]
         time.sleep(0.05)
     call.join(60)
-    assert host_config, "no sandbox seen while the call ran"
-    return host_config, done[0]
+    assert done, "the call never answered"
+    container = deployment.audit(done[0].execution_id)["container_id"]
+    assert container in seen, ("no sandbox seen while the call ran", container, done[0].error)
+    return seen[container], done[0]
 
 
 def test_a_call_without_egress_runs_under_its_levels_runtime_with_no_network(
