@@ -29,7 +29,12 @@ from registry_server._proto.toolregistry.v1 import registry_pb2 as pb
 from registry_server.domain.models import parse_definition
 from registry_server.wire import convert
 from tests.integration.conftest import Running, StartServer, start_server  # noqa: F401
-from tests.security.conftest import containers_of, engine, wait_until_gone  # noqa: F401
+from tests.security.conftest import (  # noqa: F401
+    INSTANCE_LABEL,
+    containers_of,
+    engine,
+    wait_until_gone,
+)
 
 pytestmark = pytest.mark.fault
 
@@ -92,6 +97,17 @@ def _wait_for(what: str, predicate: Callable[[], bool], timeout_s: float) -> Non
         time.sleep(0.2)
 
 
+def _running_slow(client: docker.DockerClient, running: Running) -> int:
+    """This server's containers running the slow command: the calls in flight, counted
+    by what they run (the echo call's container, its removal queued, and the warm one
+    are not calls in flight)."""
+    listed = client.api.containers(
+        filters={"label": f"{INSTANCE_LABEL}={running.app.backend.instance_id}",
+                 "status": "running"}
+    )  # fmt: skip
+    return sum(SLOW in (c.get("Command") or "") for c in listed)
+
+
 def _outcome(running: Running, name: str, args: dict[str, object]) -> tuple[str, str]:
     """("ok", content) or (failure kind, message) for one ExecuteTool."""
     try:
@@ -142,8 +158,8 @@ def test_engine_stopped_during_calls_and_started_again(
     for t in threads:
         t.start()
     _wait_for(
-        "the slow calls' containers",
-        lambda: len(containers_of(engine, running)) >= IN_FLIGHT + 1,  # + the warm one
+        "the slow calls' containers running",
+        lambda: _running_slow(engine, running) == IN_FLIGHT,
         30,
     )
 
