@@ -155,6 +155,12 @@ def _watch(cluster: Cluster, index: int, client: str) -> tuple[Any, list[pb.Appr
     return call, seen
 
 
+def _synced(events: list[pb.ApprovalEvent]) -> bool:
+    """Whether the watch has told every request open when it began (CURRENT), so
+    that a request opened from now on comes as OPENED."""
+    return any(e.type == pb.APPROVAL_EVENT_TYPE_SYNCED for e in list(events))
+
+
 def _kinds(events: list[pb.ApprovalEvent], request_id: str) -> list[str]:
     return [
         pb.ApprovalEventType.Name(e.type).removeprefix("APPROVAL_EVENT_TYPE_")
@@ -167,7 +173,7 @@ def test_a_watch_on_one_server_sees_changes_made_on_the_others(start_cluster: St
     cluster = start_cluster(3)
     watch, seen = _watch(cluster, 0, "alice")
     agent_watch, agent_seen = _watch(cluster, 0, "agent2")
-    wait_for("both watches synced", lambda: len(seen) >= 1 and len(agent_seen) >= 1)
+    wait_for("both watches synced", lambda: _synced(seen) and _synced(agent_seen))
     request_id = request_for_write(cluster, 1)
     took = wait_for("OPENED on server 0", lambda: _kinds(seen, request_id) == ["OPENED"])
     assert took < 1.0
@@ -198,6 +204,8 @@ def test_an_expiry_is_recorded_once_across_servers(start_cluster: StartCluster) 
     for index in range(3):
         cluster.start(index)
     watch, seen = _watch(cluster, 2, "alice")
+    # Opened after the watch's SYNCED, or the watch would tell it as CURRENT.
+    wait_for("the watch synced", lambda: _synced(seen))
     request_id = request_for_write(cluster, 0)
     wait_for("EXPIRED seen", lambda: "EXPIRED" in _kinds(seen, request_id))
     time.sleep(2.5)  # every server has swept at least twice since
