@@ -140,6 +140,10 @@ HELLO_TIMEOUT_S: Final = 10.0  # seconds for a started init to say which protoco
 # say it is ready, after the hello (a slow import under half a CPU and gVisor included)
 PRESTART_TIMEOUT_S: Final = 30.0
 SIGKILL_NUMBER: Final = 9  # a tool killed so may have met the memory limit: ask the engine
+# Seconds to wait for the engine's OOM mark on a container that died of SIGKILL we did not
+# send: the engine sets OOMKilled when the runtime's OOM event reaches it, which on a busy
+# machine can come after the exit (a gVisor memory bomb was reported as exit 137).
+OOM_MARK_WAIT_S: Final = 1.0
 INIT_NOT_RELEASED_EXIT: Final = 125  # exit code: the init got EOF/another byte, ran nothing
 # Prepared.marks: the go byte and input sent, the first output frame and the exit
 # frame received (the last two only with an init).
@@ -634,9 +638,14 @@ def _final_state(api: Any, container_id: str, pump: _Pump) -> tuple[int | None, 
             # The stream can end a moment before the engine records the exit.
             api.wait(container_id, timeout=KILL_GRACE_S)
             state = api.inspect_container(container_id).get("State") or {}
-    if state.get("Running"):
-        return None, bool(state.get("OOMKilled"))
-    code = state.get("ExitCode")
+        if state.get("Running"):
+            return None, bool(state.get("OOMKilled"))
+        code = state.get("ExitCode")
+        if code == 128 + SIGKILL_NUMBER and not pump.killed and not state.get("OOMKilled"):
+            deadline = time.monotonic() + OOM_MARK_WAIT_S
+            while not state.get("OOMKilled") and time.monotonic() < deadline:
+                time.sleep(0.05)
+                state = api.inspect_container(container_id).get("State") or {}
     return (code if isinstance(code, int) else None), bool(state.get("OOMKilled"))
 
 
