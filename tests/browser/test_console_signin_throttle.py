@@ -154,10 +154,12 @@ def test_a_flood_of_wrong_sign_ins_is_throttled_and_the_right_token_waits_too(
     assert "guess-" not in text and "Bearer" not in text  # no part of a token either
 
 
+@pytest.mark.serial  # timed: every failure and the newcomer must fit in one window (WINDOW_S)
 def test_failures_from_many_sources_past_the_overall_limit_refuse_every_source(
     console: ConsoleProcess,
 ) -> None:
     sources = MAX_FAILURES_OVERALL // MAX_FAILURES_PER_SOURCE
+    started = time.monotonic()
     for n in range(sources):
         with client_from(console, f"127.0.0.{10 + n}") as http:
             statuses = {sign_in(http, wrong_token()).status_code
@@ -165,6 +167,8 @@ def test_failures_from_many_sources_past_the_overall_limit_refuse_every_source(
             assert statuses == {401}, (n, statuses)
     with client_from(console, "127.0.0.99") as newcomer:
         refused = sign_in(newcomer, TOKENS["carol"])
+        took_s = time.monotonic() - started
+        assert took_s < WINDOW_S, f"the failures took {took_s:.1f} s: longer than a window"
         assert refused.status_code == 429, refused.text
         assert "all sources" in refused.json()["error"]
         wait_out(refused)
