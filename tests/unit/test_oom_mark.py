@@ -1,56 +1,50 @@
-"""A container that died of a SIGKILL toolreg did not send: its OOM mark is waited for,
-briefly, since the engine may record it after the exit (sandbox_runner/docker_backend.py,
-_final_state). Pure logic: a fake engine API."""
+"""Telling a memory-limit kill from any other end (sandbox_runner/docker_backend.py,
+_final_state): the engine's OOMKilled mark, or, under gVisor, a whole sandbox SIGKILLed
+that toolreg did not kill, since the engine does not always mark that. Pure logic: a
+fake engine API and pump."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 from typing import Any
 
-from sandbox_runner import docker_backend
-from sandbox_runner.docker_backend import OOM_MARK_WAIT_S, _final_state
+import pytest
+
+from sandbox_runner.docker_backend import _final_state
+from sandbox_runner.profiles import GVISOR
 
 
 class FakeApi:
-    """Answers inspect_container with each given state in turn, then the last forever."""
-
-    def __init__(self, *states: dict[str, Any]) -> None:
-        self.states = list(states)
-        self.inspections = 0
+    def __init__(self, state: dict[str, Any]) -> None:
+        self.state = state
 
     def inspect_container(self, _container_id: str) -> dict[str, Any]:
-        self.inspections += 1
-        state = self.states[min(self.inspections, len(self.states)) - 1]
-        return {"State": state}
+        return {"State": self.state}
 
 
-def pump(killed: bool = False) -> Any:
-    return SimpleNamespace(exited=None, killed=killed, ended=True)
+def pump(runtime: str = GVISOR, killed: bool = False, exited: Any = None) -> Any:
+    return SimpleNamespace(
+        exited=exited, killed=killed, ended=True, spec=SimpleNamespace(runtime=runtime)
+    )
 
 
-def exited(code: int, oom: bool) -> dict[str, Any]:
+def state(code: int, oom: bool = False) -> dict[str, Any]:
     return {"Running": False, "ExitCode": code, "OOMKilled": oom}
 
 
-def test_an_oom_mark_recorded_after_the_exit_is_seen() -> None:
-    api = FakeApi(exited(137, False), exited(137, False), exited(137, True))
-    assert _final_state(api, "c", pump()) == (137, True)
-    assert api.inspections == 3
+@pytest.mark.parametrize("runtime", [GVISOR, "runc"])
+def test_the_engines_mark_counts_under_every_runtime(runtime: str) -> None:
+    assert _final_state(FakeApi(state(137, oom=True)), "c", pump(runtime)) == (137, True)
 
 
-def test_a_sigkill_without_oom_waits_only_its_bound(monkeypatch: Any) -> None:
-    now = [0.0]
-    monkeypatch.setattr(docker_backend.time, "monotonic", lambda: now[0])
-    monkeypatch.setattr(docker_backend.time, "sleep", lambda s: now.__setitem__(0, now[0] + s))
-    api = FakeApi(exited(137, False))
-    assert _final_state(api, "c", pump()) == (137, False)
-    assert now[0] <= OOM_MARK_WAIT_S + 0.1
+def test_a_gvisor_sandbox_killed_whole_and_unmarked_met_its_memory_limit() -> None:
+    assert _final_state(FakeApi(state(137)), "c", pump()) == (137, True)
 
 
-def test_no_wait_when_toolreg_killed_it_or_it_exited_otherwise() -> None:
-    killed = FakeApi(exited(137, False), exited(137, True))
-    assert _final_state(killed, "c", pump(killed=True)) == (137, False)
-    assert killed.inspections == 1  # a timeout's or a cancel's kill: no OOM to wait for
-    failed = FakeApi(exited(1, False), exited(1, True))
-    assert _final_state(failed, "c", pump()) == (1, False)
-    assert failed.inspections == 1
+def test_not_a_memory_kill() -> None:
+    api = FakeApi(state(137))
+    assert _final_state(api, "c", pump("runc")) == (137, False)  # runc's OOMs are marked
+    assert _final_state(api, "c", pump(killed=True)) == (137, False)  # toolreg's own kill
+    init_saw_it = SimpleNamespace(exit_code=137, signal=9)  # the tool died, its init lived
+    assert _final_state(api, "c", pump(exited=init_saw_it)) == (137, False)
+    assert _final_state(FakeApi(state(1)), "c", pump()) == (1, False)
