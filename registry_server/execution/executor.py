@@ -473,6 +473,8 @@ class Executor:
         # no container outlives the client's deadline: nobody would read it.
         spec = within_deadline(spec, record.call.deadline)
         deadline = time.monotonic() + spec.limits.timeout_ms / 1000
+        if record.call.deadline is not None:  # the client's own, not re-derived from ms
+            deadline = min(deadline, record.call.deadline)
         return prepared.finish(spec.input, deadline, on_output, cancel)
 
     def _still_runnable(self, record: AuditRecord) -> None:
