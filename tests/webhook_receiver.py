@@ -40,6 +40,7 @@ class Receiver:
     port: int = 0
     received: list[Delivery] = field(default_factory=list)
     forged: int = 0  # deliveries whose signature did not verify
+    arrived: int = 0  # deliveries verified, counted before their answer's delay
     _server: ThreadingHTTPServer | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -72,6 +73,8 @@ class Receiver:
                     self.end_headers()
                     return
                 delivery = Delivery(headers["webhook-id"], body, raw, headers, time.time())
+                with receiver._lock:
+                    receiver.arrived += 1
                 time.sleep(receiver.delay_s)
                 with receiver._lock:
                     receiver.received.append(delivery)

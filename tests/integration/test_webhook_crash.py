@@ -97,6 +97,11 @@ def test_a_delivery_claimed_by_a_killed_server_is_sent_at_once_after_its_restart
             time.sleep(0.05)
         claimed_by = _claim(db)
         assert f";pid={first.pid};" in claimed_by, claimed_by
+        # Killed once its attempt has wholly arrived and stalls, not while still sending
+        # it (the claim is written first): a body cut short would not verify.
+        receiver.wait_for(
+            "the first attempt at the receiver", lambda r: r.arrived >= 1, timeout_s=20
+        )
         first.kill()  # SIGKILL: no shutdown, the claim stays with its lease
         killed_at = time.time()
         receiver.delay_s = 0.0
